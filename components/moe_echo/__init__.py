@@ -1,0 +1,1 @@
+"""MoE layer components: router, dispatcher backends, grouped experts, layer, torchtitan swap-in."""

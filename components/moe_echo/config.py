@@ -1,0 +1,29 @@
+"""The ``[moe_echo]`` section of a train config: how our MoE layer runs.
+
+Model hyper-parameters (experts, top-k, score function, groups) come from the torchtitan model
+flavour (``MoEArgs``); this section holds what is ours: dispatcher backend, capacity, balancing.
+"""
+
+from dataclasses import dataclass
+from typing import Literal
+
+
+@dataclass
+class MoEEchoConfig:
+    enable: bool = True
+    """Swap torchtitan's MoE modules for moe-echo's layer (False keeps torchtitan's own MoE)."""
+
+    dispatcher: Literal["local"] = "local"
+    """Token dispatcher backend. ``local``: all experts on this rank (EP=1)."""
+
+    capacity_factor: float = 1.25
+    """Receive-buffer rows per rank = round_up(capacity_factor * T * K / EP, 128) (sync-free backends)."""
+
+    aux_loss_coeff: float = 0.0
+    """Coefficient of the sequence-level auxiliary balance loss (0 disables it)."""
+
+    bias_update_rate: float = 1e-3
+    """Aux-loss-free balancing: expert_bias += rate * sign(mean - count) after each step (0 disables)."""
+
+    load_heatmap_freq: int = 50
+    """Write the per-layer expert-load heatmap image to TensorBoard every this many steps (0: never)."""

@@ -1,0 +1,71 @@
+"""The token-dispatcher interface every backend implements, and the ``local`` backend (EP=1).
+
+    dispatch(x_TD, ids_TK, w_TK) -> (x_ND, counts_e, handle)
+        x_ND: the rows this rank's experts process, expert-major (rows of local expert/slot j are
+              contiguous and in order j = 0..e-1), N >= sum(counts_e) (fixed-capacity backends pad);
+        counts_e: int64 rows per local expert/slot, on device;
+        handle: what combine needs (backend-specific), never read on the host by sync-free backends.
+    combine(y_ND, handle) -> y_TD = Σ_k w_TK[t, k] · y(row of (t, k)), accumulated in fp32,
+        returned in x_TD's dtype on the source rank.
+
+Both are differentiable: gradients flow to x_TD, w_TK and y_ND.
+"""
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+import torch
+
+from .config import MoEEchoConfig
+
+
+class Dispatcher(ABC):
+    @abstractmethod
+    def dispatch(
+        self, x_TD: torch.Tensor, ids_TK: torch.Tensor, w_TK: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, object]: ...
+
+    @abstractmethod
+    def combine(self, y_ND: torch.Tensor, handle: object) -> torch.Tensor: ...
+
+
+@dataclass
+class LocalHandle:
+    token_of_row_N: torch.Tensor  # source token of each dispatched row
+    row_of_slot_N: torch.Tensor  # dispatched row of each (token, choice) slot t*K + k
+    w_TK: torch.Tensor  # combine weights (fp32, differentiable)
+    out_dtype: torch.dtype
+
+
+class LocalDispatcher(Dispatcher):
+    """All E experts on this rank. Expert-major order by a stable sort of the flat expert ids;
+    N = T·K exactly. Everything stays on device: no host read, no boolean masks."""
+
+    def __init__(self, num_experts: int):
+        self.num_experts = num_experts
+
+    def dispatch(self, x_TD, ids_TK, w_TK):
+        T, K = ids_TK.shape
+        flat_ids_N = ids_TK.reshape(-1)
+        slot_of_row_N = torch.argsort(flat_ids_N, stable=True)  # row n holds slot t*K+k
+        row_of_slot_N = torch.empty_like(slot_of_row_N).scatter_(
+            0, slot_of_row_N, torch.arange(T * K, device=ids_TK.device)
+        )
+        token_of_row_N = slot_of_row_N // K
+        counts_E = torch.zeros(self.num_experts, dtype=torch.int64, device=ids_TK.device)
+        counts_E.scatter_add_(0, flat_ids_N, torch.ones_like(flat_ids_N))
+        x_ND = x_TD[token_of_row_N]
+        return x_ND, counts_E, LocalHandle(token_of_row_N, row_of_slot_N, w_TK, x_TD.dtype)
+
+    def combine(self, y_ND, handle: LocalHandle):
+        T, K = handle.w_TK.shape
+        y_TKD = y_ND[handle.row_of_slot_N].view(T, K, -1)
+        acc = torch.promote_types(y_ND.dtype, torch.float32)
+        y_T1D = torch.bmm(handle.w_TK.to(acc).unsqueeze(1), y_TKD.to(acc))
+        return y_T1D.squeeze(1).to(handle.out_dtype)
+
+
+def build_dispatcher(cfg: MoEEchoConfig, num_experts: int) -> Dispatcher:
+    if cfg.dispatcher == "local":
+        return LocalDispatcher(num_experts)
+    raise ValueError(f"[moe_echo] dispatcher = {cfg.dispatcher!r} is not available; expected 'local'")

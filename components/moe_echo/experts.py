@@ -1,0 +1,86 @@
+"""Grouped SwiGLU experts.
+
+Weight layout (torchtitan's, so its checkpoints and HF state-dict adapters load unchanged):
+    w1_EHD, w3_EHD: [E, H, D]  gate and up projections,   w2_EDH: [E, D, H]  down projection.
+For the rows x_ND of expert e:  y = (silu(x @ w1[e]ᵀ) * (x @ w3[e]ᵀ)) @ w2[e]ᵀ.
+
+Input rows are expert-major: rows [offs[e-1], offs[e]) belong to expert e, offs = cumsum(counts_E).
+Rows at or past offs[-1] (padding of fixed-capacity buffers) produce zeros on the fallback path and
+are unspecified on the grouped-GEMM path; callers never read them.
+
+Paths:
+- CUDA + bf16: ``torch._grouped_mm`` with int32 offsets read from device memory (no host sync).
+- otherwise (CPU, fp32/fp64 references): a per-expert loop that reads the counts on the host.
+"""
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+def grouped_swiglu(
+    x_ND: torch.Tensor, w1_EHD: torch.Tensor, w2_EDH: torch.Tensor, w3_EHD: torch.Tensor, counts_E: torch.Tensor
+) -> torch.Tensor:
+    if x_ND.is_cuda and x_ND.dtype == torch.bfloat16:
+        return _grouped_mm_swiglu(x_ND, w1_EHD, w2_EDH, w3_EHD, counts_E)
+    return _looped_swiglu(x_ND, w1_EHD, w2_EDH, w3_EHD, counts_E)
+
+
+def _grouped_mm_swiglu(x_ND, w1_EHD, w2_EDH, w3_EHD, counts_E):
+    offs_E = torch.cumsum(counts_E, dim=0, dtype=torch.int32)
+    w1, w2, w3 = (w.to(torch.bfloat16) for w in (w1_EHD, w2_EDH, w3_EHD))
+    h_NH = F.silu(torch._grouped_mm(x_ND, w1.transpose(-2, -1), offs=offs_E))
+    h_NH = h_NH * torch._grouped_mm(x_ND, w3.transpose(-2, -1), offs=offs_E)
+    return torch._grouped_mm(h_NH, w2.transpose(-2, -1), offs=offs_E)
+
+
+def _looped_swiglu(x_ND, w1_EHD, w2_EDH, w3_EHD, counts_E):
+    sizes = counts_E.tolist()  # host read: this path is for CPU and references only
+    used = sum(sizes)
+    outs = []
+    for e, x_nD in enumerate(torch.split(x_ND[:used], sizes)):
+        h = F.silu(x_nD @ w1_EHD[e].t().to(x_nD.dtype)) * (x_nD @ w3_EHD[e].t().to(x_nD.dtype))
+        outs.append(h @ w2_EDH[e].t().to(x_nD.dtype))
+    outs.append(x_ND.new_zeros(x_ND.shape[0] - used, w2_EDH.shape[1]))
+    return torch.cat(outs)
+
+
+class GroupedExperts(nn.Module):
+    """E SwiGLU experts held as three stacked weights (see the module docstring for the layout)."""
+
+    def __init__(self, dim: int, hidden_dim: int, num_experts: int):
+        super().__init__()
+        self.num_experts = num_experts
+        self.w1 = nn.Parameter(torch.empty(num_experts, hidden_dim, dim))
+        self.w2 = nn.Parameter(torch.empty(num_experts, dim, hidden_dim))
+        self.w3 = nn.Parameter(torch.empty(num_experts, hidden_dim, dim))
+
+    def forward(self, x_ND: torch.Tensor, counts_E: torch.Tensor) -> torch.Tensor:
+        return grouped_swiglu(x_ND, self.w1, self.w2, self.w3, counts_E)
+
+    def init_weights(self, init_std: float) -> None:
+        _trunc_normal(self.w1, 0.02)
+        _trunc_normal(self.w2, init_std)
+        _trunc_normal(self.w3, init_std)
+
+
+class SwiGLU(nn.Module):
+    """Dense SwiGLU FFN (shared experts). Names w1/w2/w3 match torchtitan's FeedForward."""
+
+    def __init__(self, dim: int, hidden_dim: int):
+        super().__init__()
+        self.w1 = nn.Linear(dim, hidden_dim, bias=False)
+        self.w2 = nn.Linear(hidden_dim, dim, bias=False)
+        self.w3 = nn.Linear(dim, hidden_dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+    def init_weights(self, init_std: float) -> None:
+        _trunc_normal(self.w1.weight, 0.02)
+        _trunc_normal(self.w2.weight, init_std)
+        _trunc_normal(self.w3.weight, init_std)
+
+
+def _trunc_normal(t: torch.Tensor, std: float) -> None:
+    nn.init.trunc_normal_(t, mean=0.0, std=std, a=-2 * std, b=2 * std)

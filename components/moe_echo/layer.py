@@ -1,0 +1,118 @@
+"""The MoE layer: router + dispatcher + grouped experts (+ shared experts).
+
+    x_BSD ─► x_TD ─router─► ids_TK, w_TK, counts_E
+          ─dispatch─► x_ND, counts_e ─experts─► y_ND ─combine─► routed_TD
+          y_TD = routed_TD + shared_experts(x_TD)
+
+A drop-in for torchtitan 0.2.2's ``MoE``: same constructor inputs (MoEArgs, dim, hidden_dim), same
+forward signature, same parameter and buffer names (``router.gate``, ``experts.w1/w2/w3``,
+``shared_experts.w1/w2/w3``, ``expert_bias``, ``tokens_per_expert``), same ``init_weights``.
+torchtitan's optimizer hook for aux-loss-free balancing therefore works on it unchanged.
+
+Routing weights are applied after the experts, in fp32 at combine (``score_before_experts`` must
+be False, as in every DeepSeek and Qwen3 flavour). The sequence-level auxiliary loss is added to
+the training loss through the backward pass (``_AddAuxLossGrad``), so no loss function changes.
+"""
+
+import torch
+from torch import nn
+from torchtitan.models.moe import MoEArgs
+
+from .config import MoEEchoConfig
+from .dispatcher import Dispatcher, build_dispatcher
+from .experts import GroupedExperts, SwiGLU
+from .router import TopKRouter, sequence_aux_loss, updated_expert_bias
+
+
+class _AddAuxLossGrad(torch.autograd.Function):
+    """Identity on ``y``; in backward, gives ``aux_loss`` a gradient of 1 (adds it to the loss)."""
+
+    @staticmethod
+    def forward(ctx, y, aux_loss):
+        ctx.aux_shape = aux_loss.shape
+        ctx.aux_dtype = aux_loss.dtype
+        return y
+
+    @staticmethod
+    def backward(ctx, grad_y):
+        return grad_y, torch.ones(ctx.aux_shape, dtype=ctx.aux_dtype, device=grad_y.device)
+
+
+class MoELayer(nn.Module):
+    def __init__(self, moe_args: MoEArgs, dim: int, hidden_dim: int, cfg: MoEEchoConfig | None = None):
+        super().__init__()
+        cfg = cfg or MoEEchoConfig()
+        if moe_args.score_before_experts:
+            raise ValueError(
+                "MoEArgs.score_before_experts=True is not supported: moe-echo applies routing "
+                "weights at combine in fp32; set score_before_experts=False"
+            )
+        E = moe_args.num_experts
+        self.cfg = cfg
+        self.router = TopKRouter(
+            dim,
+            E,
+            moe_args.top_k,
+            moe_args.score_func,
+            moe_args.route_norm,
+            moe_args.route_scale,
+            moe_args.num_expert_groups,
+            moe_args.num_limited_groups,
+            moe_args.gate_bias,
+        )
+        self.experts = GroupedExperts(dim, hidden_dim, E)
+        self.shared_experts = (
+            SwiGLU(dim, hidden_dim * moe_args.num_shared_experts) if moe_args.num_shared_experts > 0 else None
+        )
+        self.dispatcher: Dispatcher = build_dispatcher(cfg, E)
+
+        # torchtitan-compatible balancing state. ``load_balance_coeff`` doubles as the bias rate.
+        self.load_balance_coeff = cfg.bias_update_rate if cfg.bias_update_rate > 0 else None
+        self.register_buffer("expert_bias", torch.zeros(E, dtype=torch.float32), persistent=True)
+        self.register_buffer("tokens_per_expert", torch.zeros(E, dtype=torch.float32), persistent=False)
+        self.last_aux_loss: torch.Tensor | None = None
+
+    @property
+    def num_experts(self) -> int:
+        return self.experts.num_experts
+
+    def forward(self, x_BSD: torch.Tensor) -> torch.Tensor:
+        B, S, D = x_BSD.shape
+        x_TD = x_BSD.reshape(B * S, D)
+        bias_E = self.expert_bias if self.load_balance_coeff is not None else None
+        r = self.router(x_TD, bias_E)
+        with torch.no_grad():
+            self.tokens_per_expert.add_(r.counts_E)
+
+        x_ND, counts_e, handle = self.dispatcher.dispatch(x_TD, r.topk_ids_TK, r.topk_w_TK)
+        y_ND = self.experts(x_ND, counts_e)
+        y_TD = self.dispatcher.combine(y_ND, handle)
+        if self.shared_experts is not None:
+            y_TD = y_TD + self.shared_experts(x_TD)
+
+        if self.cfg.aux_loss_coeff > 0 and self.training and torch.is_grad_enabled():
+            aux = sequence_aux_loss(
+                r.scores_TE.view(B, S, -1), r.topk_ids_TK.view(B, S, -1), self.cfg.aux_loss_coeff
+            )
+            self.last_aux_loss = aux.detach()
+            y_TD = _AddAuxLossGrad.apply(y_TD, aux)
+        return y_TD.view(B, S, D)
+
+    @torch.no_grad()
+    def update_expert_bias(self, counts_E: torch.Tensor | None = None) -> None:
+        """Apply one aux-loss-free balancing step from ``counts_E`` (default: the accumulated
+        ``tokens_per_expert``, which the caller all-reduces over data-parallel ranks first)."""
+        if self.load_balance_coeff is None:
+            return
+        counts_E = self.tokens_per_expert if counts_E is None else counts_E
+        self.expert_bias.copy_(updated_expert_bias(self.expert_bias, counts_E, self.load_balance_coeff))
+
+    def init_weights(self, init_std: float, buffer_device: torch.device | None = None) -> None:
+        self.experts.init_weights(init_std)
+        self.router.init_weights(init_std)
+        if self.shared_experts is not None:
+            self.shared_experts.init_weights(init_std)
+        buffer_device = buffer_device or self.experts.w1.device
+        with torch.device(buffer_device):
+            self.expert_bias = torch.zeros(self.num_experts, dtype=torch.float32)
+            self.tokens_per_expert = torch.zeros(self.num_experts, dtype=torch.float32)
