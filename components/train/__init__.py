@@ -1,0 +1,1 @@
+"""Training glue shared by the recipes: config, data, checkpoints, metrics."""
