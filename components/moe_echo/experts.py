@@ -9,7 +9,7 @@ Rows at or past offs[-1] (padding of fixed-capacity buffers) produce zeros on th
 are unspecified on the grouped-GEMM path; callers never read them.
 
 Paths:
-- CUDA + bf16: ``torch._grouped_mm`` with int32 offsets read from device memory (no host sync).
+- CUDA + bf16 (or bf16 autocast): ``torch._grouped_mm`` with int32 offsets read from device memory (no host sync).
 - otherwise (CPU, fp32/fp64 references): a per-expert loop that reads the counts on the host.
 """
 
@@ -21,9 +21,13 @@ from torch import nn
 def grouped_swiglu(
     x_ND: torch.Tensor, w1_EHD: torch.Tensor, w2_EDH: torch.Tensor, w3_EHD: torch.Tensor, counts_E: torch.Tensor
 ) -> torch.Tensor:
-    if x_ND.is_cuda and x_ND.dtype == torch.bfloat16:
-        return _grouped_mm_swiglu(x_ND, w1_EHD, w2_EDH, w3_EHD, counts_E)
+    if x_ND.is_cuda and (x_ND.dtype == torch.bfloat16 or _autocast_bf16()):
+        return _grouped_mm_swiglu(x_ND.to(torch.bfloat16), w1_EHD, w2_EDH, w3_EHD, counts_E)
     return _looped_swiglu(x_ND, w1_EHD, w2_EDH, w3_EHD, counts_E)
+
+
+def _autocast_bf16() -> bool:
+    return torch.is_autocast_enabled("cuda") and torch.get_autocast_dtype("cuda") == torch.bfloat16
 
 
 def _grouped_mm_swiglu(x_ND, w1_EHD, w2_EDH, w3_EHD, counts_E):

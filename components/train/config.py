@@ -1,0 +1,257 @@
+"""Load a train config: TOML file + ``--section.key value`` CLI overrides → JobConfig dataclass.
+
+Schema = torchtitan 0.2.2's JobConfig merged with components/train/job_config.py. Every key and
+value is checked against the dataclass types; unknown keys, wrong types and out-of-range values
+raise ``UserError`` with one line naming the key and what is expected.
+"""
+
+import dataclasses
+import os
+import sys
+import types
+import typing
+from typing import Any, Literal
+
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python < 3.11
+    import tomli as tomllib
+
+from torchtitan.config.job_config import JobConfig as TitanJobConfig
+from torchtitan.config.manager import ConfigManager
+
+from . import job_config as ours
+from .errors import UserError
+
+
+def config_class() -> type:
+    return ConfigManager._merge_configs(TitanJobConfig, ours.JobConfig)
+
+
+# --- type checking and coercion ---------------------------------------------------------------
+
+def _describe(tp) -> str:
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if origin is Literal:
+        return " or ".join(repr(a) for a in args)
+    if origin in (typing.Union, types.UnionType):
+        return " or ".join(_describe(a) for a in args)
+    if origin is list:
+        return f"a list of {_describe(args[0])}"
+    if tp is type(None):
+        return "none"
+    return getattr(tp, "__name__", str(tp))
+
+
+def _check(tp, value) -> bool:
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if origin is Literal:
+        return value in args
+    if origin in (typing.Union, types.UnionType):
+        return any(_check(a, value) for a in args)
+    if origin is list:
+        return isinstance(value, list) and all(_check(args[0], v) for v in value)
+    if tp is type(None):
+        return value is None
+    if tp is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if tp is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if tp is Any:
+        return True
+    return isinstance(value, tp)
+
+
+def _from_cli(tp, text: str):
+    """Parse a CLI string into a value of type ``tp`` (None when it does not parse)."""
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if origin in (typing.Union, types.UnionType):
+        if text.lower() in ("none", "null") and type(None) in args:
+            return None
+        for a in args:
+            if a is not type(None) and (v := _from_cli(a, text)) is not None:
+                return v
+        return None
+    if origin is Literal:
+        for a in args:
+            if str(a) == text:
+                return a
+        return None
+    if origin is list:
+        items = [s for s in text.split(",") if s]
+        vals = [_from_cli(args[0], s) for s in items]
+        return None if any(v is None for v in vals) else vals
+    if tp is bool:
+        return {"true": True, "1": True, "yes": True, "false": False, "0": False, "no": False}.get(text.lower())
+    for cast in (int, float):
+        if tp is cast:
+            try:
+                return cast(text)
+            except ValueError:
+                return None
+    if tp is str:
+        return text
+    return None
+
+
+def _fields(cls) -> dict[str, dataclasses.Field]:
+    return {f.name: f for f in dataclasses.fields(cls)}
+
+
+def _validate_table(cls, table: dict, where: str) -> None:
+    known = _fields(cls)
+    for key, value in table.items():
+        name = f"{where}.{key}" if where else key
+        if key not in known:
+            section = f"[{where}] " if where else ""
+            raise UserError(f"unknown key {section}{key!r}; valid keys: {', '.join(sorted(known))}")
+        tp = known[key].type
+        if dataclasses.is_dataclass(tp):
+            if not isinstance(value, dict):
+                raise UserError(f"[{name}] must be a table (section), got {value!r}")
+            _validate_table(tp, value, name)
+        elif not _check(tp, value):
+            raise UserError(f"{_toml_key(name)} = {value!r} has the wrong type; expected {_describe(tp)}")
+
+
+def _toml_key(dotted: str) -> str:
+    section, _, key = dotted.rpartition(".")
+    return f"[{section}] {key}" if section else key
+
+
+def _apply_override(cls, table: dict, dotted: str, text: str | None) -> None:
+    parts = dotted.split(".")
+    for i, part in enumerate(parts):
+        known = _fields(cls)
+        if part not in known:
+            where = ".".join(parts[:i])
+            raise UserError(
+                f"unknown option --{dotted}" + (f"; valid keys of [{where}]: {', '.join(sorted(known))}" if where else "")
+            )
+        tp = known[part].type
+        if i < len(parts) - 1:
+            if not dataclasses.is_dataclass(tp):
+                raise UserError(f"unknown option --{dotted}: {'.'.join(parts[:i + 1])} is not a section")
+            cls = tp
+            table = table.setdefault(part, {})
+            continue
+        if dataclasses.is_dataclass(tp):
+            raise UserError(f"--{dotted} is a section; set one of its keys, e.g. --{dotted}.<key> VALUE")
+        if text is None:
+            if tp is not bool:
+                raise UserError(f"--{dotted} needs a value ({_describe(tp)})")
+            value = True
+        else:
+            value = _from_cli(tp, text)
+            if value is None and not (text.lower() in ("none", "null") and _check(tp, None)):
+                raise UserError(f"--{dotted} {text!r} is not valid; expected {_describe(tp)}")
+        table[part] = value
+
+
+def _build(cls, table: dict):
+    kwargs = {}
+    for name, f in _fields(cls).items():
+        if name in table:
+            kwargs[name] = _build(f.type, table[name]) if dataclasses.is_dataclass(f.type) else table[name]
+    return cls(**kwargs)
+
+
+def _split_cli(argv: list[str]) -> list[tuple[str, str | None]]:
+    out, i = [], 0
+    while i < len(argv):
+        arg = argv[i]
+        if not arg.startswith("--") or len(arg) == 2:
+            raise UserError(f"unexpected argument {arg!r}; options look like --section.key VALUE")
+        key = arg[2:].replace("-", "_")
+        if "=" in key:
+            key, value = key.split("=", 1)
+            value = arg.split("=", 1)[1]
+            i += 1
+        elif i + 1 < len(argv) and not argv[i + 1].startswith("--"):
+            value = argv[i + 1]
+            i += 2
+        else:
+            value = None
+            i += 1
+        out.append((key, value))
+    return out
+
+
+# --- range checks -------------------------------------------------------------------------------
+
+def _require(ok: bool, key: str, value, expected: str) -> None:
+    if not ok:
+        raise UserError(f"{key} = {value!r} is out of range; expected {expected}")
+
+
+def validate(cfg) -> None:
+    from components.moe_echo.models import FLAVORS
+
+    t, o, s, m, e = cfg.training, cfg.optimizer, cfg.lr_scheduler, cfg.model, cfg.moe_echo
+    if m.name not in FLAVORS:
+        raise UserError(f"[model] name = {m.name!r} is not known; expected one of {', '.join(FLAVORS)}")
+    if m.flavor not in FLAVORS[m.name]:
+        raise UserError(
+            f"[model] flavor = {m.flavor!r} is not a {m.name} flavour; expected one of {', '.join(FLAVORS[m.name])}"
+        )
+    _require(t.steps >= 1, "[training] steps", t.steps, ">= 1")
+    _require(t.local_batch_size >= 1, "[training] local_batch_size", t.local_batch_size, ">= 1")
+    _require(t.seq_len >= 2, "[training] seq_len", t.seq_len, ">= 2")
+    _require(t.max_norm >= 0, "[training] max_norm", t.max_norm, ">= 0 (0 disables clipping)")
+    _require(t.max_corpus_mb >= 1, "[training] max_corpus_mb", t.max_corpus_mb, ">= 1")
+    _require(o.lr > 0, "[optimizer] lr", o.lr, "> 0")
+    _require(o.weight_decay >= 0, "[optimizer] weight_decay", o.weight_decay, ">= 0")
+    _require(o.eps > 0, "[optimizer] eps", o.eps, "> 0")
+    _require(o.name in ("AdamW", "Adam"), "[optimizer] name", o.name, "'AdamW' or 'Adam'")
+    _require(0 <= s.warmup_steps, "[lr_scheduler] warmup_steps", s.warmup_steps, ">= 0")
+    _require(0 <= s.min_lr_factor <= 1, "[lr_scheduler] min_lr_factor", s.min_lr_factor, "in [0, 1]")
+    _require(s.decay_ratio is None or 0 <= s.decay_ratio <= 1, "[lr_scheduler] decay_ratio", s.decay_ratio,
+             "in [0, 1] or unset")
+    _require(cfg.metrics.log_freq >= 1, "[metrics] log_freq", cfg.metrics.log_freq, ">= 1")
+    _require(cfg.checkpoint.interval >= 1, "[checkpoint] interval", cfg.checkpoint.interval, ">= 1")
+    _require(cfg.checkpoint.keep_latest_k >= 0, "[checkpoint] keep_latest_k", cfg.checkpoint.keep_latest_k,
+             ">= 0 (0 keeps all)")
+    _require(e.capacity_factor >= 1.0, "[moe_echo] capacity_factor", e.capacity_factor, ">= 1.0")
+    _require(e.aux_loss_coeff >= 0, "[moe_echo] aux_loss_coeff", e.aux_loss_coeff, ">= 0")
+    _require(e.bias_update_rate >= 0, "[moe_echo] bias_update_rate", e.bias_update_rate, ">= 0")
+    _require(e.load_heatmap_freq >= 0, "[moe_echo] load_heatmap_freq", e.load_heatmap_freq, ">= 0")
+    p = cfg.parallelism
+    for key in ("tensor_parallel_degree", "pipeline_parallel_degree", "context_parallel_degree",
+                "expert_parallel_degree", "expert_tensor_parallel_degree"):
+        _require(getattr(p, key) == 1, f"[parallelism] {key}", getattr(p, key), "1 (not supported yet)")
+
+
+def help_text() -> str:
+    lines = ["usage: recipe --job.config_file FILE.toml [--section.key VALUE ...]", "", "keys (default):"]
+    cls = config_class()
+    for sec in dataclasses.fields(cls):
+        lines.append(f"  [{sec.name}]")
+        for f in dataclasses.fields(sec.type):
+            if dataclasses.is_dataclass(f.type):
+                continue
+            default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+            lines.append(f"    {f.name} = {default!r}   ({_describe(f.type)})")
+    return "\n".join(lines)
+
+
+def load_config(argv: list[str] | None = None):
+    """Parse argv (default sys.argv[1:]) into a validated merged JobConfig."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    cls = config_class()
+    overrides = _split_cli(argv)
+    table: dict = {}
+    path = next((v for k, v in overrides if k == "job.config_file"), None)
+    if path is not None:
+        if not os.path.isfile(path):
+            raise UserError(f"config file not found: {path!r} (pass --job.config_file PATH to a .toml file)")
+        try:
+            with open(path, "rb") as f:
+                table = tomllib.load(f)
+        except tomllib.TOMLDecodeError as err:
+            raise UserError(f"config file {path!r} is not valid TOML: {err}") from None
+        _validate_table(cls, table, "")
+    for key, value in overrides:
+        _apply_override(cls, table, key, value)
+    cfg = _build(cls, table)
+    validate(cfg)
+    return cfg

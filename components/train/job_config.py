@@ -1,0 +1,42 @@
+"""moe-echo's extension of torchtitan 0.2.2's JobConfig, merged the way torchtitan merges a
+``custom_config_module``: new sections are added, same-named sections are merged field by field.
+
+Adds ``[moe_echo]`` (see components/moe_echo/config.py) and a few data keys to ``[training]``;
+changes two defaults so the main job needs no files: the tokenizer (``[model] hf_assets_path =
+"bytes"``, a built-in byte tokenizer) and the dataset (``python_stdlib``, the standard library's
+own source text).
+"""
+
+from dataclasses import dataclass, field
+
+from components.moe_echo.config import MoEEchoConfig
+
+
+@dataclass
+class Model:
+    name: str = "deepseek_v3"
+    flavor: str = "tiny"
+    hf_assets_path: str = "bytes"
+    """Tokenizer (and HF weights) location: "bytes" (built-in byte tokenizer), a directory with
+    tokenizer.json (and *.safetensors for finetune), or a tokenizer .json file."""
+
+
+@dataclass
+class Training:
+    dataset: str = "python_stdlib"
+    """"python_stdlib" (offline default corpus) or "local" (files at dataset_path)."""
+    dataset_path: str | None = None
+    """.jsonl / .parquet file, a directory of them, or a dataset saved with datasets.save_to_disk."""
+    text_field: str = "text"
+    """Column / JSON key holding the document text."""
+    max_corpus_mb: int = 16
+    """Read at most this many MB of text (the python_stdlib corpus and local files)."""
+    seed: int = 0
+    """Seed for weights init and data order."""
+
+
+@dataclass
+class JobConfig:
+    model: Model = field(default_factory=Model)
+    training: Training = field(default_factory=Training)
+    moe_echo: MoEEchoConfig = field(default_factory=MoEEchoConfig)

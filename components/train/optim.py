@@ -1,0 +1,43 @@
+"""AdamW and the warm-up + (stable) + decay learning-rate schedule (torchtitan's [lr_scheduler] keys)."""
+
+import functools
+import math
+
+import torch
+
+
+def build_optimizer(model: torch.nn.Module, opt_cfg) -> torch.optim.Optimizer:
+    params = [p for p in model.parameters() if p.requires_grad]
+    on_cuda = all(p.is_cuda for p in params)
+    kwargs = dict(lr=opt_cfg.lr, betas=(0.9, 0.95), eps=opt_cfg.eps, weight_decay=opt_cfg.weight_decay)
+    if opt_cfg.implementation == "fused" and on_cuda:
+        kwargs["fused"] = True
+    elif opt_cfg.implementation == "foreach":
+        kwargs["foreach"] = True
+    else:
+        kwargs["foreach"] = False
+    cls = torch.optim.AdamW if opt_cfg.name == "AdamW" else torch.optim.Adam
+    return cls(params, **kwargs)
+
+
+def lr_factor(step: int, warmup: int, total: int, decay_ratio: float | None, decay_type: str, min_factor: float) -> float:
+    """Multiplier of the base lr after ``step`` optimizer steps (0-based, LambdaLR convention)."""
+    warmup = min(warmup, total)
+    decay_steps = total - warmup if decay_ratio is None else round(total * decay_ratio)
+    decay_steps = min(decay_steps, total - warmup)
+    stable_end = total - decay_steps
+    if step < warmup:
+        return (step + 1) / warmup
+    if step < stable_end or decay_steps == 0:
+        return 1.0
+    progress = min(1.0, (step + 1 - stable_end) / decay_steps)
+    shape = {"linear": 1 - progress, "sqrt": 1 - math.sqrt(progress),
+             "cosine": 0.5 * (1 + math.cos(math.pi * progress))}[decay_type]
+    return min_factor + (1 - min_factor) * shape
+
+
+def build_lr_scheduler(optimizer, sched_cfg, training_steps: int) -> torch.optim.lr_scheduler.LambdaLR:
+    total = sched_cfg.total_steps or training_steps
+    fn = functools.partial(lr_factor, warmup=sched_cfg.warmup_steps, total=total, decay_ratio=sched_cfg.decay_ratio,
+                           decay_type=sched_cfg.decay_type, min_factor=sched_cfg.min_lr_factor)
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, fn)

@@ -1,0 +1,223 @@
+"""Pretrain a torchtitan MoE model (deepseek_v3 or qwen3) with moe-echo's MoE layer.
+
+    python recipes/pretrain.py --job.config_file train_configs/debug_cpu.toml [--training.steps 20]
+    torchrun --nproc_per_node 2 recipes/pretrain.py --job.config_file ...
+
+Reads top to bottom: config → process group → tokenizer + data → model → optimizer → resume →
+train loop (forward, backward, clip, step, router-bias update, metrics, checkpoints) → summary.
+Bad input ends with one line ``error: ...`` and exit code 2.
+"""
+
+import json
+import os
+import sys
+import time
+from contextlib import nullcontext
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without install
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+from components.moe_echo.models import build_model, moe_layers
+from components.parallel.data_parallel import allreduce_gradients, allreduce_sum, init_distributed
+from components.train import checkpoint
+from components.train.config import help_text, load_config
+from components.train.data import TokenBatchLoader, build_token_stream
+from components.train.errors import UserError
+from components.train.metrics import MetricsLogger, Progress, RunSummary, load_imbalance
+from components.train.optim import build_lr_scheduler, build_optimizer
+from components.train.tokenizer import build_tokenizer
+
+
+class ModelAndOptimizer:
+    """DCP Stateful view of model + optimizer (FQN-keyed, layout-independent)."""
+
+    def __init__(self, model, optimizer):
+        self.model, self.optimizer = model, optimizer
+
+    def state_dict(self):
+        model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
+        return {"model": model_sd, "optim": optim_sd}
+
+    def load_state_dict(self, sd):
+        set_state_dict(self.model, self.optimizer, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
+
+
+class TrainState:
+    """Step counter, data position and RNG state."""
+
+    def __init__(self, loader: TokenBatchLoader):
+        self.step = 0
+        self.loader = loader
+
+    def state_dict(self):
+        sd = {"step": self.step, "data": self.loader.state_dict(), "rng_cpu": torch.get_rng_state()}
+        if torch.cuda.is_available():
+            sd["rng_cuda"] = torch.cuda.get_rng_state()
+        return sd
+
+    def load_state_dict(self, sd):
+        self.step = int(sd["step"])
+        self.loader.load_state_dict(sd["data"])
+        torch.set_rng_state(sd["rng_cpu"])
+        if torch.cuda.is_available() and "rng_cuda" in sd:
+            torch.cuda.set_rng_state(sd["rng_cuda"])
+
+
+def train(argv: list[str]) -> None:
+    # --- config and processes -------------------------------------------------------------------
+    cfg = load_config(argv)
+    rank, world, device = init_distributed()
+    is_main = rank == 0
+    dump = cfg.job.dump_folder
+    t, m = cfg.training, cfg.model
+    if is_main and cfg.job.print_config:
+        print(cfg)
+
+    # --- tokenizer and data -----------------------------------------------------------------------
+    tokenizer = build_tokenizer(m.hf_assets_path)
+    tokens = build_token_stream(t.dataset, t.dataset_path, tokenizer, text_field=t.text_field,
+                                max_bytes=t.max_corpus_mb * 1_000_000)
+    loader = TokenBatchLoader(tokens, t.local_batch_size, t.seq_len, rank=rank, world_size=world, seed=t.seed)
+
+    # --- model ------------------------------------------------------------------------------------
+    model = build_model(m.name, m.flavor, cfg.moe_echo, seq_len=t.seq_len, device=device, seed=t.seed)
+    vocab = model.model_args.vocab_size
+    if tokenizer.get_vocab_size() > vocab:
+        raise UserError(f"tokenizer at [model] hf_assets_path = {m.hf_assets_path!r} has "
+                        f"{tokenizer.get_vocab_size()} ids but flavour {m.flavor!r} has vocab_size {vocab}; "
+                        "pick a flavour with a larger vocabulary or a smaller tokenizer")
+    n_params, flops_per_token = model.model_args.get_nparams_and_flops(model, t.seq_len)
+    layers = moe_layers(model)
+    use_bf16 = device.type == "cuda" and t.mixed_precision_param == "bfloat16"
+    autocast = (lambda: torch.autocast("cuda", dtype=torch.bfloat16)) if use_bf16 else nullcontext
+
+    optimizer = build_optimizer(model, cfg.optimizer)
+    scheduler = build_lr_scheduler(optimizer, cfg.lr_scheduler, t.steps)
+    state = TrainState(loader)
+    states = {"app": ModelAndOptimizer(model, optimizer), "lr_scheduler": scheduler, "train": state}
+
+    # --- resume -------------------------------------------------------------------------------------
+    ckpt = cfg.checkpoint
+    ckpt_dir = os.path.join(dump, ckpt.folder)
+    if ckpt.enable:
+        found = checkpoint.complete_checkpoints(ckpt_dir)
+        if ckpt.load_step > 0:
+            found = [(s, p) for s, p in found if s == ckpt.load_step]
+            if not found:
+                raise UserError(f"[checkpoint] load_step = {ckpt.load_step}: no complete checkpoint "
+                                f"step-{ckpt.load_step} in {ckpt_dir!r}")
+        if found:
+            checkpoint.load(found[-1][1], states)
+            if is_main:
+                print(f"resumed from {found[-1][1]} (step {state.step})", flush=True)
+    if state.step >= t.steps and is_main:
+        print(f"nothing to do: already at step {state.step} of {t.steps}")
+
+    # --- training loop ------------------------------------------------------------------------------
+    tb = MetricsLogger(os.path.join(dump, cfg.metrics.save_tb_folder) if is_main and cfg.metrics.enable_tensorboard
+                       else None)
+    log_path = os.path.join(dump, "metrics.jsonl")
+    if is_main:
+        os.makedirs(dump, exist_ok=True)
+    summary = RunSummary()
+    progress = Progress(t.steps, state.step, enabled=is_main)
+    peak_flops = _peak_flops(device)
+    tokens_per_step = t.local_batch_size * t.seq_len * world
+    window_t0, window_steps = time.perf_counter(), 0
+
+    while state.step < t.steps:
+        state.step += 1
+        step = state.step
+        inputs_BS, labels_BS = (x.to(device, non_blocking=True) for x in loader.next_batch())
+
+        with autocast():
+            logits_BSV = model(inputs_BS)
+        loss = F.cross_entropy(logits_BSV.flatten(0, 1).float(), labels_BS.flatten())
+        loss.backward()
+        allreduce_gradients(model)
+        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), t.max_norm if t.max_norm > 0 else float("inf"))
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad(set_to_none=True)
+
+        # aux-loss-free balancing: one bias step per layer from this step's global counts
+        counts_LE = allreduce_sum(torch.stack([moe.tokens_per_expert for _, moe in layers])) if layers else None
+        for (_, moe), counts_E in zip(layers, counts_LE if layers else []):
+            moe.update_expert_bias(counts_E)
+            moe.tokens_per_expert.zero_()
+
+        window_steps += 1
+        summary.tokens += tokens_per_step
+        if step % cfg.metrics.log_freq == 0 or step == t.steps or step == 1:
+            loss_val = float(allreduce_sum(loss.detach().clone()) / world)
+            elapsed = time.perf_counter() - window_t0
+            tps = tokens_per_step * window_steps / max(elapsed, 1e-9)
+            window_t0, window_steps = time.perf_counter(), 0
+            values = {"loss": loss_val, "lr": scheduler.get_last_lr()[0], "grad_norm": float(grad_norm),
+                      "tokens_per_s": tps}
+            if peak_flops:
+                values["mfu_pct"] = 100 * flops_per_token * tps / (peak_flops * world)
+            if device.type == "cuda":
+                values["memory/peak_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
+                summary.peak_mem_gib = max(summary.peak_mem_gib, values["memory/peak_gib"])
+            for name, counts_E in zip([n for n, _ in layers], counts_LE if layers else []):
+                values[f"moe/layer{name}/load_max_over_mean"] = tb.record_load(f"layer{name}", counts_E)
+                summary.imbalance.append(load_imbalance(counts_E))
+            summary.losses.append((step, loss_val))
+            if is_main:
+                tb.scalars(values, step)
+                with open(log_path, "a") as f:
+                    f.write(json.dumps({"step": step, **values}) + "\n")
+            heat = cfg.moe_echo.load_heatmap_freq
+            if is_main and heat and (step % heat == 0 or step == t.steps):
+                tb.heatmaps(step)
+            progress.update({"loss": f"{loss_val:.3f}", "tok/s": f"{tps:,.0f}"})
+        else:
+            progress.update({})
+
+        if ckpt.enable and (step % ckpt.interval == 0 or step == t.steps):
+            path = checkpoint.save(ckpt_dir, step, states, ckpt.keep_latest_k)
+            progress.write(f"checkpoint: {path}") if is_main else None
+
+    progress.close()
+    tb.close()
+    if is_main:
+        extra = {"params": f"{n_params:,}", "model": f"{m.name}/{m.flavor} ({len(layers)} MoE layers)",
+                 "ranks": str(world), "device": str(device), "metrics": log_path}
+        if tb.writer is not None:
+            extra["tensorboard"] = f"tensorboard --logdir {os.path.join(dump, cfg.metrics.save_tb_folder)}"
+        if ckpt.enable:
+            extra["checkpoints"] = ckpt_dir
+        print(summary.text(extra), flush=True)
+
+
+def _peak_flops(device: torch.device) -> float:
+    if device.type != "cuda":
+        return 0.0
+    from torchtitan.tools.utils import get_peak_flops
+
+    return float(get_peak_flops(torch.cuda.get_device_name(device)))
+
+
+def main() -> None:
+    argv = sys.argv[1:]
+    if "-h" in argv or "--help" in argv:
+        print(help_text())
+        return
+    try:
+        train(argv)
+    except UserError as err:
+        print(f"error: {err}", file=sys.stderr, flush=True)
+        sys.exit(2)
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
