@@ -8,6 +8,7 @@ What is saved: any ``Stateful`` objects the caller passes (the recipe passes the
 router biases —, optimizer, lr scheduler and a train state with step, data position and RNG).
 """
 
+import logging
 import os
 import re
 import shutil
@@ -17,6 +18,7 @@ import warnings
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 
 from .errors import UserError
 
@@ -87,6 +89,23 @@ def _fsync_dir(path: str) -> None:
         os.close(fd)
 
 
+class _quiet_dcp_logs:
+    """DCP logs full tracebacks of a failed load on the root logger; our one-line error replaces them."""
+
+    def __enter__(self):
+        self.previous = logging.root.manager.disable
+        logging.disable(logging.CRITICAL)
+
+    def __exit__(self, *exc):
+        logging.disable(self.previous)
+
+
+def _root_cause(err: BaseException) -> str:
+    """Last non-empty line of the (possibly multi-rank, multi-line) error text, shortened."""
+    lines = [l.strip() for l in str(err).splitlines() if l.strip()]
+    return (lines[-1] if lines else "")[:200]
+
+
 def load(path: str, states: dict) -> None:
     """Load ``states`` in place from checkpoint ``path``; any failure is a one-line UserError."""
     if not os.path.isdir(path):
@@ -94,12 +113,12 @@ def load(path: str, states: dict) -> None:
     if not os.path.isfile(os.path.join(path, MARKER)) and _STEP_DIR.match(os.path.basename(path.rstrip("/"))):
         raise UserError(f"checkpoint {path!r} is incomplete (no {MARKER} marker); delete it or pick another")
     try:
-        with warnings.catch_warnings():
+        with warnings.catch_warnings(), _quiet_dcp_logs():
             warnings.simplefilter("ignore", UserWarning)
             dcp.load(states, checkpoint_id=path)
-    except Exception as err:  # DCP raises many types (CheckpointException, pickle, KeyError ...)
-        first = str(err).strip().splitlines()[0] if str(err).strip() else ""
+    except (Exception, CheckpointException) as err:  # CheckpointException is a BaseException
+        first = _root_cause(err)
         raise UserError(
-            f"checkpoint {path!r} could not be loaded ({type(err).__name__}: {first[:200]}); "
+            f"checkpoint {path!r} could not be loaded ({first}); "
             "it is corrupt or from another model — delete it or set --checkpoint.enable false"
         ) from None
