@@ -54,12 +54,12 @@ class LocalDispatcher(Dispatcher):
         token_of_row_N = slot_of_row_N // K
         counts_E = torch.zeros(self.num_experts, dtype=torch.int64, device=ids_TK.device)
         counts_E.scatter_add_(0, flat_ids_N, torch.ones_like(flat_ids_N))
-        x_ND = x_TD[token_of_row_N]
+        x_ND = x_TD.index_select(0, token_of_row_N)  # backward: index_add, no host sync
         return x_ND, counts_E, LocalHandle(token_of_row_N, row_of_slot_N, w_TK, x_TD.dtype)
 
     def combine(self, y_ND, handle: LocalHandle):
         T, K = handle.w_TK.shape
-        y_TKD = y_ND[handle.row_of_slot_N].view(T, K, -1)
+        y_TKD = y_ND.index_select(0, handle.row_of_slot_N).view(T, K, -1)
         acc = torch.promote_types(y_ND.dtype, torch.float32)
         y_T1D = torch.bmm(handle.w_TK.to(acc).unsqueeze(1), y_TKD.to(acc))
         return y_T1D.squeeze(1).to(handle.out_dtype)

@@ -49,9 +49,9 @@ _OUR_QWEN3 = {
         moe_args=MoEArgs(num_experts=8, num_shared_experts=0, top_k=2, score_func="softmax",
                          route_norm=True, score_before_experts=False),
     ),
-    # Qwen3-30B-A3B shape (128 experts top-8, hidden 768, dim 2048), 4 layers: ~1.3B total.
+    # Qwen3-30B-A3B layer shape (128 experts top-8, hidden 768, dim 2048), 2 layers: ~1.4B total.
     "30b_a3b_small": Qwen3ModelArgs(
-        vocab_size=32768, max_seq_len=4096, head_dim=128, dim=2048, n_layers=4, n_heads=32,
+        vocab_size=32768, max_seq_len=4096, head_dim=128, dim=2048, n_layers=2, n_heads=32,
         n_kv_heads=4, qk_norm=True, hidden_dim=6144, moe_enabled=True, moe_inter_dim=768,
         moe_args=MoEArgs(num_experts=128, num_shared_experts=0, top_k=8, score_func="softmax",
                          route_norm=True, score_before_experts=False),

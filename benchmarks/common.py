@@ -1,0 +1,57 @@
+"""Shared helpers for benchmarks: CUDA-event timing, environment record, result files, tables."""
+
+import datetime
+import json
+import os
+import platform
+import statistics
+
+import torch
+
+RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+
+
+def time_ms(fn, warmup: int = 5, iters: int = 20) -> float:
+    """Median milliseconds of ``fn()`` measured with CUDA events (after ``warmup`` calls)."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(iters):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def environment() -> dict:
+    return {
+        "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+    }
+
+
+def markdown_table(rows: list[dict], columns: list[str]) -> str:
+    def fmt(v):
+        return f"{v:.3g}" if isinstance(v, float) else str(v)
+
+    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    lines += ["| " + " | ".join(fmt(r[c]) for c in columns) + " |" for r in rows]
+    return "\n".join(lines)
+
+
+def write_results(name: str, env: dict, rows: list[dict], table: str, out_dir: str | None = None) -> str:
+    out_dir = out_dir or RESULTS
+    os.makedirs(out_dir, exist_ok=True)
+    gpu = env["gpu"].replace(" ", "_")
+    stem = os.path.join(out_dir, f"{name}_{gpu}")
+    with open(stem + ".json", "w") as f:
+        json.dump({"env": env, "rows": rows}, f, indent=1)
+    with open(stem + ".md", "w") as f:
+        f.write(f"{name} on {env['gpu']} (torch {env['torch']}, {env['date']})\n\n{table}\n")
+    return stem

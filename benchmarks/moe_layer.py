@@ -1,0 +1,118 @@
+"""MoE layer fwd+bwd: moe-echo's layer vs torchtitan 0.2.2's MoE vs a dense bf16 SwiGLU of equal FLOPs.
+
+Both MoE layers get identical weights, router bias and inputs (so identical routing); outputs are
+cross-checked. Routed FLOPs (fwd+bwd) = 18·T·K·D·H. Shared experts are off so only routed work is
+compared. 'skewed' routing comes from a Zipf-shaped router bias; its max/mean expert load is reported.
+
+    python benchmarks/moe_layer.py [--out DIR]
+"""
+
+import argparse
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch
+import torch.nn.functional as F
+from torchtitan.models.moe import MoE, MoEArgs
+
+from benchmarks.common import environment, markdown_table, time_ms, write_results
+from components.moe_echo.config import MoEEchoConfig
+from components.moe_echo.layer import MoELayer
+
+CASES = [  # (T, D, H, E, K)
+    (16384, 2048, 1408, 64, 6),
+    (16384, 2048, 768, 128, 8),
+]
+
+
+def zipf_bias(E: int, s: float, scale: float, gen: torch.Generator) -> torch.Tensor:
+    ranks = torch.randperm(E, generator=gen).float() + 1
+    z = ranks.pow(-s)
+    return scale * z / z.max()
+
+
+def run_case(T, D, H, E, K, routing, dev):
+    torch.manual_seed(0)
+    args = MoEArgs(num_experts=E, num_shared_experts=0, top_k=K, score_func="softmax", route_norm=False,
+                   score_before_experts=False, use_grouped_mm=True)
+    ours = MoELayer(args, D, H, MoEEchoConfig()).to(dev)
+    ours.init_weights(0.02, torch.device(dev))
+    ours.to(torch.bfloat16)
+    ours.expert_bias.data = ours.expert_bias.float()
+    theirs = MoE(args, D, H).to(dev)
+    theirs.load_state_dict(ours.state_dict(), strict=False)
+    theirs.to(torch.bfloat16)
+    theirs.expert_bias.data = theirs.expert_bias.float()
+    if routing == "skewed":
+        bias = zipf_bias(E, 1.2, 0.05, torch.Generator().manual_seed(1)).to(dev)
+        ours.expert_bias.copy_(bias)
+        theirs.expert_bias.copy_(bias)
+
+    x = torch.randn(T // 4096, 4096, D, device=dev, dtype=torch.bfloat16, requires_grad=True)
+    g = torch.randn_like(x)
+    with torch.no_grad():
+        ours.tokens_per_expert.zero_()
+        y_ours = ours(x)
+        load = ours.tokens_per_expert.float()
+        y_theirs = theirs(x)
+    rel = float((y_ours.float() - y_theirs.float()).norm() / y_theirs.float().norm())
+    imbalance = float(load.max() / load.mean())
+
+    def fwd_bwd(layer):
+        def fn():
+            x.grad = None
+            layer.zero_grad(set_to_none=True)
+            layer(x).backward(g)
+        return fn
+
+    M = T * K
+    xd = torch.randn(M, D, device=dev, dtype=torch.bfloat16, requires_grad=True)
+    w1 = torch.randn(H, D, device=dev, dtype=torch.bfloat16, requires_grad=True)
+    w3 = torch.randn(H, D, device=dev, dtype=torch.bfloat16, requires_grad=True)
+    w2 = torch.randn(D, H, device=dev, dtype=torch.bfloat16, requires_grad=True)
+    gd = torch.randn(M, D, device=dev, dtype=torch.bfloat16)
+
+    def dense_once():
+        for t in (xd, w1, w2, w3):
+            t.grad = None
+        y = (F.silu(xd @ w1.t()) * (xd @ w3.t())) @ w2.t()
+        y.backward(gd)
+
+    flops = 18 * T * K * D * H
+    t_ours = time_ms(fwd_bwd(ours))
+    t_theirs = time_ms(fwd_bwd(theirs))
+    t_dense = time_ms(dense_once)
+    tf = lambda ms: flops / (ms * 1e-3) / 1e12
+    return {
+        "T": T, "D": D, "H": H, "E": E, "K": K, "routing": routing, "load_max_over_mean": imbalance,
+        "ours_ms": t_ours, "torchtitan_ms": t_theirs, "dense_ms": t_dense,
+        "ours_tflops": tf(t_ours), "torchtitan_tflops": tf(t_theirs), "dense_tflops": tf(t_dense),
+        "speedup_vs_torchtitan": t_theirs / t_ours, "frac_of_dense": t_dense / t_ours, "out_rel_diff": rel,
+    }
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default=None, help="results folder (default benchmarks/results)")
+    ap.add_argument("--quick", action="store_true", help="T=4096 only (smoke run)")
+    a = ap.parse_args()
+    dev = "cuda"
+    rows = []
+    for T, D, H, E, K in CASES:
+        for routing in ("balanced", "skewed"):
+            rows.append(run_case(4096 if a.quick else T, D, H, E, K, routing, dev))
+            print(rows[-1], flush=True)
+            torch.cuda.empty_cache()
+    env = environment()
+    cols = ["T", "D", "H", "E", "K", "routing", "load_max_over_mean", "ours_ms", "torchtitan_ms", "dense_ms",
+            "ours_tflops", "torchtitan_tflops", "dense_tflops", "speedup_vs_torchtitan", "frac_of_dense",
+            "out_rel_diff"]
+    table = markdown_table(rows, cols)
+    stem = write_results("moe_layer", env, rows, table, a.out)
+    print(f"\nMoE layer fwd+bwd, bf16, {env['gpu']}, torch {env['torch']}  ({stem}.json)\n{table}")
+
+
+if __name__ == "__main__":
+    main()
