@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from .config import MoEEchoConfig
+from .row_ops import gather_rows, weighted_combine
 
 
 class Dispatcher(ABC):
@@ -32,7 +33,7 @@ class Dispatcher(ABC):
 @dataclass
 class LocalHandle:
     token_of_row_N: torch.Tensor  # source token of each dispatched row
-    row_of_slot_N: torch.Tensor  # dispatched row of each (token, choice) slot t*K + k
+    row_of_slot_TK: torch.Tensor  # dispatched row of each (token, choice) slot
     w_TK: torch.Tensor  # combine weights (fp32, differentiable)
     out_dtype: torch.dtype
 
@@ -54,15 +55,12 @@ class LocalDispatcher(Dispatcher):
         token_of_row_N = slot_of_row_N // K
         counts_E = torch.zeros(self.num_experts, dtype=torch.int64, device=ids_TK.device)
         counts_E.scatter_add_(0, flat_ids_N, torch.ones_like(flat_ids_N))
-        x_ND = x_TD.index_select(0, token_of_row_N)  # backward: index_add, no host sync
-        return x_ND, counts_E, LocalHandle(token_of_row_N, row_of_slot_N, w_TK, x_TD.dtype)
+        row_of_slot_TK = row_of_slot_N.view(T, K)
+        x_ND = gather_rows(x_TD, token_of_row_N, row_of_slot_TK)
+        return x_ND, counts_E, LocalHandle(token_of_row_N, row_of_slot_TK, w_TK, x_TD.dtype)
 
     def combine(self, y_ND, handle: LocalHandle):
-        T, K = handle.w_TK.shape
-        y_TKD = y_ND.index_select(0, handle.row_of_slot_N).view(T, K, -1)
-        acc = torch.promote_types(y_ND.dtype, torch.float32)
-        y_T1D = torch.bmm(handle.w_TK.to(acc).unsqueeze(1), y_TKD.to(acc))
-        return y_T1D.squeeze(1).to(handle.out_dtype)
+        return weighted_combine(y_ND, handle.w_TK, handle.row_of_slot_TK).to(handle.out_dtype)
 
 
 def build_dispatcher(cfg: MoEEchoConfig, num_experts: int) -> Dispatcher:

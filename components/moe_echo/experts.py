@@ -17,6 +17,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kernels.swiglu import swiglu
+
 
 def grouped_swiglu(
     x_ND: torch.Tensor, w1_EHD: torch.Tensor, w2_EDH: torch.Tensor, w3_EHD: torch.Tensor, counts_E: torch.Tensor
@@ -33,8 +35,8 @@ def _autocast_bf16() -> bool:
 def _grouped_mm_swiglu(x_ND, w1_EHD, w2_EDH, w3_EHD, counts_E):
     offs_E = torch.cumsum(counts_E, dim=0, dtype=torch.int32)
     w1, w2, w3 = (w.to(torch.bfloat16) for w in (w1_EHD, w2_EDH, w3_EHD))
-    h_NH = F.silu(torch._grouped_mm(x_ND, w1.transpose(-2, -1), offs=offs_E))
-    h_NH = h_NH * torch._grouped_mm(x_ND, w3.transpose(-2, -1), offs=offs_E)
+    h_NH = swiglu(torch._grouped_mm(x_ND, w1.transpose(-2, -1), offs=offs_E),
+                  torch._grouped_mm(x_ND, w3.transpose(-2, -1), offs=offs_E))
     return torch._grouped_mm(h_NH, w2.transpose(-2, -1), offs=offs_E)
 
 

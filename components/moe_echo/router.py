@@ -2,7 +2,7 @@
 
 Shapes: T tokens, D model dim, E experts, K choices per token, G expert groups.
 
-    x_TD ─gate─► logits_TE ─softmax|sigmoid (fp32)─► scores_TE
+    x_TD ─gate (fp32)─► logits_TE ─softmax|sigmoid─► scores_TE
     scores_TE + expert_bias_E ─(group limit)─► top-k ─► topk_ids_TK
     topk_w_TK = scores_TE[topk_ids_TK]  (bias never enters the weights), optional renorm, × scale
     counts_E  = histogram of topk_ids_TK (scatter_add on device: no host read)
@@ -83,8 +83,10 @@ class TopKRouter(nn.Module):
         return choice_TGe.masked_fill(drop_TG.unsqueeze(-1), float("-inf")).view(T, E)
 
     def forward(self, x_TD: torch.Tensor, expert_bias_E: torch.Tensor | None = None) -> RouterOutput:
-        logits_TE = self.gate(x_TD)
-        logits_TE = logits_TE.to(torch.promote_types(logits_TE.dtype, torch.float32))
+        acc = torch.promote_types(x_TD.dtype, torch.float32)
+        with torch.autocast(x_TD.device.type, enabled=False):  # routing decided in fp32 (fp64 in tests)
+            bias = None if self.gate.bias is None else self.gate.bias.to(acc)
+            logits_TE = F.linear(x_TD.to(acc), self.gate.weight.to(acc), bias)
         if self.score_func == "softmax":
             scores_TE = F.softmax(logits_TE, dim=-1)
         else:

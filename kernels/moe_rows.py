@@ -1,0 +1,125 @@
+"""Row gather-reduce kernels for MoE permutation and combine (Triton on CUDA, torch elsewhere).
+
+    gather_sum(src_ND, idx_TK, w_TK=None) -> out_TD
+        out[t] = Σ_k w[t, k] · src[idx[t, k]]   (w = 1 when None), accumulated in fp32 (fp64 for
+        fp64 inputs), written in src's dtype. Used by combine (forward) and by the backward of the
+        dispatch gather (each token's K row-gradients summed without atomics).
+    combine_backward(g_TD, y_ND, w_TK, idx_TK) -> (grad_y_ND, grad_w_TK)
+        grad_y[idx[t, k]] = w[t, k] · g[t]   (rows that no (t, k) maps to are zero)
+        grad_w[t, k]      = <g[t], y[idx[t, k]]>  (fp32)
+
+One pass over the rows each: no [T, K, D] intermediate, no fp32 copy of y, no atomics.
+Indices are read from device memory; nothing is read on the host.
+"""
+
+import os
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # CPU-only installs may lack triton
+    triton = None
+
+
+def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.promote_types(dtype, torch.float32)
+
+
+# --- torch reference implementations (CPU, fp64, and the check for the kernels) ------------------
+
+def gather_sum_torch(src_ND, idx_TK, w_TK=None):
+    T, K = idx_TK.shape
+    acc = _acc_dtype(src_ND.dtype)
+    rows_TKD = src_ND.index_select(0, idx_TK.reshape(-1)).view(T, K, -1).to(acc)
+    if w_TK is not None:
+        rows_TKD = rows_TKD * w_TK.to(acc).unsqueeze(-1)
+    return rows_TKD.sum(1).to(src_ND.dtype)
+
+
+def combine_backward_torch(g_TD, y_ND, w_TK, idx_TK):
+    T, K = idx_TK.shape
+    acc = _acc_dtype(y_ND.dtype)
+    flat = idx_TK.reshape(-1)
+    y_TKD = y_ND.index_select(0, flat).view(T, K, -1).to(acc)
+    grad_w_TK = (y_TKD * g_TD.to(acc).unsqueeze(1)).sum(-1).to(w_TK.dtype)
+    src = (w_TK.to(acc).unsqueeze(-1) * g_TD.to(acc).unsqueeze(1)).reshape(T * K, -1).to(y_ND.dtype)
+    grad_y_ND = torch.zeros_like(y_ND).index_copy_(0, flat, src)
+    return grad_y_ND, grad_w_TK
+
+
+# --- Triton kernels -----------------------------------------------------------------------------
+
+if triton is not None:
+
+    @triton.jit
+    def _gather_sum_kernel(src_ptr, idx_ptr, w_ptr, out_ptr, D, K: tl.constexpr, HAS_W: tl.constexpr,
+                           BLOCK_D: tl.constexpr):
+        t = tl.program_id(0)
+        offs = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+        mask = offs < D
+        acc = tl.zeros([BLOCK_D], dtype=tl.float32)
+        for k in tl.static_range(K):
+            row = tl.load(idx_ptr + t * K + k).to(tl.int64)
+            x = tl.load(src_ptr + row * D + offs, mask=mask, other=0.0).to(tl.float32)
+            if HAS_W:
+                x = x * tl.load(w_ptr + t * K + k).to(tl.float32)
+            acc += x
+        tl.store(out_ptr + t.to(tl.int64) * D + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+    @triton.jit
+    def _combine_bwd_kernel(g_ptr, y_ptr, w_ptr, idx_ptr, gy_ptr, gw_ptr, D, K: tl.constexpr,
+                            BLOCK_D: tl.constexpr):
+        t = tl.program_id(0).to(tl.int64)
+        for k in tl.static_range(K):
+            row = tl.load(idx_ptr + t * K + k).to(tl.int64)
+            w = tl.load(w_ptr + t * K + k).to(tl.float32)
+            dot = tl.zeros([BLOCK_D], dtype=tl.float32)
+            for d0 in range(0, D, BLOCK_D):
+                offs = d0 + tl.arange(0, BLOCK_D)
+                mask = offs < D
+                g = tl.load(g_ptr + t * D + offs, mask=mask, other=0.0).to(tl.float32)
+                y = tl.load(y_ptr + row * D + offs, mask=mask, other=0.0).to(tl.float32)
+                dot += g * y
+                tl.store(gy_ptr + row * D + offs, (w * g).to(gy_ptr.dtype.element_ty), mask=mask)
+            tl.store(gw_ptr + t * K + k, tl.sum(dot, axis=0).to(gw_ptr.dtype.element_ty))
+
+
+def _use_triton(*ts) -> bool:
+    if triton is None or ts[0].dtype == torch.float64:
+        return False
+    # TRITON_INTERPRET=1 runs the kernels on CPU tensors (tests check them that way without a GPU)
+    return all(t.is_cuda for t in ts) or os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def gather_sum(src_ND, idx_TK, w_TK=None):
+    if not _use_triton(src_ND):
+        return gather_sum_torch(src_ND, idx_TK, w_TK)
+    T, K = idx_TK.shape
+    D = src_ND.shape[1]
+    src_ND, idx_TK = src_ND.contiguous(), idx_TK.contiguous()
+    out_TD = torch.empty(T, D, dtype=src_ND.dtype, device=src_ND.device)
+    if T == 0:
+        return out_TD
+    BLOCK_D = min(1024, triton.next_power_of_2(D))
+    w = w_TK.contiguous() if w_TK is not None else idx_TK  # dummy pointer when HAS_W is False
+    _gather_sum_kernel[(T, triton.cdiv(D, BLOCK_D))](src_ND, idx_TK, w, out_TD, D, K=K, HAS_W=w_TK is not None,
+                                                      BLOCK_D=BLOCK_D, num_warps=4)
+    return out_TD
+
+
+def combine_backward(g_TD, y_ND, w_TK, idx_TK):
+    if not _use_triton(g_TD, y_ND):
+        return combine_backward_torch(g_TD, y_ND, w_TK, idx_TK)
+    T, K = idx_TK.shape
+    N, D = y_ND.shape
+    g_TD, y_ND, w_TK, idx_TK = (t.contiguous() for t in (g_TD, y_ND, w_TK, idx_TK))
+    # every row is written when the rows are exactly the T*K slots (local dispatch); else zero-fill
+    grad_y_ND = torch.empty_like(y_ND) if N == T * K else torch.zeros_like(y_ND)
+    grad_w_TK = torch.empty(T, K, dtype=w_TK.dtype, device=w_TK.device)
+    if T == 0:
+        return grad_y_ND, grad_w_TK
+    BLOCK_D = min(1024, triton.next_power_of_2(D))
+    _combine_bwd_kernel[(T,)](g_TD, y_ND, w_TK, idx_TK, grad_y_ND, grad_w_TK, D, K=K, BLOCK_D=BLOCK_D, num_warps=4)
+    return grad_y_ND, grad_w_TK

@@ -1,0 +1,65 @@
+"""Fused SwiGLU activation: h = silu(a) · b, with its backward, in one elementwise pass each.
+
+    forward:  h = a·σ(a)·b
+    backward: da = g·b·σ(a)·(1 + a·(1 − σ(a))),  db = g·a·σ(a)
+Math in fp32, storage in the inputs' dtype. Triton on CUDA; torch elsewhere (same formulas).
+"""
+
+import torch
+import torch.nn.functional as F
+
+from .moe_rows import _use_triton, triton
+
+if triton is not None:
+    import triton.language as tl
+
+    @triton.jit
+    def _swiglu_fwd_kernel(a_ptr, b_ptr, h_ptr, n, BLOCK: tl.constexpr):
+        offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        mask = offs < n
+        a = tl.load(a_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        b = tl.load(b_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        h = a * tl.sigmoid(a) * b
+        tl.store(h_ptr + offs, h.to(h_ptr.dtype.element_ty), mask=mask)
+
+    @triton.jit
+    def _swiglu_bwd_kernel(g_ptr, a_ptr, b_ptr, da_ptr, db_ptr, n, BLOCK: tl.constexpr):
+        offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        mask = offs < n
+        g = tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        a = tl.load(a_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        b = tl.load(b_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        s = tl.sigmoid(a)
+        tl.store(da_ptr + offs, (g * b * s * (1 + a * (1 - s))).to(da_ptr.dtype.element_ty), mask=mask)
+        tl.store(db_ptr + offs, (g * a * s).to(db_ptr.dtype.element_ty), mask=mask)
+
+_BLOCK = 2048
+
+
+class _SwiGLU(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, a, b):
+        a, b = a.contiguous(), b.contiguous()
+        ctx.save_for_backward(a, b)
+        h = torch.empty_like(a)
+        n = a.numel()
+        if n:
+            _swiglu_fwd_kernel[(triton.cdiv(n, _BLOCK),)](a, b, h, n, BLOCK=_BLOCK, num_warps=8)
+        return h
+
+    @staticmethod
+    def backward(ctx, g):
+        a, b = ctx.saved_tensors
+        g = g.contiguous()
+        da, db = torch.empty_like(a), torch.empty_like(b)
+        n = a.numel()
+        if n:
+            _swiglu_bwd_kernel[(triton.cdiv(n, _BLOCK),)](g, a, b, da, db, n, BLOCK=_BLOCK, num_warps=8)
+        return da, db
+
+
+def swiglu(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """silu(a) * b; fused Triton kernels for CUDA bf16/fp16/fp32 tensors, torch ops otherwise."""
+    if a.dtype == b.dtype and _use_triton(a, b):
+        return _SwiGLU.apply(a, b)
+    return F.silu(a) * b
