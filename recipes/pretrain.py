@@ -28,6 +28,7 @@ from components.train import checkpoint
 from components.train.config import help_text, load_config
 from components.train.data import TokenBatchLoader, build_token_stream
 from components.train.errors import UserError
+from components.train.hf_weights import load_initial_weights
 from components.train.metrics import MetricsLogger, Progress, RunSummary, load_imbalance
 from components.train.optim import build_lr_scheduler, build_optimizer
 from components.train.tokenizer import build_tokenizer
@@ -101,20 +102,23 @@ def train(argv: list[str]) -> None:
     state = TrainState(loader)
     states = {"app": ModelAndOptimizer(model, optimizer), "lr_scheduler": scheduler, "train": state}
 
-    # --- resume -------------------------------------------------------------------------------------
+    # --- resume (or, on a fresh run, start from initial weights) ---------------------------------
     ckpt = cfg.checkpoint
     ckpt_dir = os.path.join(dump, ckpt.folder)
-    if ckpt.enable:
-        found = checkpoint.complete_checkpoints(ckpt_dir)
-        if ckpt.load_step > 0:
-            found = [(s, p) for s, p in found if s == ckpt.load_step]
-            if not found:
-                raise UserError(f"[checkpoint] load_step = {ckpt.load_step}: no complete checkpoint "
-                                f"step-{ckpt.load_step} in {ckpt_dir!r}")
-        if found:
-            checkpoint.load(found[-1][1], states)
-            if is_main:
-                print(f"resumed from {found[-1][1]} (step {state.step})", flush=True)
+    found = checkpoint.complete_checkpoints(ckpt_dir) if ckpt.enable else []
+    if ckpt.enable and ckpt.load_step > 0:
+        found = [(s, p) for s, p in found if s == ckpt.load_step]
+        if not found:
+            raise UserError(f"[checkpoint] load_step = {ckpt.load_step}: no complete checkpoint "
+                            f"step-{ckpt.load_step} in {ckpt_dir!r}")
+    if found:  # the run's own checkpoint always wins over initial_load_path
+        checkpoint.load(found[-1][1], states)
+        if is_main:
+            print(f"resumed from {found[-1][1]} (step {state.step})", flush=True)
+    elif ckpt.initial_load_path:  # model weights only (DCP step-N folder or HF safetensors)
+        loaded = load_initial_weights(model, ckpt.initial_load_path, ckpt.initial_load_in_hf, m.name)
+        if is_main:
+            print(f"initial weights: {loaded}", flush=True)
     if state.step >= t.steps and is_main:
         print(f"nothing to do: already at step {state.step} of {t.steps}")
 
@@ -204,13 +208,14 @@ def _peak_flops(device: torch.device) -> float:
     return float(get_peak_flops(torch.cuda.get_device_name(device)))
 
 
-def main() -> None:
+def main(run=train) -> None:
+    """Run ``run(argv)`` (recipes/finetune.py passes its own); bad input → ``error: ...``, exit 2."""
     argv = sys.argv[1:]
     if "-h" in argv or "--help" in argv:
         print(help_text())
         return
     try:
-        train(argv)
+        run(argv)
     except UserError as err:
         print(f"error: {err}", file=sys.stderr, flush=True)
         sys.exit(2)
