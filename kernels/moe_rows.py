@@ -1,12 +1,13 @@
 """Row gather-reduce kernels for MoE permutation and combine (Triton on CUDA, torch elsewhere).
 
     gather_sum(src_ND, idx_TK, w_TK=None) -> out_TD
-        out[t] = Σ_k w[t, k] · src[idx[t, k]]   (w = 1 when None), accumulated in fp32 (fp64 for
+        out[t] = Σ_k w[t, k] · src[idx[t, k]]   (w = 1 when None; idx = -1 contributes nothing — a slot
+        that was not sent), accumulated in fp32 (fp64 for
         fp64 inputs), written in src's dtype. Used by combine (forward) and by the backward of the
         dispatch gather (each token's K row-gradients summed without atomics).
     combine_backward(g_TD, y_ND, w_TK, idx_TK) -> (grad_y_ND, grad_w_TK)
         grad_y[idx[t, k]] = w[t, k] · g[t]   (rows that no (t, k) maps to are zero)
-        grad_w[t, k]      = <g[t], y[idx[t, k]]>  (fp32)
+        grad_w[t, k]      = <g[t], y[idx[t, k]]>  (fp32; 0 where idx = -1)
 
 One pass over the rows each: no [T, K, D] intermediate, no fp32 copy of y, no atomics.
 Indices are read from device memory; nothing is read on the host.
@@ -29,9 +30,17 @@ def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
 
 # --- torch reference implementations (CPU, fp64, and the check for the kernels) ------------------
 
+def _with_zero_row(src_ND, idx_TK):
+    """src with a zero row appended, and idx with -1 redirected to it."""
+    N = src_ND.shape[0]
+    src = torch.cat([src_ND, src_ND.new_zeros(1, src_ND.shape[1])])
+    return src, torch.where(idx_TK < 0, N, idx_TK)
+
+
 def gather_sum_torch(src_ND, idx_TK, w_TK=None):
     T, K = idx_TK.shape
     acc = _acc_dtype(src_ND.dtype)
+    src_ND, idx_TK = _with_zero_row(src_ND, idx_TK)
     rows_TKD = src_ND.index_select(0, idx_TK.reshape(-1)).view(T, K, -1).to(acc)
     if w_TK is not None:
         rows_TKD = rows_TKD * w_TK.to(acc).unsqueeze(-1)
@@ -41,11 +50,12 @@ def gather_sum_torch(src_ND, idx_TK, w_TK=None):
 def combine_backward_torch(g_TD, y_ND, w_TK, idx_TK):
     T, K = idx_TK.shape
     acc = _acc_dtype(y_ND.dtype)
-    flat = idx_TK.reshape(-1)
-    y_TKD = y_ND.index_select(0, flat).view(T, K, -1).to(acc)
+    y_pad, idx_pad = _with_zero_row(y_ND, idx_TK)
+    flat = idx_pad.reshape(-1)
+    y_TKD = y_pad.index_select(0, flat).view(T, K, -1).to(acc)
     grad_w_TK = (y_TKD * g_TD.to(acc).unsqueeze(1)).sum(-1).to(w_TK.dtype)
     src = (w_TK.to(acc).unsqueeze(-1) * g_TD.to(acc).unsqueeze(1)).reshape(T * K, -1).to(y_ND.dtype)
-    grad_y_ND = torch.zeros_like(y_ND).index_copy_(0, flat, src)
+    grad_y_ND = torch.zeros_like(y_pad).index_copy_(0, flat, src)[:-1]
     return grad_y_ND, grad_w_TK
 
 
@@ -62,7 +72,8 @@ if triton is not None:
         acc = tl.zeros([BLOCK_D], dtype=tl.float32)
         for k in tl.static_range(K):
             row = tl.load(idx_ptr + t * K + k).to(tl.int64)
-            x = tl.load(src_ptr + row * D + offs, mask=mask, other=0.0).to(tl.float32)
+            present = (tl.zeros([BLOCK_D], dtype=tl.int64) + row) >= 0  # row -1: slot not sent
+            x = tl.load(src_ptr + row * D + offs, mask=mask & present, other=0.0).to(tl.float32)
             if HAS_W:
                 x = x * tl.load(w_ptr + t * K + k).to(tl.float32)
             acc += x
@@ -74,11 +85,12 @@ if triton is not None:
         t = tl.program_id(0).to(tl.int64)
         for k in tl.static_range(K):
             row = tl.load(idx_ptr + t * K + k).to(tl.int64)
+            present = (tl.zeros([BLOCK_D], dtype=tl.int64) + row) >= 0  # row -1: slot not sent
             w = tl.load(w_ptr + t * K + k).to(tl.float32)
             dot = tl.zeros([BLOCK_D], dtype=tl.float32)
             for d0 in range(0, D, BLOCK_D):
                 offs = d0 + tl.arange(0, BLOCK_D)
-                mask = offs < D
+                mask = (offs < D) & present
                 g = tl.load(g_ptr + t * D + offs, mask=mask, other=0.0).to(tl.float32)
                 y = tl.load(y_ptr + row * D + offs, mask=mask, other=0.0).to(tl.float32)
                 dot += g * y
@@ -109,14 +121,16 @@ def gather_sum(src_ND, idx_TK, w_TK=None):
     return out_TD
 
 
-def combine_backward(g_TD, y_ND, w_TK, idx_TK):
+def combine_backward(g_TD, y_ND, w_TK, idx_TK, allow_missing: bool = True):
+    """``allow_missing=False`` promises idx is a permutation of all N = T·K rows (skips zero-fill)."""
     if not _use_triton(g_TD, y_ND):
         return combine_backward_torch(g_TD, y_ND, w_TK, idx_TK)
     T, K = idx_TK.shape
     N, D = y_ND.shape
     g_TD, y_ND, w_TK, idx_TK = (t.contiguous() for t in (g_TD, y_ND, w_TK, idx_TK))
-    # every row is written when the rows are exactly the T*K slots (local dispatch); else zero-fill
-    grad_y_ND = torch.empty_like(y_ND) if N == T * K else torch.zeros_like(y_ND)
+    # every row is written when the rows are exactly the T*K slots (local dispatch: idx is a
+    # permutation); otherwise zero-fill the rows no slot maps to
+    grad_y_ND = torch.empty_like(y_ND) if (N == T * K and not allow_missing) else torch.zeros_like(y_ND)
     grad_w_TK = torch.empty(T, K, dtype=w_TK.dtype, device=w_TK.device)
     if T == 0:
         return grad_y_ND, grad_w_TK

@@ -22,8 +22,11 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-from components.moe_echo.models import build_model, moe_layers
-from components.parallel.data_parallel import allreduce_gradients, allreduce_sum, init_distributed
+from components.moe_echo.models import build_model, model_args_for, moe_layers
+from components.parallel.data_parallel import allreduce_sum, init_distributed
+from components.parallel.grad_norm import clip_grad_norm_
+from components.parallel.mesh import build_mesh, parallel_dims
+from components.parallel.parallelize import parallelize
 from components.train import checkpoint
 from components.train.config import help_text, load_config
 from components.train.data import TokenBatchLoader, build_token_stream
@@ -72,10 +75,13 @@ class TrainState:
 def train(argv: list[str]) -> None:
     # --- config and processes -------------------------------------------------------------------
     cfg = load_config(argv)
+    t, m = cfg.training, cfg.model
+    moe_args = getattr(model_args_for(m.name, m.flavor), "moe_args", None)
     rank, world, device = init_distributed()
+    dims = parallel_dims(cfg.parallelism, world, moe_args.num_experts if moe_args else None)
+    mesh = build_mesh(dims, device.type)
     is_main = rank == 0
     dump = cfg.job.dump_folder
-    t, m = cfg.training, cfg.model
     if is_main and cfg.job.print_config:
         print(cfg)
 
@@ -85,7 +91,7 @@ def train(argv: list[str]) -> None:
                                 max_bytes=t.max_corpus_mb * 1_000_000)
     loader = TokenBatchLoader(tokens, t.local_batch_size, t.seq_len, rank=rank, world_size=world, seed=t.seed)
 
-    # --- model ------------------------------------------------------------------------------------
+    # --- model: built whole on every rank (same seed), then EP-sharded and FSDP-wrapped ------------
     model = build_model(m.name, m.flavor, cfg.moe_echo, seq_len=t.seq_len, device=device, seed=t.seed)
     vocab = model.model_args.vocab_size
     if tokenizer.get_vocab_size() > vocab:
@@ -93,8 +99,9 @@ def train(argv: list[str]) -> None:
                         f"{tokenizer.get_vocab_size()} ids but flavour {m.flavor!r} has vocab_size {vocab}; "
                         "pick a flavour with a larger vocabulary or a smaller tokenizer")
     n_params, flops_per_token = model.model_args.get_nparams_and_flops(model, t.seq_len)
+    model = parallelize(model, mesh, dims, cfg, device)
     layers = moe_layers(model)
-    use_bf16 = device.type == "cuda" and t.mixed_precision_param == "bfloat16"
+    use_bf16 = device.type == "cuda" and t.mixed_precision_param == "bfloat16" and not dims.fsdp  # FSDP casts
     autocast = (lambda: torch.autocast("cuda", dtype=torch.bfloat16)) if use_bf16 else nullcontext
 
     optimizer = build_optimizer(model, cfg.optimizer)
@@ -132,6 +139,7 @@ def train(argv: list[str]) -> None:
     progress = Progress(t.steps, state.step, enabled=is_main)
     peak_flops = _peak_flops(device)
     tokens_per_step = t.local_batch_size * t.seq_len * world
+    check_overflow = any(type(moe.dispatcher).__name__ == "PaddedDispatcher" for _, moe in layers)
     window_t0, window_steps = time.perf_counter(), 0
 
     while state.step < t.steps:
@@ -143,8 +151,14 @@ def train(argv: list[str]) -> None:
             logits_BSV = model(inputs_BS)
         loss = F.cross_entropy(logits_BSV.flatten(0, 1).float(), labels_BS.flatten())
         loss.backward()
-        allreduce_gradients(model)
-        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), t.max_norm if t.max_norm > 0 else float("inf"))
+        grad_norm = clip_grad_norm_(list(model.parameters()), t.max_norm)
+        if check_overflow:  # host read; the sync-free gate-and-replay replaces this stop
+            dropped = int(allreduce_sum(torch.stack([moe.overflow_count for _, moe in layers]).sum()))
+            if dropped:
+                raise UserError(
+                    f"expert-parallel buffer overflow at step {step}: {dropped} (token, expert) assignments did not "
+                    f"fit the padded dispatcher's per-peer capacity; the step was not applied — raise [moe_echo] "
+                    f"capacity_factor (now {cfg.moe_echo.capacity_factor}) or use dispatcher = 'alltoall'")
         optimizer.step()
         scheduler.step()
         optimizer.zero_grad(set_to_none=True)
@@ -192,7 +206,9 @@ def train(argv: list[str]) -> None:
     tb.close()
     if is_main:
         extra = {"params": f"{n_params:,}", "model": f"{m.name}/{m.flavor} ({len(layers)} MoE layers)",
-                 "ranks": str(world), "device": str(device), "metrics": log_path}
+                 "ranks": f"{world} (dp_replicate {dims.dp_replicate} x dp_shard {dims.dp_shard}, ep {dims.ep})",
+                 "dispatcher": type(layers[0][1].dispatcher).__name__ if layers else "-",
+                 "device": str(device), "metrics": log_path}
         if tb.writer is not None:
             extra["tensorboard"] = f"tensorboard --logdir {os.path.join(dump, cfg.metrics.save_tb_folder)}"
         if ckpt.enable:

@@ -68,9 +68,10 @@ def test_row_ops_gradcheck():
 _INTERPRET_SCRIPT = r"""
 import torch
 from kernels import moe_rows
-for T, K, D, hot in [(6, 3, 40, False), (5, 2, 1030, False), (4, 4, 8, True)]:
+for T, K, D, hot in [(6, 3, 40, False), (5, 2, 1030, False), (4, 4, 8, True), (5, 3, 16, "drop")]:
     g = torch.Generator().manual_seed(T)
-    idx = torch.arange(T * K).view(T, K) if hot else torch.randperm(T * K, generator=g).view(T, K)
+    idx = torch.arange(T * K).view(T, K) if hot is True else torch.randperm(T * K, generator=g).view(T, K)
+    if hot == "drop": idx[0, 1] = -1; idx[3, 2] = -1
     y = torch.randn(T * K, D, generator=g); w = torch.rand(T, K, generator=g); gr = torch.randn(T, D, generator=g)
     assert moe_rows._use_triton(y)
     torch.testing.assert_close(moe_rows.gather_sum(y, idx, w), moe_rows.gather_sum_torch(y, idx, w), rtol=1e-5, atol=1e-5)
@@ -147,3 +148,19 @@ def test_swiglu_kernel_on_gpu_bf16():
     (torch.nn.functional.silu(a64) * b64).backward(g.double())
     for got, want in ((a.grad, a64.grad), (b.grad, b64.grad)):
         assert ((got.double() - want).norm() / want.norm()) < 1e-2
+
+
+def test_missing_slots_contribute_nothing_and_get_no_gradient():
+    y, w, idx, gr = _perm_case(6, 3, 4)
+    idx = idx.clone()
+    idx[1, 2] = -1
+    idx[4, 0] = -1
+    out = moe_rows.gather_sum_torch(y, idx, w)
+    keep = (idx >= 0).to(y.dtype)
+    ref, _, _ = _naive(y, w * keep, idx.clamp_min(0), gr)
+    torch.testing.assert_close(out, ref, rtol=1e-14, atol=1e-14)
+    gy, gw = moe_rows.combine_backward_torch(gr, y, w, idx)
+    assert gw[1, 2] == 0 and gw[4, 0] == 0
+    used = torch.zeros(len(y), dtype=torch.bool)
+    used[idx[idx >= 0]] = True
+    assert gy[~used].abs().max() == 0 and gy[used].abs().min() > 0

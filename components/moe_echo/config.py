@@ -13,8 +13,14 @@ class MoEEchoConfig:
     enable: bool = True
     """Swap torchtitan's MoE modules for moe-echo's layer (False keeps torchtitan's own MoE)."""
 
-    dispatcher: Literal["local"] = "local"
-    """Token dispatcher backend. ``local``: all experts on this rank (EP=1)."""
+    dispatcher: Literal["auto", "local", "alltoall", "padded"] = "auto"
+    """Token dispatcher backend. ``local``: all experts on this rank (EP=1). ``alltoall``: exact
+    variable-size all_to_all, sizes read on the host (the baseline). ``padded``: fixed rows per
+    peer, no host read (sync-free). ``auto``: local at EP=1, padded at EP>1."""
+
+    on_overflow: Literal["stop"] = "stop"
+    """What the training loop does when a fixed-capacity buffer overflowed: ``stop`` (the step is
+    not applied; the run ends with a message naming capacity_factor)."""
 
     capacity_factor: float = 1.25
     """Receive-buffer rows per rank = round_up(capacity_factor * T * K / EP, 128) (sync-free backends)."""

@@ -36,6 +36,7 @@ class LocalHandle:
     row_of_slot_TK: torch.Tensor  # dispatched row of each (token, choice) slot
     w_TK: torch.Tensor  # combine weights (fp32, differentiable)
     out_dtype: torch.dtype
+    dropped: torch.Tensor | None = None  # the local backend never drops
 
 
 class LocalDispatcher(Dispatcher):
@@ -60,10 +61,26 @@ class LocalDispatcher(Dispatcher):
         return x_ND, counts_E, LocalHandle(token_of_row_N, row_of_slot_TK, w_TK, x_TD.dtype)
 
     def combine(self, y_ND, handle: LocalHandle):
-        return weighted_combine(y_ND, handle.w_TK, handle.row_of_slot_TK).to(handle.out_dtype)
+        return weighted_combine(y_ND, handle.w_TK, handle.row_of_slot_TK, is_permutation=True).to(handle.out_dtype)
 
 
-def build_dispatcher(cfg: MoEEchoConfig, num_experts: int) -> Dispatcher:
-    if cfg.dispatcher == "local":
+def resolve_backend(cfg: MoEEchoConfig, ep_size: int) -> str:
+    """The backend ``cfg.dispatcher`` means at this EP degree (``auto``: local at EP=1, else padded)."""
+    if cfg.dispatcher == "auto":
+        return "local" if ep_size == 1 else "padded"
+    if (cfg.dispatcher == "local") != (ep_size == 1):
+        need = "expert_parallel_degree = 1" if cfg.dispatcher == "local" else "expert_parallel_degree > 1"
+        raise ValueError(f"[moe_echo] dispatcher = {cfg.dispatcher!r} needs {need} (got {ep_size}); "
+                         "use dispatcher = 'auto'")
+    return cfg.dispatcher
+
+
+def build_dispatcher(cfg: MoEEchoConfig, num_experts: int, ep_group=None, ep_size: int = 1) -> Dispatcher:
+    backend = resolve_backend(cfg, ep_size)
+    if backend == "local":
         return LocalDispatcher(num_experts)
-    raise ValueError(f"[moe_echo] dispatcher = {cfg.dispatcher!r} is not available; expected 'local'")
+    from .ep_dispatch import AllToAllDispatcher, PaddedDispatcher
+
+    if backend == "alltoall":
+        return AllToAllDispatcher(num_experts, ep_group, ep_size)
+    return PaddedDispatcher(num_experts, ep_group, ep_size, cfg.capacity_factor)

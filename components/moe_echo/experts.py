@@ -16,6 +16,7 @@ Paths:
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from kernels.swiglu import swiglu
 
@@ -61,8 +62,11 @@ class GroupedExperts(nn.Module):
         self.w2 = nn.Parameter(torch.empty(num_experts, dim, hidden_dim))
         self.w3 = nn.Parameter(torch.empty(num_experts, hidden_dim, dim))
 
-    def forward(self, x_ND: torch.Tensor, counts_E: torch.Tensor) -> torch.Tensor:
-        return grouped_swiglu(x_ND, self.w1, self.w2, self.w3, counts_E)
+    def forward(self, x_ND: torch.Tensor, counts_e: torch.Tensor) -> torch.Tensor:
+        """counts_e: rows of each *local* expert; with expert parallelism the weights are DTensors
+        sharded on dim 0 over the EP mesh and only this rank's e = E / EP experts are used."""
+        w1, w2, w3 = (w.to_local() if isinstance(w, DTensor) else w for w in (self.w1, self.w2, self.w3))
+        return grouped_swiglu(x_ND, w1, w2, w3, counts_e)
 
     def init_weights(self, init_std: float) -> None:
         _trunc_normal(self.w1, 0.02)

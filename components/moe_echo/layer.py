@@ -70,6 +70,9 @@ class MoELayer(nn.Module):
         self.load_balance_coeff = cfg.bias_update_rate if cfg.bias_update_rate > 0 else None
         self.register_buffer("expert_bias", torch.zeros(E, dtype=torch.float32), persistent=True)
         self.register_buffer("tokens_per_expert", torch.zeros(E, dtype=torch.float32), persistent=False)
+        # (token, expert) assignments a fixed-capacity dispatcher could not send (never silent)
+        self.register_buffer("overflow_count", torch.zeros((), dtype=torch.int64), persistent=False)
+        self.ep_size = 1
         self.last_aux_loss: torch.Tensor | None = None
 
     @property
@@ -85,6 +88,9 @@ class MoELayer(nn.Module):
             self.tokens_per_expert.add_(r.counts_E)
 
         x_ND, counts_e, handle = self.dispatcher.dispatch(x_TD, r.topk_ids_TK, r.topk_w_TK)
+        if handle.dropped is not None:
+            with torch.no_grad():
+                self.overflow_count.add_(handle.dropped)
         y_ND = self.experts(x_ND, counts_e)
         y_TD = self.dispatcher.combine(y_ND, handle)
         if self.shared_experts is not None:
@@ -116,3 +122,4 @@ class MoELayer(nn.Module):
         with torch.device(buffer_device):
             self.expert_bias = torch.zeros(self.num_experts, dtype=torch.float32)
             self.tokens_per_expert = torch.zeros(self.num_experts, dtype=torch.float32)
+            self.overflow_count = torch.zeros((), dtype=torch.int64)

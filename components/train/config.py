@@ -187,7 +187,7 @@ def _require(ok: bool, key: str, value, expected: str) -> None:
 def validate(cfg) -> None:
     from components.moe_echo.models import FLAVORS
 
-    t, o, s, m, e = cfg.training, cfg.optimizer, cfg.lr_scheduler, cfg.model, cfg.moe_echo
+    t, o, s, m, e, p = cfg.training, cfg.optimizer, cfg.lr_scheduler, cfg.model, cfg.moe_echo, cfg.parallelism
     if m.name not in FLAVORS:
         raise UserError(f"[model] name = {m.name!r} is not known; expected one of {', '.join(FLAVORS)}")
     if m.flavor not in FLAVORS[m.name]:
@@ -215,9 +215,15 @@ def validate(cfg) -> None:
     _require(e.aux_loss_coeff >= 0, "[moe_echo] aux_loss_coeff", e.aux_loss_coeff, ">= 0")
     _require(e.bias_update_rate >= 0, "[moe_echo] bias_update_rate", e.bias_update_rate, ">= 0")
     _require(e.load_heatmap_freq >= 0, "[moe_echo] load_heatmap_freq", e.load_heatmap_freq, ">= 0")
-    p = cfg.parallelism
+    ep = p.expert_parallel_degree
+    if e.dispatcher == "local" and ep != 1:
+        raise UserError(f"[moe_echo] dispatcher = 'local' needs [parallelism] expert_parallel_degree = 1 (got {ep}); "
+                        "use 'alltoall', 'padded' or 'auto'")
+    if e.dispatcher in ("alltoall", "padded") and ep == 1:
+        raise UserError(f"[moe_echo] dispatcher = {e.dispatcher!r} needs [parallelism] expert_parallel_degree > 1; "
+                        "use 'local' or 'auto'")
     for key in ("tensor_parallel_degree", "pipeline_parallel_degree", "context_parallel_degree",
-                "expert_parallel_degree", "expert_tensor_parallel_degree"):
+                "expert_tensor_parallel_degree"):
         _require(getattr(p, key) == 1, f"[parallelism] {key}", getattr(p, key), "1 (not supported yet)")
 
 

@@ -1,0 +1,75 @@
+"""Parallel degrees and the device mesh.
+
+world = dp_replicate × dp_shard. Expert parallelism borrows its ranks from dp_shard:
+dp_shard = efsdp × ep, so every rank still reads its own data (data-parallel degree = world),
+dense parameters are FSDP-sharded over (dp_replicate ×) dp_shard, and each expert's weights are
+owned by one of the ep ranks and FSDP-sharded over efsdp.
+
+Mesh dims: ("dp_replicate", "efsdp", "ep"); flattened views "dp_shard" = efsdp × ep and
+"dp" = dp_replicate × dp_shard.
+"""
+
+from dataclasses import dataclass
+
+import torch
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from components.train.errors import UserError
+
+
+@dataclass(frozen=True)
+class ParallelDims:
+    world: int
+    dp_replicate: int
+    dp_shard: int
+    ep: int
+
+    @property
+    def efsdp(self) -> int:
+        return self.dp_shard // self.ep
+
+    @property
+    def fsdp(self) -> bool:
+        return self.world > 1
+
+
+def parallel_dims(par_cfg, world: int, num_experts: int | None) -> ParallelDims:
+    """Validate ``[parallelism]`` against the world size and the model; one-line errors."""
+    rep, shard, ep = par_cfg.data_parallel_replicate_degree, par_cfg.data_parallel_shard_degree, par_cfg.expert_parallel_degree
+    if rep < 1:
+        raise UserError(f"[parallelism] data_parallel_replicate_degree = {rep} must be >= 1")
+    if world % rep != 0:
+        raise UserError(f"[parallelism] data_parallel_replicate_degree = {rep} does not divide the world size {world}")
+    if shard == -1:
+        shard = world // rep
+    if shard < 1 or rep * shard != world:
+        raise UserError(f"[parallelism] data_parallel_replicate_degree ({rep}) x data_parallel_shard_degree ({shard}) "
+                        f"must equal the number of processes ({world}); set data_parallel_shard_degree = -1 to infer it")
+    if ep < 1 or shard % ep != 0:
+        raise UserError(f"[parallelism] expert_parallel_degree = {ep} must divide data_parallel_shard_degree = {shard} "
+                        f"(EP borrows its ranks from it)")
+    if num_experts is not None and ep > 1 and num_experts % ep != 0:
+        raise UserError(f"[parallelism] expert_parallel_degree = {ep} does not divide the model's {num_experts} experts")
+    if num_experts is None and ep > 1:
+        raise UserError(f"[parallelism] expert_parallel_degree = {ep} but the model has no MoE layers")
+    return ParallelDims(world, rep, shard, ep)
+
+
+def build_mesh(dims: ParallelDims, device_type: str) -> DeviceMesh | None:
+    if dims.world == 1:
+        return None
+    mesh = init_device_mesh(device_type, (dims.dp_replicate, dims.efsdp, dims.ep),
+                            mesh_dim_names=("dp_replicate", "efsdp", "ep"))
+    mesh["efsdp", "ep"]._flatten("dp_shard")
+    mesh["dp_replicate", "efsdp", "ep"]._flatten("dp")
+    return mesh
+
+
+def dense_mesh(mesh: DeviceMesh, dims: ParallelDims) -> DeviceMesh:
+    """FSDP mesh of dense parameters: HSDP (replicate, shard) or plain FSDP over dp_shard."""
+    return mesh["dp_replicate", "dp_shard"] if dims.dp_replicate > 1 else mesh["dp_shard"]
+
+
+def expert_fsdp_mesh(mesh: DeviceMesh, dims: ParallelDims) -> DeviceMesh:
+    """FSDP mesh of expert parameters (their ep dim is already a DTensor shard)."""
+    return mesh["dp_replicate", "efsdp"] if dims.dp_replicate > 1 else mesh["efsdp"]

@@ -1,0 +1,81 @@
+"""Parallelize a torchtitan deepseek_v3 / qwen3 model carrying moe-echo's MoE layer.
+
+Per transformer block, in this order (torchtitan's conventions):
+1. expert parallelism: each MoE layer keeps e = E / EP experts — its w1/w2/w3 become DTensors
+   sharded on dim 0 over the "ep" mesh (global shape and FQN unchanged, so DCP checkpoints
+   reshard between EP layouts) — and gets the configured EP dispatcher;
+2. activation checkpointing: none | full (every block) | selective (every N-th block, N =
+   ``selective_ac_option``);
+3. torch.compile per block (``[compile] enable``, "model" in components);
+4. FSDP2: ``fully_shard`` of the experts over the expert-FSDP mesh (gradient divide factor =
+   world size, since every rank's tokens reach every expert), then of the block over the dense
+   mesh; finally of the root (embeddings, norm, output). bf16 params with fp32 reduction on GPU.
+"""
+
+import torch
+from torch import nn
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor, Shard
+
+from components.moe_echo.dispatcher import build_dispatcher
+from components.moe_echo.layer import MoELayer
+from components.train.errors import UserError
+
+from .mesh import ParallelDims, dense_mesh, expert_fsdp_mesh
+
+
+def apply_expert_parallel(moe: MoELayer, ep_mesh, cfg) -> None:
+    """Keep this rank's experts (a dim-0 shard over ``ep_mesh``) and switch to an EP dispatcher."""
+    ep, rank = ep_mesh.size(), ep_mesh.get_local_rank()
+    for name in ("w1", "w2", "w3"):
+        full = getattr(moe.experts, name).data
+        local = full.chunk(ep, dim=0)[rank].clone()
+        setattr(moe.experts, name, nn.Parameter(DTensor.from_local(local, ep_mesh, [Shard(0)], run_check=False)))
+    moe.dispatcher = build_dispatcher(cfg, moe.num_experts, ep_mesh.get_group(), ep)
+    moe.ep_size = ep
+
+
+def _ac_wrap(block: nn.Module, index: int, ac_cfg) -> nn.Module:
+    mode = ac_cfg.mode
+    if mode == "none":
+        return block
+    if mode == "full":
+        return checkpoint_wrapper(block, preserve_rng_state=ac_cfg.preserve_rng_state)
+    if mode == "selective":
+        try:
+            every = int(ac_cfg.selective_ac_option)
+        except ValueError:
+            raise UserError(f"[activation_checkpoint] selective_ac_option = {ac_cfg.selective_ac_option!r}: "
+                            "moe-echo supports a block interval (e.g. '2' = every 2nd block)") from None
+        if every < 1:
+            raise UserError(f"[activation_checkpoint] selective_ac_option = {every} must be >= 1")
+        return checkpoint_wrapper(block, preserve_rng_state=ac_cfg.preserve_rng_state) if index % every == 0 else block
+    raise UserError(f"[activation_checkpoint] mode = {mode!r} is not supported; expected 'none', 'full' or 'selective'")
+
+
+def parallelize(model: nn.Module, mesh, dims: ParallelDims, cfg, device: torch.device) -> nn.Module:
+    for i, (name, block) in enumerate(list(model.layers.items())):
+        if getattr(block, "moe_enabled", False) and dims.ep > 1:
+            apply_expert_parallel(block.moe, mesh["ep"], cfg.moe_echo)
+        block = _ac_wrap(block, i, cfg.activation_checkpoint)
+        if cfg.compile.enable and "model" in cfg.compile.components:
+            block.compile(backend=cfg.compile.backend)
+        model.layers[name] = block
+
+    if not dims.fsdp:
+        return model
+    mp = None
+    if device.type == "cuda" and cfg.training.mixed_precision_param == "bfloat16":
+        mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    kw = {"mp_policy": mp} if mp is not None else {}
+    reshard = cfg.parallelism.fsdp_reshard_after_forward != "never"
+    dmesh, emesh = dense_mesh(mesh, dims), expert_fsdp_mesh(mesh, dims)
+    for block in model.layers.values():
+        moe = getattr(block, "moe", None)
+        if isinstance(moe, MoELayer):
+            fully_shard(moe.experts, mesh=emesh, reshard_after_forward=reshard, **kw)
+            moe.experts.set_gradient_divide_factor(dims.world)
+        fully_shard(block, mesh=dmesh, reshard_after_forward=reshard, **kw)
+    fully_shard(model, mesh=dmesh, reshard_after_forward=False, **kw)
+    return model
