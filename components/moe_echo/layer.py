@@ -19,7 +19,7 @@ from torch import nn
 from torchtitan.models.moe import MoEArgs
 
 from .config import MoEEchoConfig
-from .dispatcher import Dispatcher, build_dispatcher
+from .dispatcher import Dispatcher, LocalDispatcher
 from .experts import GroupedExperts, SwiGLU
 from .router import TopKRouter, sequence_aux_loss, updated_expert_bias
 
@@ -64,7 +64,8 @@ class MoELayer(nn.Module):
         self.shared_experts = (
             SwiGLU(dim, hidden_dim * moe_args.num_shared_experts) if moe_args.num_shared_experts > 0 else None
         )
-        self.dispatcher: Dispatcher = build_dispatcher(cfg, E)
+        # every expert on this rank until parallelize() applies expert parallelism (and cfg's backend)
+        self.dispatcher: Dispatcher = LocalDispatcher(E)
 
         # torchtitan-compatible balancing state. ``load_balance_coeff`` doubles as the bias rate.
         self.load_balance_coeff = cfg.bias_update_rate if cfg.bias_update_rate > 0 else None

@@ -1,0 +1,138 @@
+"""Worker bodies for multi-process expert-parallel tests (gloo, CPU), launched with mp.spawn."""
+
+import os
+import sys
+import traceback
+
+import torch
+import torch.distributed as dist
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path[:0] = [ROOT, os.path.join(ROOT, "tests")]
+
+
+def run(rank, world, port, fn_name, kwargs, result_dir):
+    try:
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+        globals()[fn_name](rank, world, **kwargs)
+        dist.barrier()
+        open(os.path.join(result_dir, f"ok{rank}"), "w").close()
+    except BaseException:
+        with open(os.path.join(result_dir, f"err{rank}"), "w") as f:
+            f.write(traceback.format_exc())
+        raise
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _layer(E, K, shared, seed):
+    from torchtitan.models.moe import MoEArgs
+
+    from components.moe_echo.config import MoEEchoConfig
+    from components.moe_echo.layer import MoELayer
+
+    torch.manual_seed(seed)
+    args = MoEArgs(num_experts=E, num_shared_experts=shared, top_k=K, score_func="softmax",
+                   score_before_experts=False)
+    layer = MoELayer(args, 12, 10, MoEEchoConfig()).double()
+    layer.init_weights(0.3)
+    with torch.no_grad():
+        layer.router.gate.weight.normal_(0, 1.0)
+    return layer
+
+
+def layer_equivalence_all(rank, world):
+    """Every backend × routing case in one process group (process start-up dominates test time)."""
+    for backend in ("alltoall", "padded"):
+        for routing in ("random", "all_to_one", "empty_experts"):
+            try:
+                layer_equivalence(rank, world, backend, routing)
+            except AssertionError as err:
+                raise AssertionError(f"backend={backend} routing={routing}: {err}") from None
+
+
+def layer_equivalence(rank, world, backend, routing, E=8, K=2, tokens_per_rank=10):
+    """EP=world layer vs the same layer at EP=1 on all ranks' tokens: outputs and every gradient."""
+    import copy
+
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from components.moe_echo.config import MoEEchoConfig
+    from components.parallel.parallelize import apply_expert_parallel
+
+    ref = _layer(E, K, shared=1, seed=0)
+    bias = torch.zeros(E)
+    if routing == "all_to_one":
+        bias[:] = -50.0
+        bias[E - 1] = 50.0  # expert on the last rank takes every token's first choice
+    elif routing == "empty_experts":
+        bias[[0, 1, E // 2]] = -50.0  # three experts never chosen
+    ref.expert_bias.copy_(bias)
+    ep_layer = copy.deepcopy(ref)
+
+    g = torch.Generator().manual_seed(1)
+    x_all = torch.randn(world, tokens_per_rank, 12, generator=g, dtype=torch.float64)
+    gy_all = torch.randn(world, tokens_per_rank, 12, generator=g, dtype=torch.float64)
+
+    x_ref = x_all.clone().requires_grad_()
+    (ref(x_ref) * gy_all).sum().backward()
+    y_ref = ref(x_all.clone()).detach()
+
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("ep",))
+    cfg = MoEEchoConfig(dispatcher=backend, capacity_factor=float(world))  # C = T*K: never overflows
+    apply_expert_parallel(ep_layer, mesh, cfg)
+    x = x_all[rank:rank + 1].clone().requires_grad_()
+    y = ep_layer(x)
+    (y * gy_all[rank:rank + 1]).sum().backward()
+    assert int(ep_layer.overflow_count) == 0
+
+    tol = dict(rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(y.detach(), y_ref[rank:rank + 1], **tol)
+    torch.testing.assert_close(x.grad, x_ref.grad[rank:rank + 1], **tol)
+    e = E // world
+    for name in ("w1", "w2", "w3"):
+        got = getattr(ep_layer.experts, name).grad.to_local()
+        want = getattr(ref.experts, name).grad[rank * e:(rank + 1) * e]
+        torch.testing.assert_close(got, want, **tol, msg=lambda m: f"{name}: {m}")
+    for name, p in ep_layer.named_parameters():  # replicated params: rank grads sum to the reference
+        if name.startswith("experts."):
+            continue
+        grad = p.grad.clone()
+        dist.all_reduce(grad)
+        torch.testing.assert_close(grad, dict(ref.named_parameters())[name].grad, **tol,
+                                   msg=lambda m: f"{name}: {m}")
+    counts = ep_layer.tokens_per_expert.clone()
+    dist.all_reduce(counts)
+    assert torch.equal(counts, ref.tokens_per_expert / 2)  # ref ran twice
+
+
+def padded_overflow(rank, world, E=8, K=2, tokens_per_rank=16):
+    """A small capacity with every token sent to one rank's experts: drops are counted, never silent."""
+    import copy
+
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from components.moe_echo.config import MoEEchoConfig
+    from components.parallel.parallelize import apply_expert_parallel
+
+    layer = _layer(E, K, shared=0, seed=0)
+    layer.expert_bias[:] = -50.0
+    layer.expert_bias[:2] = 50.0  # both choices on rank 0's experts
+    ref = copy.deepcopy(layer)
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("ep",))
+    apply_expert_parallel(layer, mesh, MoEEchoConfig(dispatcher="padded", capacity_factor=1.0))
+    x = torch.randn(1, tokens_per_rank, 12, dtype=torch.float64, generator=torch.Generator().manual_seed(rank))
+    y = layer(x)
+    from components.moe_echo.ep_dispatch import padded_capacity
+
+    T, C = tokens_per_rank, padded_capacity(tokens_per_rank, K, world, 1.0)
+    assert C < T * K
+    dropped = int(layer.overflow_count)
+    assert dropped == T * K - C, (dropped, T * K, C)
+    # the rows that were sent are exact; the dropped ones are the (reported) difference
+    y_ref = ref(x)
+    assert not torch.allclose(y, y_ref)
+    total = torch.tensor(dropped)
+    dist.all_reduce(total)
+    assert int(total) == world * (T * K - C)

@@ -1,0 +1,141 @@
+"""Expert parallelism on CPU over gloo (2 and 4 processes): layer equivalence in fp64 for both
+backends, padded overflow detection, and the recipe under torchrun (EP=2 vs EP=1 losses, DCP
+checkpoints resharded between EP layouts, bad parallelism configs)."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch.multiprocessing as mp
+
+from components.parallel.mesh import parallel_dims
+from components.train.errors import UserError
+from conftest import ROOT
+
+
+def spawn(world, fn_name, tmp_path, **kwargs):
+    import ep_worker
+
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    try:
+        mp.spawn(ep_worker.run, args=(world, port, fn_name, kwargs, str(tmp_path)), nprocs=world, join=True)
+    except Exception:
+        errs = [open(os.path.join(tmp_path, f)).read() for f in sorted(os.listdir(tmp_path)) if f.startswith("err")]
+        raise AssertionError("\n".join(errs) or "worker failed") from None
+    assert sorted(f for f in os.listdir(tmp_path) if f.startswith("ok")) == [f"ok{r}" for r in range(world)]
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_layer_at_ep_equals_ep1_for_both_backends_and_adversarial_routing(tmp_path, world):
+    """alltoall and padded × random / all tokens to one expert / experts with no tokens, fp64."""
+    spawn(world, "layer_equivalence_all", tmp_path)
+
+
+def test_padded_overflow_is_detected_and_counted(tmp_path):
+    spawn(2, "padded_overflow", tmp_path)
+
+
+# --- recipe under torchrun ------------------------------------------------------------------------
+
+RECIPE = os.path.join(ROOT, "recipes", "pretrain.py")
+CONFIG = os.path.join(ROOT, "train_configs", "debug_cpu.toml")
+COMMON = ["--job.config_file", CONFIG, "--training.max_corpus_mb", "1", "--training.seq_len", "64",
+          "--metrics.log_freq", "1", "--metrics.enable_tensorboard", "false", "--training.steps", "5",
+          "--lr_scheduler.warmup_steps", "2", "--moe_echo.capacity_factor", "4.0"]
+
+
+def recipe(dump, nproc, *args, check=True):
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    if nproc == 1:
+        cmd = [sys.executable, RECIPE]
+    else:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
+               "--master_port", str(29500 + os.getpid() % 1000), RECIPE]
+    p = subprocess.run([*cmd, *COMMON, "--job.dump_folder", str(dump), *args], capture_output=True, text=True,
+                       env=env, timeout=600)
+    if check and p.returncode != 0:
+        raise AssertionError(f"exit {p.returncode}\n{p.stdout[-2000:]}\n{p.stderr[-4000:]}")
+    return p
+
+
+def losses(dump):
+    with open(os.path.join(dump, "metrics.jsonl")) as f:
+        return {r["step"]: r["loss"] for r in map(json.loads, f)}
+
+
+@pytest.fixture(scope="module")
+def ep1_losses(tmp_path_factory):
+    dump = tmp_path_factory.mktemp("ep1")
+    recipe(dump, 1, "--training.local_batch_size", "8", "--checkpoint.enable", "false")
+    return losses(dump)
+
+
+@pytest.fixture(scope="module")
+def ep2_run(tmp_path_factory):
+    dump = tmp_path_factory.mktemp("ep2")
+    recipe(dump, 2, "--training.local_batch_size", "4", "--parallelism.expert_parallel_degree", "2",
+           "--checkpoint.interval", "2", "--checkpoint.keep_latest_k", "0")
+    return dump
+
+
+@pytest.mark.parametrize("backend", ["padded", "alltoall"])
+def test_training_at_ep2_matches_ep1(tmp_path, ep1_losses, ep2_run, backend):
+    if backend == "padded":
+        got = losses(ep2_run)
+    else:
+        recipe(tmp_path, 2, "--training.local_batch_size", "4", "--parallelism.expert_parallel_degree", "2",
+               "--moe_echo.dispatcher", "alltoall", "--checkpoint.enable", "false")
+        got = losses(tmp_path)
+    assert sorted(got) == [1, 2, 3, 4, 5]
+    for step, want in ep1_losses.items():
+        assert got[step] == pytest.approx(want, rel=2e-5), step
+
+
+@pytest.mark.parametrize("nproc, ep", [(1, 1), (4, 4)])
+def test_checkpoint_saved_at_ep2_resumes_at_other_layouts(tmp_path, ep2_run, nproc, ep):
+    import shutil
+
+    shutil.copytree(os.path.join(ep2_run, "checkpoint"), os.path.join(tmp_path, "checkpoint"))
+    p = recipe(tmp_path, nproc, "--training.local_batch_size", str(8 // nproc), "--parallelism.expert_parallel_degree",
+               str(ep), "--checkpoint.load_step", "2")
+    assert "resumed from" in p.stdout and "step-2" in p.stdout
+    want = losses(ep2_run)
+    got = losses(tmp_path)
+    for step in (3, 4, 5):
+        assert got[step] == pytest.approx(want[step], rel=2e-5), step
+
+
+class _Par:
+    def __init__(self, rep=1, shard=-1, ep=1):
+        self.data_parallel_replicate_degree, self.data_parallel_shard_degree, self.expert_parallel_degree = rep, shard, ep
+
+
+@pytest.mark.parametrize(
+    "world, par, experts, expect",
+    [
+        (4, _Par(rep=3), 8, "does not divide the world size 4"),
+        (4, _Par(rep=1, shard=3), 8, "must equal the number of processes (4)"),
+        (4, _Par(ep=3), 8, "must divide data_parallel_shard_degree = 4"),
+        (4, _Par(ep=4), 6, "does not divide the model's 6 experts"),
+        (2, _Par(ep=2), None, "has no MoE layers"),
+        (4, _Par(rep=0), 8, "must be >= 1"),
+    ],
+)
+def test_bad_parallelism_is_a_one_line_error(world, par, experts, expect):
+    with pytest.raises(UserError, match=expect.replace("(", r"\(").replace(")", r"\)")) as err:
+        parallel_dims(par, world, experts)
+    assert "\n" not in str(err.value)
+
+
+def test_bad_parallelism_in_the_recipe_exits_2(tmp_path):
+    p = recipe(tmp_path, 1, "--parallelism.expert_parallel_degree", "2", check=False)
+    lines = [l for l in p.stderr.splitlines() if l.strip()]
+    assert p.returncode == 2 and len(lines) == 1 and "expert_parallel_degree = 2" in lines[0], p.stderr[-2000:]
+    p = recipe(tmp_path, 1, "--moe_echo.dispatcher", "padded", check=False)
+    assert p.returncode == 2 and "needs [parallelism] expert_parallel_degree > 1" in p.stderr
