@@ -5,8 +5,9 @@ dp_shard = efsdp × ep, so every rank still reads its own data (data-parallel de
 dense parameters are FSDP-sharded over (dp_replicate ×) dp_shard, and each expert's weights are
 owned by one of the ep ranks and FSDP-sharded over efsdp.
 
-Mesh dims: ("dp_replicate", "efsdp", "ep"); flattened views "dp_shard" = efsdp × ep and
-"dp" = dp_replicate × dp_shard.
+Meshes: ``experts`` = ("dp_replicate", "efsdp", "ep") for expert params (their "ep" dim is a DTensor
+shard, "efsdp" (and "dp_replicate") is FSDP), and ``dense`` = ("dp_replicate", "dp_shard") for
+everything else (HSDP when dp_replicate > 1, else 1-D FSDP).
 """
 
 from dataclasses import dataclass
@@ -55,21 +56,29 @@ def parallel_dims(par_cfg, world: int, num_experts: int | None) -> ParallelDims:
     return ParallelDims(world, rep, shard, ep)
 
 
-def build_mesh(dims: ParallelDims, device_type: str) -> DeviceMesh | None:
+@dataclass
+class Meshes:
+    experts: DeviceMesh  # ("dp_replicate", "efsdp", "ep")
+    dense: DeviceMesh  # ("dp_replicate", "dp_shard") or ("dp_shard",)
+
+    @property
+    def ep(self) -> DeviceMesh:
+        return self.experts["ep"]
+
+    @property
+    def expert_fsdp(self) -> DeviceMesh:
+        """FSDP mesh of expert parameters (their ep dim is already a DTensor shard)."""
+        return self.experts["dp_replicate", "efsdp"] if self.experts.size(0) > 1 else self.experts["efsdp"]
+
+
+def build_mesh(dims: ParallelDims, device_type: str) -> Meshes | None:
     if dims.world == 1:
         return None
-    mesh = init_device_mesh(device_type, (dims.dp_replicate, dims.efsdp, dims.ep),
-                            mesh_dim_names=("dp_replicate", "efsdp", "ep"))
-    mesh["efsdp", "ep"]._flatten("dp_shard")
-    mesh["dp_replicate", "efsdp", "ep"]._flatten("dp")
-    return mesh
-
-
-def dense_mesh(mesh: DeviceMesh, dims: ParallelDims) -> DeviceMesh:
-    """FSDP mesh of dense parameters: HSDP (replicate, shard) or plain FSDP over dp_shard."""
-    return mesh["dp_replicate", "dp_shard"] if dims.dp_replicate > 1 else mesh["dp_shard"]
-
-
-def expert_fsdp_mesh(mesh: DeviceMesh, dims: ParallelDims) -> DeviceMesh:
-    """FSDP mesh of expert parameters (their ep dim is already a DTensor shard)."""
-    return mesh["dp_replicate", "efsdp"] if dims.dp_replicate > 1 else mesh["efsdp"]
+    experts = init_device_mesh(device_type, (dims.dp_replicate, dims.efsdp, dims.ep),
+                               mesh_dim_names=("dp_replicate", "efsdp", "ep"))
+    if dims.dp_replicate > 1:
+        dense = init_device_mesh(device_type, (dims.dp_replicate, dims.dp_shard),
+                                 mesh_dim_names=("dp_replicate", "dp_shard"))
+    else:
+        dense = init_device_mesh(device_type, (dims.dp_shard,), mesh_dim_names=("dp_shard",))
+    return Meshes(experts, dense)

@@ -22,7 +22,7 @@ from components.moe_echo.dispatcher import build_dispatcher
 from components.moe_echo.layer import MoELayer
 from components.train.errors import UserError
 
-from .mesh import ParallelDims, dense_mesh, expert_fsdp_mesh
+from .mesh import Meshes, ParallelDims
 
 
 def apply_expert_parallel(moe: MoELayer, ep_mesh, cfg) -> None:
@@ -54,10 +54,10 @@ def _ac_wrap(block: nn.Module, index: int, ac_cfg) -> nn.Module:
     raise UserError(f"[activation_checkpoint] mode = {mode!r} is not supported; expected 'none', 'full' or 'selective'")
 
 
-def parallelize(model: nn.Module, mesh, dims: ParallelDims, cfg, device: torch.device) -> nn.Module:
+def parallelize(model: nn.Module, mesh: Meshes | None, dims: ParallelDims, cfg, device: torch.device) -> nn.Module:
     for i, (name, block) in enumerate(list(model.layers.items())):
         if getattr(block, "moe_enabled", False) and dims.ep > 1:
-            apply_expert_parallel(block.moe, mesh["ep"], cfg.moe_echo)
+            apply_expert_parallel(block.moe, mesh.ep, cfg.moe_echo)
         block = _ac_wrap(block, i, cfg.activation_checkpoint)
         if cfg.compile.enable and "model" in cfg.compile.components:
             block.compile(backend=cfg.compile.backend)
@@ -70,7 +70,7 @@ def parallelize(model: nn.Module, mesh, dims: ParallelDims, cfg, device: torch.d
         mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     kw = {"mp_policy": mp} if mp is not None else {}
     reshard = cfg.parallelism.fsdp_reshard_after_forward != "never"
-    dmesh, emesh = dense_mesh(mesh, dims), expert_fsdp_mesh(mesh, dims)
+    dmesh, emesh = mesh.dense, mesh.expert_fsdp
     for block in model.layers.values():
         moe = getattr(block, "moe", None)
         if isinstance(moe, MoELayer):
