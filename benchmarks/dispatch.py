@@ -1,0 +1,167 @@
+"""Dispatch + combine across EP ranks: alltoall (NCCL, host-sized) vs padded (NCCL, sync-free) vs
+PyTorch symmetric-memory all_to_all_vdev (NVSHMEM, where it runs) vs a raw peer-to-peer copy of the
+same bytes (the NVLink ceiling), all in one run.
+
+    torchrun --nproc_per_node 2 benchmarks/dispatch.py [--out DIR]
+
+Bytes counted = rows that leave the busiest rank × D × 2 B, twice (dispatch there, combine back);
+GB/s = those bytes / the slowest rank's time. The peer copy moves the same bytes with
+one cudaMemcpy-style copy into the peer GPU each way. E=64, K=8, bf16.
+"""
+
+import argparse
+import math
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch
+import torch.distributed as dist
+
+from benchmarks.common import environment, markdown_table, time_ms, write_results
+from components.moe_echo.ep_dispatch import AllToAllDispatcher, PaddedDispatcher, padded_capacity
+
+E, K = 64, 8
+
+
+def routing(T, kind, gen, dev):
+    scores = torch.rand(T, E, generator=gen, device=dev)
+    if kind == "skewed":  # Zipf(1.2) popularity + Gumbel noise
+        pop = torch.arange(1, E + 1, device=dev).float().pow(-1.2)
+        scores = pop.log() - torch.log(-torch.log(scores.clamp_min(1e-9)))
+    return scores.topk(K, dim=-1).indices
+
+
+def slowest(ms: float) -> float:
+    t = torch.tensor([ms], device="cuda")
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return float(t)
+
+
+def peer_copy_ms(nbytes: int, rank: int, world: int) -> float:
+    """Copy nbytes from this GPU into the next GPU and back (same-process P2P copies), all ranks at once."""
+    peer = (rank + 1) % world
+    src = torch.empty(nbytes // 2, dtype=torch.bfloat16, device=f"cuda:{rank}").normal_()
+    dst = torch.empty_like(src, device=f"cuda:{peer}")
+
+    def fn():
+        dst.copy_(src, non_blocking=True)
+        src.copy_(dst, non_blocking=True)
+
+    dist.barrier()
+    return time_ms(fn)
+
+
+def vdev_ms(x_send, send_splits, group):
+    """torch.ops.symm_mem.all_to_all_vdev there and back, or the reason it does not run."""
+    try:
+        import torch.distributed._symmetric_memory as symm_mem
+
+        if not symm_mem.is_nvshmem_available():
+            return None, "NVSHMEM not available"
+        symm_mem.set_backend("NVSHMEM")
+        n, D = x_send.shape
+        inp = symm_mem.empty(n, D, dtype=x_send.dtype, device=x_send.device).copy_(x_send)
+        out = symm_mem.empty(n * 2, D, dtype=x_send.dtype, device=x_send.device)
+        back = symm_mem.empty(n * 2, D, dtype=x_send.dtype, device=x_send.device)
+        world = dist.get_world_size(group)
+        # schema (torch 2.11): all_to_all_vdev(input, out, in_splits[W], out_splits_offsets[2, W], group)
+        in_splits = symm_mem.empty(world, dtype=torch.int64, device=x_send.device)
+        out_so = symm_mem.empty(2, world, dtype=torch.int64, device=x_send.device)
+        back_so = symm_mem.empty(2, world, dtype=torch.int64, device=x_send.device)
+        name = group.group_name
+        for t in (inp, out, back, in_splits, out_so, back_so):
+            symm_mem.rendezvous(t, name)
+
+        def fn():
+            in_splits.copy_(send_splits)
+            torch.ops.symm_mem.all_to_all_vdev(inp, out, in_splits, out_so, name)
+            torch.ops.symm_mem.all_to_all_vdev(out, back, out_so[0], back_so, name)
+
+        return time_ms(fn), ""
+    except Exception as err:  # report, never hide: the table says why
+        return None, f"{type(err).__name__}: {str(err).splitlines()[0][:80]}"
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--tokens", default="4096,16384")
+    ap.add_argument("--hidden", default="2048,7168")
+    a = ap.parse_args()
+    dist.init_process_group("nccl")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.cuda.set_device(rank)
+    dev = torch.device("cuda", rank)
+    group = dist.group.WORLD
+    rows = []
+    vdev_note = ""
+    for T in map(int, a.tokens.split(",")):
+        for D in map(int, a.hidden.split(",")):
+            for kind in ("balanced", "skewed"):
+                gen = torch.Generator(device=dev).manual_seed(1000 * rank + T + D)
+                ids = routing(T, kind, gen, dev)
+                w = torch.rand(T, K, device=dev, generator=gen)
+                x = torch.randn(T, D, device=dev, dtype=torch.bfloat16, generator=gen)
+                e = E // world
+                dest_counts = torch.bincount(ids.flatten() // e, minlength=world)
+                remote_rows = torch.tensor(float(T * K - dest_counts[rank]), device=dev)
+                dist.all_reduce(remote_rows, op=dist.ReduceOp.MAX)  # the busiest rank sets the time
+                remote_rows = float(remote_rows)
+                need = dest_counts.max().clone()
+                dist.all_reduce(need, op=dist.ReduceOp.MAX)
+                cf = max(1.0, math.ceil(float(need) * world / (T * K) * 20) / 20)  # no drops, 0.05 steps
+                nbytes = int(2 * remote_rows * D * 2)
+
+                def bench(disp):
+                    def fn():
+                        with torch.no_grad():
+                            x_nd, _, h = disp.dispatch(x, ids, w)
+                            disp.combine(x_nd, h)
+                    return slowest(time_ms(fn))
+
+                t_a2a = bench(AllToAllDispatcher(E, group, world))
+                padded = PaddedDispatcher(E, group, world, cf)
+                with torch.no_grad():
+                    _, _, h = padded.dispatch(x, ids, w)
+                assert int(h.dropped) == 0
+                t_pad = bench(padded)
+                own = int(2 * float(T * K - dest_counts[rank]) * D * 2)
+                t_copy = slowest(peer_copy_ms(max(own // 2, 2), rank, world))
+                # vdev baseline: exact splits of the rank-major send buffer
+                from components.moe_echo.ep_layout import send_layout
+
+                lay = send_layout(ids, E, world)
+                x_send = x.index_select(0, lay.token_of_sorted_N)
+                t_vdev, note = vdev_ms(x_send, lay.counts_Re.sum(1), group)
+                vdev_note = vdev_note or note
+                gbs = lambda ms: nbytes / (ms * 1e-3) / 1e9 if ms else float("nan")
+                row = {
+                    "T": T, "D": D, "routing": kind, "ranks": world, "remote_MB": nbytes / 2 / 1e6,
+                    "padded_cf": cf, "padded_rows_per_peer": padded_capacity(T, K, world, cf),
+                    "alltoall_ms": t_a2a, "padded_ms": t_pad,
+                    "vdev_ms": slowest(t_vdev) if t_vdev else float("nan"), "peer_copy_ms": t_copy,
+                    "alltoall_GBs": gbs(t_a2a), "padded_GBs": gbs(t_pad),
+                    "vdev_GBs": gbs(t_vdev) if t_vdev else float("nan"), "peer_copy_GBs": gbs(t_copy),
+                    "padded_vs_alltoall": t_a2a / t_pad, "padded_frac_of_ceiling": t_copy / t_pad,
+                }
+                rows.append(row)
+                if rank == 0:
+                    print(row, flush=True)
+    if rank == 0:
+        env = environment()
+        env["ranks"] = world
+        env["vdev"] = vdev_note or "ran"
+        cols = ["T", "D", "routing", "remote_MB", "padded_cf", "alltoall_ms", "padded_ms", "vdev_ms", "peer_copy_ms",
+                "alltoall_GBs", "padded_GBs", "vdev_GBs", "peer_copy_GBs", "padded_vs_alltoall",
+                "padded_frac_of_ceiling"]
+        table = markdown_table(rows, cols)
+        stem = write_results(f"dispatch_ep{world}", env, rows, table, a.out)
+        print(f"\ndispatch+combine, EP={world}, {env['gpu']}, torch {env['torch']} ({stem}.json); "
+              f"all_to_all_vdev: {env['vdev']}\n{table}")
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
