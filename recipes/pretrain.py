@@ -168,6 +168,7 @@ def train(argv: list[str]) -> None:
         for (_, moe), counts_E in zip(layers, counts_LE if layers else []):
             moe.update_expert_bias(counts_E)
             moe.tokens_per_expert.zero_()
+            moe.overflow_count.zero_()
 
         window_steps += 1
         summary.tokens += tokens_per_step
@@ -183,6 +184,8 @@ def train(argv: list[str]) -> None:
             if device.type == "cuda":
                 values["memory/peak_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
                 summary.peak_mem_gib = max(summary.peak_mem_gib, values["memory/peak_gib"])
+            if check_overflow:
+                values["moe/overflow_assignments"] = float(dropped)
             for name, counts_E in zip([n for n, _ in layers], counts_LE if layers else []):
                 values[f"moe/layer{name}/load_max_over_mean"] = tb.record_load(f"layer{name}", counts_E)
                 summary.imbalance.append(load_imbalance(counts_E))

@@ -139,3 +139,15 @@ def test_bad_parallelism_in_the_recipe_exits_2(tmp_path):
     assert p.returncode == 2 and len(lines) == 1 and "expert_parallel_degree = 2" in lines[0], p.stderr[-2000:]
     p = recipe(tmp_path, 1, "--moe_echo.dispatcher", "padded", check=False)
     assert p.returncode == 2 and "needs [parallelism] expert_parallel_degree > 1" in p.stderr
+
+
+def test_activation_checkpointing_and_compile_keep_the_losses(tmp_path, ep1_losses):
+    recipe(tmp_path / "ac", 2, "--training.local_batch_size", "4", "--parallelism.expert_parallel_degree", "2",
+           "--activation_checkpoint.mode", "full", "--checkpoint.enable", "false")
+    recipe(tmp_path / "sac", 1, "--training.local_batch_size", "8", "--activation_checkpoint.mode", "selective",
+           "--activation_checkpoint.selective_ac_option", "2", "--compile.enable", "true", "--compile.backend",
+           "aot_eager", "--checkpoint.enable", "false")
+    for run in ("ac", "sac"):
+        got = losses(tmp_path / run)
+        for step, want in ep1_losses.items():
+            assert got[step] == pytest.approx(want, rel=2e-5), (run, step)
