@@ -52,7 +52,17 @@ def layer_equivalence_all(rank, world):
                 raise AssertionError(f"backend={backend} routing={routing}: {err}") from None
 
 
-def layer_equivalence(rank, world, backend, routing, E=8, K=2, tokens_per_rank=10):
+def echo_equivalence_all(rank, world):
+    """ECHO on: same outputs and gradients as EP=1, for both backends and adversarial routing."""
+    for backend in ("alltoall", "padded"):
+        for routing in ("random", "all_to_one", "one_hot_per_rank", "empty_experts", "more_hot_than_slots"):
+            try:
+                layer_equivalence(rank, world, backend, routing, echo=True)
+            except AssertionError as err:
+                raise AssertionError(f"echo backend={backend} routing={routing}: {err}") from None
+
+
+def layer_equivalence(rank, world, backend, routing, E=8, K=2, tokens_per_rank=10, echo=False):
     """EP=world layer vs the same layer at EP=1 on all ranks' tokens: outputs and every gradient."""
     import copy
 
@@ -68,6 +78,10 @@ def layer_equivalence(rank, world, backend, routing, E=8, K=2, tokens_per_rank=1
         bias[E - 1] = 50.0  # expert on the last rank takes every token's first choice
     elif routing == "empty_experts":
         bias[[0, 1, E // 2]] = -50.0  # three experts never chosen
+    elif routing == "one_hot_per_rank":
+        bias[:: E // world] = 50.0  # the first expert of every rank is hot
+    elif routing == "more_hot_than_slots":
+        bias[: E // 2] = 50.0  # half the experts (all on the first ranks) hot; 1 slot per rank
     ref.expert_bias.copy_(bias)
     ep_layer = copy.deepcopy(ref)
 
@@ -80,12 +94,24 @@ def layer_equivalence(rank, world, backend, routing, E=8, K=2, tokens_per_rank=1
     y_ref = ref(x_all.clone()).detach()
 
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("ep",))
-    cfg = MoEEchoConfig(dispatcher=backend, capacity_factor=float(world))  # C = T*K: never overflows
+    slots = 1 if routing == "more_hot_than_slots" else 2
+    cfg = MoEEchoConfig(dispatcher=backend, capacity_factor=float(world), echo=echo,  # C = T*K: never overflows
+                        echo_slots_per_rank=slots)
     apply_expert_parallel(ep_layer, mesh, cfg)
     x = x_all[rank:rank + 1].clone().requires_grad_()
     y = ep_layer(x)
     (y * gy_all[rank:rank + 1]).sum().backward()
     assert int(ep_layer.overflow_count) == 0
+    if echo:
+        plan = ep_layer.echo.last_plan
+        before, after, clones, moved = ep_layer.echo_stats.tolist()
+        assert after <= before + 1e-9
+        if routing in ("all_to_one", "more_hot_than_slots") or before > 1.2:
+            assert clones >= 1 and moved > 0, (before, after, clones, moved)
+        from components.moe_echo.planner import fold_back, rewrite
+
+        ids = ep_layer.router(x.detach().view(-1, 12), ep_layer.expert_bias).topk_ids_TK
+        assert torch.equal(fold_back(rewrite(ids, plan, rank, E), plan, E), ids)
 
     tol = dict(rtol=1e-12, atol=1e-12)
     torch.testing.assert_close(y.detach(), y_ref[rank:rank + 1], **tol)

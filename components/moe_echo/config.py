@@ -31,5 +31,15 @@ class MoEEchoConfig:
     bias_update_rate: float = 1e-3
     """Aux-loss-free balancing: expert_bias += rate * sign(mean - count) after each step (0 disables)."""
 
+    echo: bool = False
+    """ECHO: clone hot experts into spare slots on under-loaded EP ranks every step (needs EP > 1)."""
+
+    echo_slots_per_rank: int = 2
+    """Echo slots per EP rank (each can host one clone of a hot expert per step)."""
+
+    echo_planner: Literal["greedy", "bestfit"] = "greedy"
+    """Slot assignment rule: ``greedy`` (hottest overflow to the roomiest rank) or ``bestfit``
+    (the fullest rank whose room takes the whole overflow; priority bin packing)."""
+
     load_heatmap_freq: int = 50
     """Write the per-layer expert-load heatmap image to TensorBoard every this many steps (0: never)."""

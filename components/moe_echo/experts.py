@@ -65,8 +65,11 @@ class GroupedExperts(nn.Module):
     def forward(self, x_ND: torch.Tensor, counts_e: torch.Tensor) -> torch.Tensor:
         """counts_e: rows of each *local* expert; with expert parallelism the weights are DTensors
         sharded on dim 0 over the EP mesh and only this rank's e = E / EP experts are used."""
-        w1, w2, w3 = (w.to_local() if isinstance(w, DTensor) else w for w in (self.w1, self.w2, self.w3))
-        return grouped_swiglu(x_ND, w1, w2, w3, counts_e)
+        return grouped_swiglu(x_ND, *self.local_weights(), counts_e)
+
+    def local_weights(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(w1, w2, w3) of this rank's experts as plain tensors (differentiable)."""
+        return tuple(w.to_local() if isinstance(w, DTensor) else w for w in (self.w1, self.w2, self.w3))
 
     def init_weights(self, init_std: float) -> None:
         _trunc_normal(self.w1, 0.02)

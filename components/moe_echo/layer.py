@@ -20,7 +20,8 @@ from torchtitan.models.moe import MoEArgs
 
 from .config import MoEEchoConfig
 from .dispatcher import Dispatcher, LocalDispatcher
-from .experts import GroupedExperts, SwiGLU
+from .echo import echo_stats
+from .experts import GroupedExperts, SwiGLU, grouped_swiglu
 from .router import TopKRouter, sequence_aux_loss, updated_expert_bias
 
 
@@ -73,7 +74,9 @@ class MoELayer(nn.Module):
         self.register_buffer("tokens_per_expert", torch.zeros(E, dtype=torch.float32), persistent=False)
         # (token, expert) assignments a fixed-capacity dispatcher could not send (never silent)
         self.register_buffer("overflow_count", torch.zeros((), dtype=torch.int64), persistent=False)
+        self.register_buffer("echo_stats", torch.zeros(4), persistent=False)  # see echo.echo_stats
         self.ep_size = 1
+        self.echo = None  # components.moe_echo.echo.Echo, set by parallelize() when [moe_echo] echo
         self.last_aux_loss: torch.Tensor | None = None
 
     @property
@@ -88,11 +91,20 @@ class MoELayer(nn.Module):
         with torch.no_grad():
             self.tokens_per_expert.add_(r.counts_E)
 
-        x_ND, counts_e, handle = self.dispatcher.dispatch(x_TD, r.topk_ids_TK, r.topk_w_TK)
+        ids_TK = r.topk_ids_TK
+        if self.echo is not None:
+            with torch.no_grad():
+                ids_TK, plan = self.echo.route(ids_TK, r.counts_E)
+                self.echo_stats.copy_(echo_stats(plan))
+        x_ND, counts_e, handle = self.dispatcher.dispatch(x_TD, ids_TK, r.topk_w_TK)
         if handle.dropped is not None:
             with torch.no_grad():
                 self.overflow_count.add_(handle.dropped)
-        y_ND = self.experts(x_ND, counts_e)
+        if self.echo is None:
+            y_ND = self.experts(x_ND, counts_e)
+        else:
+            w1, w2, w3 = (self.echo.local_weights(w, plan) for w in self.experts.local_weights())
+            y_ND = grouped_swiglu(x_ND, w1, w2, w3, counts_e)
         y_TD = self.dispatcher.combine(y_ND, handle)
         if self.shared_experts is not None:
             y_TD = y_TD + self.shared_experts(x_TD)

@@ -19,6 +19,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, Shard
 
 from components.moe_echo.dispatcher import build_dispatcher
+from components.moe_echo.echo import Echo
 from components.moe_echo.layer import MoELayer
 from components.train.errors import UserError
 
@@ -32,8 +33,12 @@ def apply_expert_parallel(moe: MoELayer, ep_mesh, cfg) -> None:
         full = getattr(moe.experts, name).data
         local = full.chunk(ep, dim=0)[rank].clone()
         setattr(moe.experts, name, nn.Parameter(DTensor.from_local(local, ep_mesh, [Shard(0)], run_check=False)))
-    moe.dispatcher = build_dispatcher(cfg, moe.num_experts, ep_mesh.get_group(), ep)
+    slots = cfg.echo_slots_per_rank if cfg.echo else 0
+    # with ECHO the dispatcher routes over e + S "experts" per rank: home experts, then echo slots
+    moe.dispatcher = build_dispatcher(cfg, ep * (moe.num_experts // ep + slots), ep_mesh.get_group(), ep)
     moe.ep_size = ep
+    if cfg.echo:
+        moe.echo = Echo(moe.num_experts, ep_mesh.get_group(), ep, rank, slots, cfg.echo_planner)
 
 
 def _ac_wrap(block: nn.Module, index: int, ac_cfg) -> nn.Module:

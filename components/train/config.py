@@ -219,6 +219,10 @@ def validate(cfg) -> None:
     if e.dispatcher == "local" and ep != 1:
         raise UserError(f"[moe_echo] dispatcher = 'local' needs [parallelism] expert_parallel_degree = 1 (got {ep}); "
                         "use 'alltoall', 'padded' or 'auto'")
+    if e.echo and ep == 1:
+        raise UserError("[moe_echo] echo = true needs [parallelism] expert_parallel_degree > 1 (clones live on other "
+                        "EP ranks); set echo = false or raise expert_parallel_degree")
+    _require(1 <= e.echo_slots_per_rank <= 64, "[moe_echo] echo_slots_per_rank", e.echo_slots_per_rank, "in [1, 64]")
     if e.dispatcher in ("alltoall", "padded") and ep == 1:
         raise UserError(f"[moe_echo] dispatcher = {e.dispatcher!r} needs [parallelism] expert_parallel_degree > 1; "
                         "use 'local' or 'auto'")

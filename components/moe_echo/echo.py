@@ -1,0 +1,65 @@
+"""ECHO for one MoE layer at EP > 1: gather counts, plan, rewrite routing, multicast clone weights.
+
+Per step, on every rank of the EP group (R ranks, e = E / R home experts, S echo slots each):
+
+    counts_E ─all_gather─► counts_RE ─plan_echo─► plan (identical on all ranks)
+    ids_TK ─rewrite─► virtual ids ─rank_local_ids─► ids in the dispatcher's R·(e+S) id space
+    weights: W_local [e+S] = home experts [e] ++ clones [S]; clone s of this rank receives its home
+    expert's current weights (``multicast``), and in backward the clone's weight gradient flows
+    back into the home expert's gradient (autograd through the same all_to_all).
+
+Static-shape NCCL/gloo multicast: every (home, destination) pair exchanges a block of S expert
+weights (zeros where the destination's slot s clones none of the home's experts), i.e. R·S expert
+blocks leave each rank per weight tensor, of which only the clones' are non-zero. The NVLink path
+(peer pulls of exactly the S cloned experts) replaces this with the sync-free work.
+"""
+
+import torch
+import torch.distributed as dist
+
+from .comm import all_to_all
+from .planner import EchoPlan, plan_echo, rank_local_ids, rewrite
+
+
+class Echo:
+    def __init__(self, num_experts: int, group, ep_size: int, ep_rank: int, slots_per_rank: int, rule: str):
+        self.E, self.group, self.R, self.rank, self.S, self.rule = num_experts, group, ep_size, ep_rank, slots_per_rank, rule
+        self.e = num_experts // ep_size
+        self.last_plan: EchoPlan | None = None
+
+    def gather_counts(self, counts_E: torch.Tensor) -> torch.Tensor:
+        parts = [torch.empty_like(counts_E) for _ in range(self.R)]
+        dist.all_gather(parts, counts_E.contiguous(), group=self.group)
+        return torch.stack(parts)
+
+    def route(self, ids_TK: torch.Tensor, counts_E: torch.Tensor) -> tuple[torch.Tensor, EchoPlan]:
+        """ids in the dispatcher's id space (dest·(e+S) + local) and the step's plan."""
+        plan = plan_echo(self.gather_counts(counts_E), self.S, self.rule)
+        self.last_plan = plan
+        virtual = rewrite(ids_TK, plan, self.rank, self.E)
+        return rank_local_ids(virtual, self.E, self.R, self.S), plan
+
+    def multicast(self, w_eX: torch.Tensor, plan: EchoPlan) -> torch.Tensor:
+        """Clone weights [S, ...] for this rank's slots from their home experts (differentiable)."""
+        x_G = plan.slot_expert_G
+        flat = w_eX.reshape(self.e, -1)
+        mine_G = (x_G >= 0) & (x_G // self.e == self.rank)  # slots (anywhere) that clone my experts
+        send = flat.index_select(0, (x_G % self.e).clamp(min=0)) * mine_G.unsqueeze(1).to(flat.dtype)
+        recv = all_to_all(send, None, None, self.group)  # row h·S + s: home h's weights for my slot s
+        my_x = x_G[self.rank * self.S:(self.rank + 1) * self.S]
+        used = (my_x >= 0).unsqueeze(1).to(flat.dtype)
+        rows = (my_x.clamp(min=0) // self.e) * self.S + torch.arange(self.S, device=x_G.device)
+        return (recv.index_select(0, rows) * used).view(self.S, *w_eX.shape[1:])
+
+    def local_weights(self, w_eX: torch.Tensor, plan: EchoPlan) -> torch.Tensor:
+        """[e + S, ...]: home experts then this rank's clones."""
+        return torch.cat([w_eX, self.multicast(w_eX, plan).to(w_eX.dtype)])
+
+
+def echo_stats(plan: EchoPlan) -> torch.Tensor:
+    """[4] fp32: max/mean rank load before and after, active clones, fraction of assignments moved."""
+    before, after = plan.load_before_R.float(), plan.load_after_R.float()
+    mean = before.mean().clamp_min(1e-9)
+    total = before.sum().clamp_min(1.0)
+    return torch.stack([before.max() / mean, after.max() / mean, (plan.slot_expert_G >= 0).sum().float(),
+                        plan.quota_RG.sum().float() / total])
