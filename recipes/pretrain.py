@@ -186,9 +186,15 @@ def train(argv: list[str]) -> None:
                 summary.peak_mem_gib = max(summary.peak_mem_gib, values["memory/peak_gib"])
             if check_overflow:
                 values["moe/overflow_assignments"] = float(dropped)
-            for name, counts_E in zip([n for n, _ in layers], counts_LE if layers else []):
-                values[f"moe/layer{name}/load_max_over_mean"] = tb.record_load(f"layer{name}", counts_E)
+            for (name, moe), counts_E in zip(layers, counts_LE if layers else []):
+                echo_load = moe.echo.last_load if moe.echo is not None else None
+                values[f"moe/layer{name}/load_max_over_mean"] = tb.record_load(f"layer{name}", counts_E, echo_load)
                 summary.imbalance.append(load_imbalance(counts_E))
+                if moe.echo is not None:
+                    before, after, clones, moved = moe.echo_stats.tolist()
+                    values.update({f"moe/layer{name}/echo_load_before": before, f"moe/layer{name}/echo_load_after": after,
+                                   f"moe/layer{name}/echo_clones": clones, f"moe/layer{name}/echo_rerouted": moved})
+                    summary.rank_imbalance.append((before, after))
             summary.losses.append((step, loss_val))
             if is_main:
                 tb.scalars(values, step)

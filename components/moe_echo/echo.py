@@ -34,8 +34,10 @@ class Echo:
 
     def route(self, ids_TK: torch.Tensor, counts_E: torch.Tensor) -> tuple[torch.Tensor, EchoPlan]:
         """ids in the dispatcher's id space (dest·(e+S) + local) and the step's plan."""
-        plan = plan_echo(self.gather_counts(counts_E), self.S, self.rule)
+        counts_RE = self.gather_counts(counts_E)
+        plan = plan_echo(counts_RE, self.S, self.rule)
         self.last_plan = plan
+        self.last_load = echo_load_columns(plan, counts_RE.sum(0))
         virtual = rewrite(ids_TK, plan, self.rank, self.E)
         return rank_local_ids(virtual, self.E, self.R, self.S), plan
 
@@ -63,3 +65,10 @@ def echo_stats(plan: EchoPlan) -> torch.Tensor:
     total = before.sum().clamp_min(1.0)
     return torch.stack([before.max() / mean, after.max() / mean, (plan.slot_expert_G >= 0).sum().float(),
                         plan.quota_RG.sum().float() / total])
+
+
+def echo_load_columns(plan: EchoPlan, counts_RE_total_E: torch.Tensor) -> torch.Tensor:
+    """[E + G] fp32: each home expert's load after ECHO, then each echo slot's (clone) load."""
+    slot_load_G = plan.quota_RG.sum(0)
+    moved_E = torch.zeros_like(counts_RE_total_E).scatter_add_(0, plan.slot_expert_G.clamp(min=0), slot_load_G)
+    return torch.cat([counts_RE_total_E - moved_E, slot_load_G]).float()

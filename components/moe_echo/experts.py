@@ -62,10 +62,15 @@ class GroupedExperts(nn.Module):
         self.w2 = nn.Parameter(torch.empty(num_experts, dim, hidden_dim))
         self.w3 = nn.Parameter(torch.empty(num_experts, hidden_dim, dim))
 
-    def forward(self, x_ND: torch.Tensor, counts_e: torch.Tensor) -> torch.Tensor:
+    def forward(self, x_ND: torch.Tensor, counts_e: torch.Tensor, extend=None) -> torch.Tensor:
         """counts_e: rows of each *local* expert; with expert parallelism the weights are DTensors
-        sharded on dim 0 over the EP mesh and only this rank's e = E / EP experts are used."""
-        return grouped_swiglu(x_ND, *self.local_weights(), counts_e)
+        sharded on dim 0 over the EP mesh and only this rank's e = E / EP experts are used.
+        ``extend(w) -> w'`` appends echo-slot (clone) weights to each local weight; it runs inside
+        this forward so FSDP's unshard / gradient reduce-scatter hooks see every use."""
+        weights = self.local_weights()
+        if extend is not None:
+            weights = tuple(extend(w) for w in weights)
+        return grouped_swiglu(x_ND, *weights, counts_e)
 
     def local_weights(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(w1, w2, w3) of this rank's experts as plain tensors (differentiable)."""

@@ -21,7 +21,7 @@ from torchtitan.models.moe import MoEArgs
 from .config import MoEEchoConfig
 from .dispatcher import Dispatcher, LocalDispatcher
 from .echo import echo_stats
-from .experts import GroupedExperts, SwiGLU, grouped_swiglu
+from .experts import GroupedExperts, SwiGLU
 from .router import TopKRouter, sequence_aux_loss, updated_expert_bias
 
 
@@ -100,11 +100,8 @@ class MoELayer(nn.Module):
         if handle.dropped is not None:
             with torch.no_grad():
                 self.overflow_count.add_(handle.dropped)
-        if self.echo is None:
-            y_ND = self.experts(x_ND, counts_e)
-        else:
-            w1, w2, w3 = (self.echo.local_weights(w, plan) for w in self.experts.local_weights())
-            y_ND = grouped_swiglu(x_ND, w1, w2, w3, counts_e)
+        extend = None if self.echo is None else (lambda w: self.echo.local_weights(w, plan))
+        y_ND = self.experts(x_ND, counts_e, extend)
         y_TD = self.dispatcher.combine(y_ND, handle)
         if self.shared_experts is not None:
             y_TD = y_TD + self.shared_experts(x_TD)

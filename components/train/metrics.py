@@ -3,7 +3,10 @@
 TensorBoard tags:
     loss, lr, grad_norm, tokens_per_s, mfu_pct (GPU), memory/peak_gib
     moe/<layer>/load_max_over_mean, moe/<layer>/load_heatmap (image: rows = recent logged steps,
-    columns = experts, colour = load / mean load; 1.0 is balanced)
+    columns = experts, colour = load / mean load; 1.0 is balanced; with ECHO: home experts after
+    rerouting | white separator | echo slots' clone load)
+    with ECHO, per layer: echo_load_before / echo_load_after (max/mean rank load), echo_clones,
+    echo_rerouted (fraction of assignments moved to clones)
 """
 
 import os
@@ -25,10 +28,12 @@ _STOPS = np.array([[68, 1, 84], [59, 82, 139], [33, 145, 140], [94, 201, 98], [2
 
 def heatmap_rgb(ratio_RC: np.ndarray, vmax: float = 3.0, cell: int = 8) -> np.ndarray:
     """uint8 HWC image of ``ratio_RC`` (load / mean) on a viridis-like scale from 0 to ``vmax``."""
-    x = np.clip(ratio_RC / vmax, 0.0, 1.0) * (len(_STOPS) - 1)
+    blank = np.isnan(ratio_RC)  # NaN cells (separators) are drawn white
+    x = np.clip(np.nan_to_num(ratio_RC) / vmax, 0.0, 1.0) * (len(_STOPS) - 1)
     lo = np.floor(x).astype(int).clip(0, len(_STOPS) - 2)
     frac = (x - lo)[..., None]
     rgb = _STOPS[lo] * (1 - frac) + _STOPS[lo + 1] * frac
+    rgb[blank] = 255
     return np.repeat(np.repeat(rgb, cell, axis=0), cell, axis=1).astype(np.uint8)
 
 
@@ -50,10 +55,15 @@ class MetricsLogger:
             for k, v in values.items():
                 self.writer.add_scalar(k, v, step)
 
-    def record_load(self, layer: str, counts_E: torch.Tensor) -> float:
+    def record_load(self, layer: str, counts_E: torch.Tensor, echo_load: torch.Tensor | None = None) -> float:
+        """Add one heatmap row: expert loads / mean; with ECHO, the home experts' loads after
+        rerouting, a white separator, then the echo slots' (clone) loads, all over the same mean."""
         counts = counts_E.float().cpu().numpy()
-        ratio = counts / max(counts.mean(), 1e-9)
-        self.history.setdefault(layer, deque(maxlen=self.history_len)).append(ratio)
+        mean = max(counts.mean(), 1e-9)
+        ratio = counts / mean
+        row = ratio if echo_load is None else np.concatenate(
+            [echo_load[: len(counts)].cpu().numpy() / mean, [np.nan], echo_load[len(counts):].cpu().numpy() / mean])
+        self.history.setdefault(layer, deque(maxlen=self.history_len)).append(row)
         return float(ratio.max())
 
     def heatmaps(self, step: int) -> None:
@@ -101,6 +111,7 @@ class RunSummary:
         self.losses: list[tuple[int, float]] = []
         self.tokens = 0
         self.imbalance: list[float] = []
+        self.rank_imbalance: list[tuple[float, float]] = []  # (without ECHO, with ECHO)
         self.peak_mem_gib = 0.0
 
     def text(self, extra: dict[str, str]) -> str:
@@ -116,6 +127,10 @@ class RunSummary:
         lines.append(f"tokens         {self.tokens:,}  ({self.tokens / max(wall, 1e-9):,.0f} tok/s)")
         if self.imbalance:
             lines.append(f"expert load    max/mean {sum(self.imbalance) / len(self.imbalance):.3f} (mean over layers and logged steps)")
+        if self.rank_imbalance:
+            n = len(self.rank_imbalance)
+            b, a = sum(x for x, _ in self.rank_imbalance) / n, sum(y for _, y in self.rank_imbalance) / n
+            lines.append(f"rank load      max/mean {b:.3f} without ECHO -> {a:.3f} with ECHO (mean over layers and logged steps)")
         if self.peak_mem_gib:
             lines.append(f"peak memory    {self.peak_mem_gib:.2f} GiB")
         lines += [f"{k:<14} {v}" for k, v in extra.items()]
