@@ -184,7 +184,7 @@ def test_training_with_echo_matches_echo_off(tmp_path):
     """10 steps at EP=2 with strongly skewed routing (a hot expert): ECHO on gives ECHO off's losses,
     and its TensorBoard-bound stats show it balanced the ranks."""
     common = ["--training.local_batch_size", "4", "--parallelism.expert_parallel_degree", "2", "--training.steps", "10",
-              "--checkpoint.enable", "false", "--moe_echo.bias_update_rate", "0"]
+              "--checkpoint.enable", "false", "--moe_echo.bias_update_rate", "0", "--moe_echo.debug_hot_experts", "1"]
     recipe(tmp_path / "off", 2, *common)
     recipe(tmp_path / "on", 2, *common, "--moe_echo.echo", "true", "--moe_echo.echo_slots_per_rank", "2")
     off, on = losses(tmp_path / "off"), losses(tmp_path / "on")
@@ -196,4 +196,5 @@ def test_training_with_echo_matches_echo_off(tmp_path):
     before = [v for r in rows for k, v in r.items() if k.endswith("echo_load_before")]
     after = [v for r in rows for k, v in r.items() if k.endswith("echo_load_after")]
     assert before and len(before) == len(after)
-    assert sum(after) / len(after) < sum(before) / len(before)
+    assert sum(before) / len(before) > 1.2  # the hot expert really skews the ranks
+    assert sum(after) / len(after) < 1.05

@@ -41,5 +41,9 @@ class MoEEchoConfig:
     """Slot assignment rule: ``greedy`` (hottest overflow to the roomiest rank) or ``bestfit``
     (the fullest rank whose room takes the whole overflow; priority bin packing)."""
 
+    debug_hot_experts: int = 0
+    """Benchmarking aid: start with the router biased so the first N experts (on EP rank 0) are hot.
+    Use with bias_update_rate = 0 to keep the skew. 0 = off."""
+
     load_heatmap_freq: int = 50
     """Write the per-layer expert-load heatmap image to TensorBoard every this many steps (0: never)."""

@@ -86,7 +86,8 @@ class MoELayer(nn.Module):
     def forward(self, x_BSD: torch.Tensor) -> torch.Tensor:
         B, S, D = x_BSD.shape
         x_TD = x_BSD.reshape(B * S, D)
-        bias_E = self.expert_bias if self.load_balance_coeff is not None else None
+        use_bias = self.load_balance_coeff is not None or self.cfg.debug_hot_experts > 0
+        bias_E = self.expert_bias if use_bias else None
         r = self.router(x_TD, bias_E)
         with torch.no_grad():
             self.tokens_per_expert.add_(r.counts_E)
@@ -133,3 +134,5 @@ class MoELayer(nn.Module):
             self.expert_bias = torch.zeros(self.num_experts, dtype=torch.float32)
             self.tokens_per_expert = torch.zeros(self.num_experts, dtype=torch.float32)
             self.overflow_count = torch.zeros((), dtype=torch.int64)
+            if self.cfg.debug_hot_experts:  # benchmarking aid: a few strongly preferred experts
+                self.expert_bias[: self.cfg.debug_hot_experts] = 1.0
