@@ -17,7 +17,8 @@ Algorithm (greedy overflow vs spare room), all integer:
     Per slot, the sources' shares: the moved assignments of expert x are laid source by source, each
     source contributing in proportion to its count (cumulative rounding, exact integer sums), and
     the slots of x cut consecutive ranges of that line.
-Complexity: O(R·S·(E + R)) element ops in R·S sequential steps (vectorised over E and R).
+Complexity: O(R·S·(E + R)) element ops in R·S sequential steps (vectorised over E and R); on GPU the
+loop is one single-program Triton kernel (kernels/echo_plan.py), here it is the reference.
 
 ``rewrite`` then turns each source's routing into "virtual" ids: the first quota assignments (in
 token order) of source r to a cloned expert x go to its slots; every token keeps its K targets and
@@ -28,6 +29,8 @@ from dataclasses import dataclass
 
 import torch
 
+from kernels import echo_plan
+
 
 @dataclass
 class EchoPlan:
@@ -37,7 +40,8 @@ class EchoPlan:
     load_after_R: torch.Tensor  # [R] int64
 
 
-def plan_echo(counts_RE: torch.Tensor, slots_per_rank: int, rule: str = "greedy") -> EchoPlan:
+def plan_echo(counts_RE: torch.Tensor, slots_per_rank: int, rule: str = "greedy", kernel: bool | None = None) -> EchoPlan:
+    """``kernel``: use the single-launch Triton version of the slot loop (default: on CUDA)."""
     R, E = counts_RE.shape
     S, e, dev = slots_per_rank, E // R, counts_RE.device
     counts_RE = counts_RE.long()
@@ -46,6 +50,9 @@ def plan_echo(counts_RE: torch.Tensor, slots_per_rank: int, rule: str = "greedy"
     load_R = L_E.view(R, e).sum(1)
     load_before = load_R.clone()
     target = (load_R.sum() + R - 1) // R
+    if kernel if kernel is not None else echo_plan.can_use_kernel(counts_RE):  # one launch on GPU
+        slot_expert, slot_amount, load_R = echo_plan.greedy_slots(L_E, load_R, target, S, rule)
+        return EchoPlan(slot_expert, _source_quotas(counts_RE, slot_expert, slot_amount), load_before, load_R)
     left_E = L_E.clone()
     free_R = torch.full((R,), S, dtype=torch.int64, device=dev)
     slot_expert = torch.full((R * S,), -1, dtype=torch.int64, device=dev)
@@ -88,8 +95,7 @@ def _source_quotas(counts_RE, slot_expert_G, slot_amount_G):
     moved_E = torch.zeros(E, dtype=torch.int64, device=counts_RE.device).scatter_add_(0, x_G, amount_G)
     same_before_GG = (x_G.unsqueeze(0) == x_G.unsqueeze(1)) & (torch.arange(G, device=x_G.device).unsqueeze(0)
                                                               < torch.arange(G, device=x_G.device).unsqueeze(1))
-    start_G = (same_before_GG & used_G.unsqueeze(0)).long() @ amount_G.unsqueeze(1)
-    start_G = start_G.squeeze(1)
+    start_G = ((same_before_GG & used_G.unsqueeze(0)).long() * amount_G.unsqueeze(0)).sum(1)
     # per source: its contiguous range of the expert's moved line (proportional, exact integers)
     c_RG = counts_RE.index_select(1, x_G)  # [R, G] source counts of each slot's expert
     L_G = c_RG.sum(0).clamp(min=1)
