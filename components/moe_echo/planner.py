@@ -50,13 +50,16 @@ def plan_echo(counts_RE: torch.Tensor, slots_per_rank: int, rule: str = "greedy"
     load_R = L_E.view(R, e).sum(1)
     load_before = load_R.clone()
     target = (load_R.sum() + R - 1) // R
-    if kernel if kernel is not None else echo_plan.can_use_kernel(counts_RE):  # one launch on GPU
-        slot_expert, slot_amount, load_R = echo_plan.greedy_slots(L_E, load_R, target, S, rule)
-        return EchoPlan(slot_expert, _source_quotas(counts_RE, slot_expert, slot_amount), load_before, load_R)
+    if kernel if kernel is not None else echo_plan.can_use_kernel(counts_RE):  # two launches on GPU
+        slot_expert, slot_amount, slot_start, load_R = echo_plan.greedy_slots(L_E, load_R, target, S, rule)
+        moved_E = torch.zeros_like(L_E).scatter_add_(0, slot_expert.clamp(min=0), slot_amount)
+        quota = echo_plan.source_quotas(counts_RE, slot_expert, slot_amount, slot_start, moved_E)
+        return EchoPlan(slot_expert, quota, load_before, load_R)
     left_E = L_E.clone()
     free_R = torch.full((R,), S, dtype=torch.int64, device=dev)
     slot_expert = torch.full((R * S,), -1, dtype=torch.int64, device=dev)
     slot_amount = torch.zeros(R * S, dtype=torch.int64, device=dev)
+    slot_start = torch.zeros(R * S, dtype=torch.int64, device=dev)
     ar_R = torch.arange(R, device=dev)
     for _ in range(R * S):
         excess_R = (load_R - target).clamp(min=0)
@@ -75,36 +78,31 @@ def plan_echo(counts_RE: torch.Tensor, slots_per_rank: int, rule: str = "greedy"
         g = d * S + (S - free_R[d]).clamp(max=S - 1)
         slot_expert[g] = torch.where(take, x, slot_expert[g])
         slot_amount[g] = torch.where(take, m, slot_amount[g])
+        slot_start[g] = torch.where(take, L_E[x] - left_E[x], slot_start[g])
         step = m * take
         load_R = load_R - step * (ar_R == home_E[x]) + step * (ar_R == d)
         left_E[x] = left_E[x] - step
         free_R[d] = free_R[d] - take.long()
-    return EchoPlan(slot_expert, _source_quotas(counts_RE, slot_expert, slot_amount), load_before, load_R)
+    moved_E = L_E - left_E
+    return EchoPlan(slot_expert, _source_quotas(counts_RE, slot_expert, slot_amount, slot_start, moved_E),
+                    load_before, load_R)
 
 
-def _source_quotas(counts_RE, slot_expert_G, slot_amount_G):
-    """quota_RG: source r's share of slot g. Sources contribute to expert x's moved total in
-    proportion to their counts (cumulative rounding); x's slots take consecutive ranges of the
-    source-major line of moved assignments."""
-    R, E = counts_RE.shape
-    G = slot_expert_G.shape[0]
+def _source_quotas(counts_RE, slot_expert_G, slot_amount_G, slot_start_G, moved_E):
+    """quota_RG: source r's share of slot g. The M_x assignments moved off expert x form a line on
+    which each source holds a contiguous range proportional to its count (cumulative rounding:
+    exact integers, never more than the source has); slot g covers [start_g, start_g + amount_g)
+    of that line (start_g = what x had already moved when g was assigned)."""
     x_G = slot_expert_G.clamp(min=0)
     used_G = slot_expert_G >= 0
-    amount_G = slot_amount_G * used_G
-    # total moved per expert, and where each slot's range starts on the expert's line
-    moved_E = torch.zeros(E, dtype=torch.int64, device=counts_RE.device).scatter_add_(0, x_G, amount_G)
-    same_before_GG = (x_G.unsqueeze(0) == x_G.unsqueeze(1)) & (torch.arange(G, device=x_G.device).unsqueeze(0)
-                                                              < torch.arange(G, device=x_G.device).unsqueeze(1))
-    start_G = ((same_before_GG & used_G.unsqueeze(0)).long() * amount_G.unsqueeze(0)).sum(1)
-    # per source: its contiguous range of the expert's moved line (proportional, exact integers)
-    c_RG = counts_RE.index_select(1, x_G)  # [R, G] source counts of each slot's expert
-    L_G = c_RG.sum(0).clamp(min=1)
+    c_RG = counts_RE.index_select(1, x_G)
+    cum_RG = torch.cumsum(c_RG, 0)
+    L_G = cum_RG[-1].clamp(min=1)
     M_G = moved_E.index_select(0, x_G)
-    cum_hi = torch.cumsum(c_RG, 0) * M_G // L_G  # end of source r's range on the line
-    cum_lo = torch.nn.functional.pad(cum_hi[:-1], (0, 0, 1, 0))  # its start = previous source's end
-    lo = torch.maximum(cum_lo, start_G.unsqueeze(0))
-    hi = torch.minimum(cum_hi, (start_G + amount_G).unsqueeze(0))
-    return (hi - lo).clamp(min=0) * used_G.unsqueeze(0)
+    hi = cum_RG * M_G // L_G  # end of source r's range on the line
+    lo = (cum_RG - c_RG) * M_G // L_G  # its start
+    q = torch.minimum(hi, slot_start_G + slot_amount_G) - torch.maximum(lo, slot_start_G)
+    return q.clamp(min=0) * used_G
 
 
 def rewrite(ids_TK: torch.Tensor, plan: EchoPlan, rank: int, num_experts: int) -> torch.Tensor:
