@@ -87,13 +87,17 @@ needs_cpu_interpreter = pytest.mark.skipif(
     torch.cuda.is_available(), reason="CUDA present: the real kernels are tested instead (gpu tests)")
 
 
-@needs_cpu_interpreter
-def test_triton_kernels_in_interpreter():
+def run_in_interpreter(script: str, marker: str) -> None:
+    """Run ``script`` in a fresh process with TRITON_INTERPRET=1 (kernels on CPU tensors)."""
     pytest.importorskip("triton")
     env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": ROOT}
-    p = subprocess.run([sys.executable, "-c", _INTERPRET_SCRIPT], capture_output=True, text=True, env=env, cwd=ROOT,
-                       timeout=300)
-    assert "INTERPRET-OK" in p.stdout, p.stderr[-3000:]
+    p = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, cwd=ROOT, timeout=600)
+    assert marker in p.stdout, p.stderr[-3000:]
+
+
+@needs_cpu_interpreter
+def test_triton_kernels_in_interpreter():
+    run_in_interpreter(_INTERPRET_SCRIPT, "INTERPRET-OK")
 
 
 @pytest.mark.gpu
@@ -129,11 +133,7 @@ print("SWIGLU-OK")
 
 @needs_cpu_interpreter
 def test_swiglu_kernel_in_interpreter():
-    pytest.importorskip("triton")
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": ROOT}
-    p = subprocess.run([sys.executable, "-c", _SWIGLU_SCRIPT], capture_output=True, text=True, env=env, cwd=ROOT,
-                       timeout=300)
-    assert "SWIGLU-OK" in p.stdout, p.stderr[-3000:]
+    run_in_interpreter(_SWIGLU_SCRIPT, "SWIGLU-OK")
 
 
 @pytest.mark.gpu
@@ -186,11 +186,7 @@ print("PLANNER-OK")
 
 @needs_cpu_interpreter
 def test_planner_kernel_equals_torch_loop_in_interpreter():
-    pytest.importorskip("triton")
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": ROOT}
-    p = subprocess.run([sys.executable, "-c", _PLANNER_SCRIPT], capture_output=True, text=True, env=env, cwd=ROOT,
-                       timeout=600)
-    assert "PLANNER-OK" in p.stdout, p.stderr[-3000:]
+    run_in_interpreter(_PLANNER_SCRIPT, "PLANNER-OK")
 
 
 @pytest.mark.gpu
