@@ -22,6 +22,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
+from components.moe_echo.ep_dispatch import PaddedDispatcher
 from components.moe_echo.models import build_model, model_args_for, moe_layers
 from components.parallel.data_parallel import allreduce_sum, init_distributed
 from components.parallel.grad_norm import clip_grad_norm_
@@ -32,6 +33,7 @@ from components.train.config import help_text, load_config
 from components.train.data import TokenBatchLoader, build_token_stream
 from components.train.errors import UserError
 from components.train.hf_weights import load_initial_weights
+from components.train.overflow import OverflowGate, rewind_lr
 from components.train.metrics import MetricsLogger, Progress, RunSummary, load_imbalance
 from components.train.optim import build_lr_scheduler, build_optimizer
 from components.train.tokenizer import build_tokenizer
@@ -104,7 +106,9 @@ def train(argv: list[str]) -> None:
     use_bf16 = device.type == "cuda" and t.mixed_precision_param == "bfloat16" and not dims.fsdp  # FSDP casts
     autocast = (lambda: torch.autocast("cuda", dtype=torch.bfloat16)) if use_bf16 else nullcontext
 
-    optimizer = build_optimizer(model, cfg.optimizer)
+    check_overflow = any(isinstance(moe.dispatcher, PaddedDispatcher) for _, moe in layers)  # fixed capacity
+    replay = check_overflow and cfg.moe_echo.on_overflow == "replay"
+    optimizer = build_optimizer(model, cfg.optimizer, gated=replay)
     scheduler = build_lr_scheduler(optimizer, cfg.lr_scheduler, t.steps)
     state = TrainState(loader)
     states = {"app": ModelAndOptimizer(model, optimizer), "lr_scheduler": scheduler, "train": state}
@@ -139,73 +143,104 @@ def train(argv: list[str]) -> None:
     progress = Progress(t.steps, state.step, enabled=is_main)
     peak_flops = _peak_flops(device)
     tokens_per_step = t.local_batch_size * t.seq_len * world
-    check_overflow = any(type(moe.dispatcher).__name__ == "PaddedDispatcher" for _, moe in layers)
+    gate = OverflowGate(layers, optimizer, device, cfg.moe_echo.grow_capacity_after) if replay else None
     window_t0, window_steps = time.perf_counter(), 0
 
-    while state.step < t.steps:
-        state.step += 1
-        step = state.step
-        inputs_BS, labels_BS = (x.to(device, non_blocking=True) for x in loader.next_batch())
-
+    def train_step(inputs_BS, labels_BS):
+        """Forward, backward, clip, optimizer, lr and router-bias steps; all gated on overflow."""
         with autocast():
             logits_BSV = model(inputs_BS)
         loss = F.cross_entropy(logits_BSV.flatten(0, 1).float(), labels_BS.flatten())
         loss.backward()
-        grad_norm = clip_grad_norm_(list(model.parameters()), t.max_norm)
-        if check_overflow:  # host read; the sync-free gate-and-replay replaces this stop
+        skip = gate.gate() if gate is not None else None  # device flag: no host read
+        if check_overflow and gate is None:  # on_overflow = "stop": host read every step
             dropped = int(allreduce_sum(torch.stack([moe.overflow_count for _, moe in layers]).sum()))
             if dropped:
                 raise UserError(
-                    f"expert-parallel buffer overflow at step {step}: {dropped} (token, expert) assignments did not "
-                    f"fit the padded dispatcher's per-peer capacity; the step was not applied — raise [moe_echo] "
-                    f"capacity_factor (now {cfg.moe_echo.capacity_factor}) or use dispatcher = 'alltoall'")
+                    f"expert-parallel buffer overflow at step {state.step}: {dropped} (token, expert) assignments did "
+                    f"not fit the padded dispatcher's per-peer capacity; the step was not applied — raise [moe_echo] "
+                    f"capacity_factor (now {cfg.moe_echo.capacity_factor}), use dispatcher = 'alltoall' or "
+                    f"on_overflow = 'replay'")
+        grad_norm = clip_grad_norm_(list(model.parameters()), t.max_norm)
         optimizer.step()
         scheduler.step()
         optimizer.zero_grad(set_to_none=True)
-
         # aux-loss-free balancing: one bias step per layer from this step's global counts
         counts_LE = allreduce_sum(torch.stack([moe.tokens_per_expert for _, moe in layers])) if layers else None
         for (_, moe), counts_E in zip(layers, counts_LE if layers else []):
-            moe.update_expert_bias(counts_E)
+            moe.update_expert_bias(counts_E, skip)
             moe.tokens_per_expert.zero_()
             moe.overflow_count.zero_()
+        echo = [(moe.echo_stats.clone(), moe.echo.last_load.clone()) if moe.echo is not None else None
+                for _, moe in layers]
+        return loss.detach(), grad_norm, counts_LE, echo, scheduler.get_last_lr()[0]
 
+    def log_step(step, out, replayed):
+        nonlocal window_t0, window_steps
+        loss, grad_norm, counts_LE, echo, lr = out
         window_steps += 1
         summary.tokens += tokens_per_step
-        if step % cfg.metrics.log_freq == 0 or step == t.steps or step == 1:
-            loss_val = float(allreduce_sum(loss.detach().clone()) / world)
-            elapsed = time.perf_counter() - window_t0
-            tps = tokens_per_step * window_steps / max(elapsed, 1e-9)
-            window_t0, window_steps = time.perf_counter(), 0
-            values = {"loss": loss_val, "lr": scheduler.get_last_lr()[0], "grad_norm": float(grad_norm),
-                      "tokens_per_s": tps}
-            if peak_flops:
-                values["mfu_pct"] = 100 * flops_per_token * tps / (peak_flops * world)
-            if device.type == "cuda":
-                values["memory/peak_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
-                summary.peak_mem_gib = max(summary.peak_mem_gib, values["memory/peak_gib"])
-            if check_overflow:
-                values["moe/overflow_assignments"] = float(dropped)
-            for (name, moe), counts_E in zip(layers, counts_LE if layers else []):
-                echo_load = moe.echo.last_load if moe.echo is not None else None
-                values[f"moe/layer{name}/load_max_over_mean"] = tb.record_load(f"layer{name}", counts_E, echo_load)
-                summary.imbalance.append(load_imbalance(counts_E))
-                if moe.echo is not None:
-                    before, after, clones, moved = moe.echo_stats.tolist()
-                    values.update({f"moe/layer{name}/echo_load_before": before, f"moe/layer{name}/echo_load_after": after,
-                                   f"moe/layer{name}/echo_clones": clones, f"moe/layer{name}/echo_rerouted": moved})
-                    summary.rank_imbalance.append((before, after))
-            summary.losses.append((step, loss_val))
-            if is_main:
-                tb.scalars(values, step)
-                with open(log_path, "a") as f:
-                    f.write(json.dumps({"step": step, **values}) + "\n")
-            heat = cfg.moe_echo.load_heatmap_freq
-            if is_main and heat and (step % heat == 0 or step == t.steps):
-                tb.heatmaps(step)
-            progress.update({"loss": f"{loss_val:.3f}", "tok/s": f"{tps:,.0f}"})
-        else:
+        if not (step % cfg.metrics.log_freq == 0 or step == t.steps or step == 1):
             progress.update({})
+            return
+        loss_val = float(allreduce_sum(loss.clone()) / world)
+        elapsed = time.perf_counter() - window_t0
+        tps = tokens_per_step * window_steps / max(elapsed, 1e-9)
+        window_t0, window_steps = time.perf_counter(), 0
+        values = {"loss": loss_val, "lr": lr, "grad_norm": float(grad_norm), "tokens_per_s": tps}
+        if peak_flops:
+            values["mfu_pct"] = 100 * flops_per_token * tps / (peak_flops * world)
+        if device.type == "cuda":
+            values["memory/peak_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
+            summary.peak_mem_gib = max(summary.peak_mem_gib, values["memory/peak_gib"])
+        if gate is not None:
+            values["moe/overflow_assignments"] = float(gate.dropped_total)
+            values["moe/replayed_steps"] = float(summary.replayed_steps)
+            values["moe/replayed"] = float(replayed)
+        for (name, moe), counts_E, ech in zip(layers, counts_LE if layers else [], echo):
+            values[f"moe/layer{name}/load_max_over_mean"] = tb.record_load(f"layer{name}", counts_E,
+                                                                          ech[1] if ech else None)
+            summary.imbalance.append(load_imbalance(counts_E))
+            if ech is not None:
+                before, after, clones, moved = ech[0].tolist()
+                values.update({f"moe/layer{name}/echo_load_before": before, f"moe/layer{name}/echo_load_after": after,
+                               f"moe/layer{name}/echo_clones": clones, f"moe/layer{name}/echo_rerouted": moved})
+                summary.rank_imbalance.append((before, after))
+        summary.losses.append((step, loss_val))
+        if is_main:
+            tb.scalars(values, step)
+            with open(log_path, "a") as f:
+                f.write(json.dumps({"step": step, **values}) + "\n")
+        heat = cfg.moe_echo.load_heatmap_freq
+        if is_main and heat and (step % heat == 0 or step == t.steps):
+            tb.heatmaps(step)
+        progress.update({"loss": f"{loss_val:.3f}", "tok/s": f"{tps:,.0f}"})
+
+    # Steps run ahead of their confirmation by one: step s's overflow flag is read on the host after
+    # step s+1 is launched. A flagged step (and the one after it, gated too) is replayed exactly.
+    pending = []  # (step, batch, train_step output), oldest first
+    while state.step < t.steps:
+        state.step += 1
+        step = state.step
+        batch = tuple(x.to(device, non_blocking=True) for x in loader.next_batch())
+        pending.append((step, batch, train_step(*batch)))
+        if gate is not None:
+            gate.record(step)
+        settle = gate is None or step == t.steps or (ckpt.enable and step % ckpt.interval == 0)
+        while pending and (settle or len(pending) > 1):
+            if gate is not None and gate.overflowed(pending[0][0]):
+                rewind_lr(scheduler, len(pending))
+                gate.clear()
+                with gate.exact_dispatch():
+                    pending = [(s, b, train_step(*b)) for s, b, _ in pending]
+                gate.replayed(len(pending))
+                summary.replayed_steps += len(pending)
+                for s, _, out in pending:
+                    log_step(s, out, replayed=True)
+                pending = []
+            else:
+                s, _, out = pending.pop(0)
+                log_step(s, out, replayed=False)
 
         if ckpt.enable and (step % ckpt.interval == 0 or step == t.steps):
             path = checkpoint.save(ckpt_dir, step, states, ckpt.keep_latest_k)

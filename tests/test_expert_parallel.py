@@ -198,3 +198,50 @@ def test_training_with_echo_matches_echo_off(tmp_path):
     assert before and len(before) == len(after)
     assert sum(before) / len(before) > 1.2  # the hot expert really skews the ranks
     assert sum(after) / len(after) < 1.05
+
+
+def _final_weights(dump):
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+    import torch
+
+    ckpts = sorted(os.listdir(os.path.join(dump, "checkpoint")))
+    out = os.path.join(dump, "final.pt")
+    dcp_to_torch_save(os.path.join(dump, "checkpoint", ckpts[-1]), out)
+    return torch.load(out, weights_only=False)["app"]["model"]
+
+
+@pytest.mark.parametrize("grow", [0, 1])
+def test_overflow_is_gated_and_replayed_never_dropped(tmp_path, grow):
+    """A tiny padded capacity with a hot expert overflows: every such step is gated on the device
+    and replayed on the exact path. Losses and final weights equal an exact (alltoall) run; with
+    grow_capacity_after = 1 the capacity grows until the padded path stops overflowing."""
+    import torch
+
+    common = ["--training.local_batch_size", "4", "--parallelism.expert_parallel_degree", "2", "--training.steps", "8",
+              "--moe_echo.debug_hot_experts", "1", "--moe_echo.bias_update_rate", "0", "--checkpoint.interval", "8"]
+    recipe(tmp_path / "exact", 2, *common, "--moe_echo.dispatcher", "alltoall")
+    p = recipe(tmp_path / "padded", 2, *common, "--moe_echo.dispatcher", "padded", "--moe_echo.capacity_factor",
+               "1.0", "--moe_echo.grow_capacity_after", str(grow))
+    assert "gated and replayed" in p.stdout
+    with open(os.path.join(tmp_path / "padded", "metrics.jsonl")) as f:
+        rows = [json.loads(l) for l in f]
+    replayed = [r["step"] for r in rows if r["moe/replayed"]]
+    assert replayed and rows[-1]["moe/overflow_assignments"] > 0
+    if grow:
+        assert len(replayed) < 8 and rows[-1]["moe/replayed"] == 0  # capacity grew; later steps fit
+    else:
+        assert replayed == list(range(1, 9))
+    exact, padded = losses(tmp_path / "exact"), losses(tmp_path / "padded")
+    for step in exact:
+        assert padded[step] == pytest.approx(exact[step], rel=1e-5), step
+    w_exact, w_padded = _final_weights(tmp_path / "exact"), _final_weights(tmp_path / "padded")
+    assert set(w_exact) == set(w_padded)
+    for k in w_exact:
+        torch.testing.assert_close(w_padded[k], w_exact[k], rtol=1e-4, atol=1e-6, msg=lambda m: f"{k}: {m}")
+
+
+def test_overflow_stop_mode_is_a_clear_error(tmp_path):
+    p = recipe(tmp_path, 2, "--training.local_batch_size", "4", "--parallelism.expert_parallel_degree", "2",
+               "--moe_echo.debug_hot_experts", "1", "--moe_echo.bias_update_rate", "0", "--moe_echo.capacity_factor",
+               "1.0", "--moe_echo.on_overflow", "stop", "--checkpoint.enable", "false", check=False)
+    assert p.returncode != 0 and "buffer overflow at step 1" in p.stderr and "capacity_factor" in p.stderr

@@ -18,12 +18,16 @@ class MoEEchoConfig:
     variable-size all_to_all, sizes read on the host (the baseline). ``padded``: fixed rows per
     peer, no host read (sync-free). ``auto``: local at EP=1, padded at EP>1."""
 
-    on_overflow: Literal["stop"] = "stop"
-    """What the training loop does when a fixed-capacity buffer overflowed: ``stop`` (the step is
-    not applied; the run ends with a message naming capacity_factor)."""
+    on_overflow: Literal["replay", "stop"] = "replay"
+    """When a fixed-capacity (padded) buffer overflowed: ``replay`` — the step is gated on the device
+    and replayed on the exact path (never drops a token; no host read before the optimizer step);
+    ``stop`` — end the run with a message naming capacity_factor."""
+
+    grow_capacity_after: int = 3
+    """With on_overflow = "replay": every this many replays, raise capacity_factor by 25% (0: never)."""
 
     capacity_factor: float = 1.25
-    """Receive-buffer rows per rank = round_up(capacity_factor * T * K / EP, 128) (sync-free backends)."""
+    """padded: rows per (source, destination) block = round_up(ceil(capacity_factor · T · K / EP), 8)."""
 
     aux_loss_coeff: float = 0.0
     """Coefficient of the sequence-level auxiliary balance loss (0 disables it)."""

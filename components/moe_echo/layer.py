@@ -116,13 +116,17 @@ class MoELayer(nn.Module):
         return y_TD.view(B, S, D)
 
     @torch.no_grad()
-    def update_expert_bias(self, counts_E: torch.Tensor | None = None) -> None:
+    def update_expert_bias(self, counts_E: torch.Tensor | None = None, skip: torch.Tensor | None = None) -> None:
         """Apply one aux-loss-free balancing step from ``counts_E`` (default: the accumulated
-        ``tokens_per_expert``, which the caller all-reduces over data-parallel ranks first)."""
+        ``tokens_per_expert``, which the caller all-reduces over data-parallel ranks first); ``skip``
+        (device flag) keeps the bias unchanged for a gated step."""
         if self.load_balance_coeff is None:
             return
         counts_E = self.tokens_per_expert if counts_E is None else counts_E
-        self.expert_bias.copy_(updated_expert_bias(self.expert_bias, counts_E, self.load_balance_coeff))
+        new_E = updated_expert_bias(self.expert_bias, counts_E, self.load_balance_coeff)
+        if skip is not None:  # gated step (device flag): keep the bias
+            new_E = torch.where(skip > 0, self.expert_bias, new_E)
+        self.expert_bias.copy_(new_E)
 
     def init_weights(self, init_std: float, buffer_device: torch.device | None = None) -> None:
         self.experts.init_weights(init_std)

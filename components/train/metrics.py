@@ -112,6 +112,7 @@ class RunSummary:
         self.tokens = 0
         self.imbalance: list[float] = []
         self.rank_imbalance: list[tuple[float, float]] = []  # (without ECHO, with ECHO)
+        self.replayed_steps = 0
         self.peak_mem_gib = 0.0
 
     def text(self, extra: dict[str, str]) -> str:
@@ -131,6 +132,8 @@ class RunSummary:
             n = len(self.rank_imbalance)
             b, a = sum(x for x, _ in self.rank_imbalance) / n, sum(y for _, y in self.rank_imbalance) / n
             lines.append(f"rank load      max/mean {b:.3f} without ECHO -> {a:.3f} with ECHO (mean over layers and logged steps)")
+        if self.replayed_steps:
+            lines.append(f"overflow       {self.replayed_steps} steps gated and replayed on the exact path (nothing dropped)")
         if self.peak_mem_gib:
             lines.append(f"peak memory    {self.peak_mem_gib:.2f} GiB")
         lines += [f"{k:<14} {v}" for k, v in extra.items()]

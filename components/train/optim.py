@@ -6,11 +6,13 @@ import math
 import torch
 
 
-def build_optimizer(model: torch.nn.Module, opt_cfg) -> torch.optim.Optimizer:
+def build_optimizer(model: torch.nn.Module, opt_cfg, gated: bool = False) -> torch.optim.Optimizer:
+    """``gated``: the step must honour ``optimizer.found_inf`` (overflow gating) — only the fused
+    implementation does, so it is used whatever [optimizer] implementation says."""
     params = [p for p in model.parameters() if p.requires_grad]
     on_cuda = all(p.is_cuda for p in params)
     kwargs = dict(lr=opt_cfg.lr, betas=(0.9, 0.95), eps=opt_cfg.eps, weight_decay=opt_cfg.weight_decay)
-    if opt_cfg.implementation == "fused" and on_cuda:
+    if gated or (opt_cfg.implementation == "fused" and on_cuda):
         kwargs["fused"] = True
     elif opt_cfg.implementation == "foreach":
         kwargs["foreach"] = True

@@ -1,0 +1,90 @@
+"""Dropless training with fixed-capacity dispatch: gate on the device, replay from the host.
+
+A ``padded`` dispatcher that overflows has dropped (token, expert) assignments from that step.
+Such a step must never be applied:
+
+1. gate (device, no host read): ``sticky |= any rank overflowed`` (an all-reduce of the layers'
+   overflow counters); the fused AdamW step reads ``optimizer.found_inf = sticky`` and leaves
+   parameters, moments and step counts untouched when it is set (as GradScaler does); the router
+   bias update is skipped the same way. Sticky: every later step is gated too until the host acts,
+   because it ran from parameters that missed the gated update.
+2. replay (host, one step late): the flag of step s is copied to pinned host memory and read after
+   step s+1 has been launched; if it is set, the learning-rate schedule is rewound over the gated
+   steps and their batches are re-run on the exact path (``alltoall``, variable sizes, nothing
+   dropped), the flag is cleared, and training continues.
+3. ``grow_after`` replays in a run raise the padded capacity by 25% (sync-free shapes stay static
+   between growths; a later CUDA-graph wrapper re-captures on growth).
+"""
+
+from contextlib import contextmanager
+
+import torch
+import torch.distributed as dist
+
+from components.moe_echo.ep_dispatch import AllToAllDispatcher, PaddedDispatcher
+
+
+class OverflowGate:
+    def __init__(self, layers, optimizer, device: torch.device, grow_after: int = 0):
+        self.layers = [moe for _, moe in layers]
+        self.optimizer = optimizer
+        self.sticky = torch.zeros((), dtype=torch.float32, device=device)
+        self.host_flags: dict[int, torch.Tensor] = {}
+        self.pin = device.type == "cuda"
+        self.replays = 0
+        self.grow_after = grow_after
+        self.dropped_total = torch.zeros((), dtype=torch.int64, device=device)
+
+    def gate(self) -> torch.Tensor:
+        """After backward: fold this step's overflow into the sticky flag and arm the optimizer."""
+        dropped = torch.stack([moe.overflow_count for moe in self.layers]).sum()
+        if dist.is_initialized():
+            dist.all_reduce(dropped)
+        self.dropped_total += dropped
+        self.sticky = torch.maximum(self.sticky, (dropped > 0).float())
+        self.optimizer.found_inf = self.sticky
+        return self.sticky
+
+    def record(self, step: int) -> None:
+        """Copy this step's flag to host memory without waiting for it."""
+        host = torch.empty((), dtype=torch.float32, pin_memory=self.pin)
+        host.copy_(self.sticky, non_blocking=True)
+        self.host_flags[step] = host
+
+    def overflowed(self, step: int) -> bool:
+        """Host read of step's flag (by now the copy has long finished)."""
+        if self.pin:
+            torch.cuda.current_stream().synchronize()
+        return bool(self.host_flags.pop(step) > 0)
+
+    def clear(self) -> None:
+        self.sticky = torch.zeros_like(self.sticky)
+        self.optimizer.found_inf = self.sticky
+        self.host_flags.clear()
+
+    def replayed(self, n: int) -> None:
+        self.replays += 1
+        if self.grow_after and self.replays % self.grow_after == 0:
+            for moe in self.layers:
+                if isinstance(moe.dispatcher, PaddedDispatcher):
+                    moe.dispatcher.capacity_factor *= 1.25
+
+    @contextmanager
+    def exact_dispatch(self):
+        """Swap every padded dispatcher for an exact alltoall one (same group and id space)."""
+        saved = [moe.dispatcher for moe in self.layers]
+        for moe in self.layers:
+            d = moe.dispatcher
+            if isinstance(d, PaddedDispatcher):
+                moe.dispatcher = AllToAllDispatcher(d.num_experts, d.group, d.ep_size)
+        try:
+            yield
+        finally:
+            for moe, d in zip(self.layers, saved):
+                moe.dispatcher = d
+
+
+def rewind_lr(scheduler, steps: int) -> None:
+    """Undo ``steps`` LambdaLR steps (they were gated; the replay steps them again)."""
+    scheduler.last_epoch -= steps + 1
+    scheduler.step()
