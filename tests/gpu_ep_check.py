@@ -1,5 +1,6 @@
 """2-GPU expert-parallel checks, run under torchrun by tests/test_gpu_ep.py (NCCL):
-1. padded dispatcher fwd+bwd raises nothing under torch.cuda.set_sync_debug_mode("error");
+1. padded dispatcher fwd+bwd, with and without ECHO, raises nothing under
+   torch.cuda.set_sync_debug_mode("error");
 2. the alltoall baseline does raise there (so the check is real);
 3. the bf16 EP=2 layer matches the same layer at EP=1 (both backends)."""
 
@@ -35,17 +36,20 @@ def main():
     mesh = init_device_mesh("cuda", (world,), mesh_dim_names=("ep",))
     ref = make(dev)
     x_all = torch.randn(world, 1024, 512, device=dev, generator=torch.Generator(device=dev).manual_seed(1))
-    with torch.autocast("cuda", dtype=torch.bfloat16):
-        y_ref = ref(x_all)
-    for backend in ("padded", "alltoall"):
-        layer = copy.deepcopy(ref)
-        apply_expert_parallel(layer, mesh, MoEEchoConfig(dispatcher=backend, capacity_factor=float(world)))
+    for backend, echo in (("padded", False), ("padded", True), ("alltoall", False)):
+        base = copy.deepcopy(ref)
+        if echo:  # two hot experts on rank 0, so ECHO really clones
+            base.expert_bias[:2] = 0.5
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            y_ref = base(x_all)
+        layer = copy.deepcopy(base)
+        apply_expert_parallel(layer, mesh, MoEEchoConfig(dispatcher=backend, capacity_factor=float(world), echo=echo))
         x = x_all[rank:rank + 1].clone().requires_grad_()
         with torch.autocast("cuda", dtype=torch.bfloat16):
             y = layer(x)
         y.float().pow(2).mean().backward()  # warm-up
         rel = float((y.float() - y_ref[rank:rank + 1].float()).norm() / y_ref[rank:rank + 1].float().norm())
-        assert rel < 2e-2, (backend, rel)
+        assert rel < 2e-2, (backend, echo, rel)
         torch.cuda.synchronize()
         torch.cuda.set_sync_debug_mode("error")
         synced = None
@@ -60,12 +64,14 @@ def main():
             torch.cuda.set_sync_debug_mode("default")
         torch.cuda.synchronize()
         if backend == "padded":
-            assert synced is None, f"padded synced: {synced}"
+            assert synced is None, f"padded (echo={echo}) synced: {synced}"
             assert int(layer.overflow_count) == 0
+            if echo:
+                assert float(layer.echo_stats[2]) >= 1, "ECHO made no clone"
         else:
             assert synced is not None, "alltoall did not sync: the check is not real"
         if rank == 0:
-            print(f"{backend}: rel err vs EP=1 {rel:.2e}; host sync: {synced or 'none'}", flush=True)
+            print(f"{backend} echo={echo}: rel err vs EP=1 {rel:.2e}; host sync: {synced or 'none'}", flush=True)
     dist.barrier()
     if rank == 0:
         print("GPU-EP-OK", flush=True)

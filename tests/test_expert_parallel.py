@@ -69,8 +69,8 @@ COMMON = ["--job.config_file", CONFIG, "--training.max_corpus_mb", "1", "--train
           "--lr_scheduler.warmup_steps", "2", "--moe_echo.capacity_factor", "4.0"]
 
 
-def recipe(dump, nproc, *args, check=True):
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+def recipe(dump, nproc, *args, check=True, env=None):
+    env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
     if nproc == 1:
         cmd = [sys.executable, RECIPE]
     else:
@@ -245,3 +245,17 @@ def test_overflow_stop_mode_is_a_clear_error(tmp_path):
                "--moe_echo.debug_hot_experts", "1", "--moe_echo.bias_update_rate", "0", "--moe_echo.capacity_factor",
                "1.0", "--moe_echo.on_overflow", "stop", "--checkpoint.enable", "false", check=False)
     assert p.returncode != 0 and "buffer overflow at step 1" in p.stderr and "capacity_factor" in p.stderr
+
+
+def test_fastest_dispatcher_is_measured_once_cached_and_reported(tmp_path):
+    cache = str(tmp_path / "cache.json")
+    args = ["--training.local_batch_size", "4", "--parallelism.expert_parallel_degree", "2", "--training.steps", "2",
+            "--moe_echo.dispatcher", "fastest", "--checkpoint.enable", "false"]
+    p = recipe(tmp_path / "a", 2, *args, env={"MOE_ECHO_CACHE": cache})
+    line = next(l for l in p.stdout.splitlines() if l.startswith("dispatcher: fastest = "))
+    chosen = line.split("= ")[1].split(" ")[0]
+    timings = json.load(open(cache))
+    (key, ms), = timings.items()
+    assert set(ms) == {"padded", "alltoall"} and chosen == min(ms, key=ms.get) and "ep2" in key
+    p = recipe(tmp_path / "b", 2, *args, env={"MOE_ECHO_CACHE": cache})
+    assert f"fastest = {chosen}" in p.stdout and "cached" in p.stdout

@@ -13,10 +13,11 @@ class MoEEchoConfig:
     enable: bool = True
     """Swap torchtitan's MoE modules for moe-echo's layer (False keeps torchtitan's own MoE)."""
 
-    dispatcher: Literal["auto", "local", "alltoall", "padded"] = "auto"
+    dispatcher: Literal["auto", "fastest", "local", "alltoall", "padded"] = "auto"
     """Token dispatcher backend. ``local``: all experts on this rank (EP=1). ``alltoall``: exact
     variable-size all_to_all, sizes read on the host (the baseline). ``padded``: fixed rows per
-    peer, no host read (sync-free). ``auto``: local at EP=1, padded at EP>1."""
+    peer, no host read (sync-free). ``auto``: local at EP=1, padded at EP>1. ``fastest``: time the
+    EP backends once for this run's shape on this machine and use the fastest (cached)."""
 
     on_overflow: Literal["replay", "stop"] = "replay"
     """When a fixed-capacity (padded) buffer overflowed: ``replay`` — the step is gated on the device

@@ -66,7 +66,7 @@ class LocalDispatcher(Dispatcher):
 
 def resolve_backend(cfg: MoEEchoConfig, ep_size: int) -> str:
     """The backend ``cfg.dispatcher`` means at this EP degree (``auto``: local at EP=1, else padded)."""
-    if cfg.dispatcher == "auto":
+    if cfg.dispatcher in ("auto", "fastest"):  # "fastest" is resolved by autotune before this
         return "local" if ep_size == 1 else "padded"
     if (cfg.dispatcher == "local") != (ep_size == 1):
         need = "expert_parallel_degree = 1" if cfg.dispatcher == "local" else "expert_parallel_degree > 1"

@@ -41,6 +41,22 @@ def apply_expert_parallel(moe: MoELayer, ep_mesh, cfg) -> None:
         moe.echo = Echo(moe.num_experts, ep_mesh.get_group(), ep, rank, slots, cfg.echo_planner)
 
 
+def _fastest_backend(model, mesh, dims, cfg, device) -> str:
+    from components.moe_echo.autotune import choose_backend
+
+    args = model.model_args
+    slots = cfg.moe_echo.echo_slots_per_rank if cfg.moe_echo.echo else 0
+    E = dims.ep * (args.moe_args.num_experts // dims.ep + slots)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    tokens = cfg.training.local_batch_size * cfg.training.seq_len
+    backend, timings, cached = choose_backend(cfg.moe_echo, E, args.moe_args.top_k, args.dim, tokens,
+                                              mesh.ep.get_group(), dims.ep, device, dtype)
+    if torch.distributed.get_rank() == 0:
+        detail = ", ".join(f"{k} {v:.2f} ms" for k, v in timings.items())
+        print(f"dispatcher: fastest = {backend} ({detail}{'; cached' if cached else ''})", flush=True)
+    return backend
+
+
 def _ac_wrap(block: nn.Module, index: int, ac_cfg) -> nn.Module:
     mode = ac_cfg.mode
     if mode == "none":
@@ -60,6 +76,8 @@ def _ac_wrap(block: nn.Module, index: int, ac_cfg) -> nn.Module:
 
 
 def parallelize(model: nn.Module, mesh: Meshes | None, dims: ParallelDims, cfg, device: torch.device) -> nn.Module:
+    if dims.ep > 1 and cfg.moe_echo.dispatcher == "fastest":
+        cfg.moe_echo.dispatcher = _fastest_backend(model, mesh, dims, cfg, device)
     for i, (name, block) in enumerate(list(model.layers.items())):
         if getattr(block, "moe_enabled", False) and dims.ep > 1:
             apply_expert_parallel(block.moe, mesh.ep, cfg.moe_echo)
