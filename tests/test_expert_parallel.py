@@ -187,7 +187,11 @@ def test_training_with_echo_matches_echo_off(tmp_path):
               "--checkpoint.enable", "false", "--moe_echo.bias_update_rate", "0", "--moe_echo.debug_hot_experts", "1"]
     recipe(tmp_path / "off", 2, *common)
     recipe(tmp_path / "on", 2, *common, "--moe_echo.echo", "true", "--moe_echo.echo_slots_per_rank", "2")
+    recipe(tmp_path / "recompute", 2, *common, "--moe_echo.echo", "true", "--moe_echo.echo_recompute", "true")
     off, on = losses(tmp_path / "off"), losses(tmp_path / "on")
+    recomputed = losses(tmp_path / "recompute")
+    for step in on:
+        assert recomputed[step] == on[step], step  # recompute changes memory, not one bit of the math
     assert sorted(on) == list(range(1, 11))
     for step in off:
         assert on[step] == pytest.approx(off[step], rel=2e-5), step

@@ -46,6 +46,11 @@ class MoEEchoConfig:
     """Slot assignment rule: ``greedy`` (hottest overflow to the roomiest rank) or ``bestfit``
     (the fullest rank whose room takes the whole overflow; priority bin packing)."""
 
+    echo_recompute: bool = False
+    """Recompute the experts in backward (clone-weight multicast, grouped GEMMs, SwiGLU): clone
+    weights and expert activations are not kept between forward and backward (one clone buffer
+    serves all layers), at the cost of re-running the experts' forward."""
+
     debug_hot_experts: int = 0
     """Benchmarking aid: start with the router biased so the first N experts (on EP rank 0) are hot.
     Use with bias_update_rate = 0 to keep the skew. 0 = off."""

@@ -15,6 +15,7 @@ the training loss through the backward pass (``_AddAuxLossGrad``), so no loss fu
 """
 
 import torch
+import torch.utils.checkpoint
 from torch import nn
 from torchtitan.models.moe import MoEArgs
 
@@ -102,7 +103,10 @@ class MoELayer(nn.Module):
             with torch.no_grad():
                 self.overflow_count.add_(handle.dropped)
         extend = None if self.echo is None else (lambda w: self.echo.local_weights(w, plan))
-        y_ND = self.experts(x_ND, counts_e, extend)
+        if self.echo is not None and self.cfg.echo_recompute and torch.is_grad_enabled():
+            y_ND = torch.utils.checkpoint.checkpoint(self.experts, x_ND, counts_e, extend, use_reentrant=False)
+        else:
+            y_ND = self.experts(x_ND, counts_e, extend)
         y_TD = self.dispatcher.combine(y_ND, handle)
         if self.shared_experts is not None:
             y_TD = y_TD + self.shared_experts(x_TD)
