@@ -1,1 +1,1 @@
-"""Triton kernels (permutation, histogram, NVLink dispatch/combine) land here with the sync-free issue."""
+"""Triton kernels: MoE row gather/combine, fused SwiGLU, the ECHO planner loop (NVLink dispatch next)."""

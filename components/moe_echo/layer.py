@@ -1,8 +1,13 @@
 """The MoE layer: router + dispatcher + grouped experts (+ shared experts).
 
     x_BSD ─► x_TD ─router─► ids_TK, w_TK, counts_E
-          ─dispatch─► x_ND, counts_e ─experts─► y_ND ─combine─► routed_TD
+          [ECHO, EP>1] ─plan + rewrite─► ids in the (home experts + echo slots) id space
+          ─dispatch─► x_ND, counts_e ─experts (+ clone weights)─► y_ND ─combine─► routed_TD
           y_TD = routed_TD + shared_experts(x_TD)
+
+Runs as-is at EP=1 (``local`` dispatcher); ``components.parallel.parallelize`` switches it to
+expert parallelism (an EP dispatcher, sharded experts, optional ``Echo``). Fixed-capacity
+dispatchers report dropped assignments in ``overflow_count`` (the training loop gates and replays).
 
 A drop-in for torchtitan 0.2.2's ``MoE``: same constructor inputs (MoEArgs, dim, hidden_dim), same
 forward signature, same parameter and buffer names (``router.gate``, ``experts.w1/w2/w3``,

@@ -1,1 +1,1 @@
-"""Parallelism: device mesh, FSDP2 + EP parallelize functions, CUDA-graph step wrapper (later issues); data-parallel helpers now."""
+"""Parallelism: device mesh, FSDP2 + EP parallelize, grad-norm clipping across meshes, process groups."""
