@@ -29,7 +29,7 @@ class OverflowGate:
         self.layers = [moe for _, moe in layers]
         self.optimizer = optimizer
         self.sticky = torch.zeros((), dtype=torch.float32, device=device)
-        self.host_flags: dict[int, torch.Tensor] = {}
+        self.host_flags: dict[int, tuple[torch.Tensor, torch.cuda.Event | None]] = {}
         self.pin = device.type == "cuda"
         self.replays = 0
         self.grow_after = grow_after
@@ -49,13 +49,19 @@ class OverflowGate:
         """Copy this step's flag to host memory without waiting for it."""
         host = torch.empty((), dtype=torch.float32, pin_memory=self.pin)
         host.copy_(self.sticky, non_blocking=True)
-        self.host_flags[step] = host
+        event = None
+        if self.pin:
+            event = torch.cuda.Event()
+            event.record()
+        self.host_flags[step] = (host, event)
 
     def overflowed(self, step: int) -> bool:
-        """Host read of step's flag (by now the copy has long finished)."""
-        if self.pin:
-            torch.cuda.current_stream().synchronize()
-        return bool(self.host_flags.pop(step) > 0)
+        """Host read of step's flag: waits only for that step's copy (recorded before the next step
+        was launched), never for the work queued after it."""
+        host, event = self.host_flags.pop(step)
+        if event is not None:
+            event.synchronize()
+        return bool(host > 0)
 
     def clear(self) -> None:
         self.sticky = torch.zeros_like(self.sticky)
