@@ -1,6 +1,7 @@
-"""Dispatch + combine across EP ranks: alltoall (NCCL, host-sized) vs padded (NCCL, sync-free) vs
-PyTorch symmetric-memory all_to_all_vdev (NVSHMEM, where it runs) vs a raw peer-to-peer copy of the
-same bytes (the NVLink ceiling), all in one run.
+"""Dispatch + combine across EP ranks: nvlink (ours: Triton over symmetric memory, sync-free) vs
+alltoall (NCCL, host-sized) vs padded (NCCL, sync-free) vs PyTorch symmetric-memory
+all_to_all_vdev (NVSHMEM, where it runs) vs a raw peer-to-peer copy of the same bytes (the NVLink
+ceiling), all in one run; plus nvlink's time against the SMs (CTAs) its kernels may use.
 
     torchrun --nproc_per_node 2 benchmarks/dispatch.py [--out DIR]
 
@@ -21,6 +22,7 @@ import torch.distributed as dist
 
 from benchmarks.common import environment, markdown_table, time_ms, write_results
 from components.moe_echo.ep_dispatch import AllToAllDispatcher, PaddedDispatcher, padded_capacity
+from components.moe_echo.nvlink_dispatch import NVLinkDispatcher
 
 E, K = 64, 8
 
@@ -89,13 +91,16 @@ def main():
     ap.add_argument("--out", default=None)
     ap.add_argument("--tokens", default="4096,16384")
     ap.add_argument("--hidden", default="2048,7168")
+    ap.add_argument("--sms", default="32", help="nvlink CTAs for the main table")
+    ap.add_argument("--sweep", default="4,8,16,32,64,132", help="nvlink CTAs swept on the first shape")
+    ap.add_argument("--no-vdev", action="store_true")
     a = ap.parse_args()
     dist.init_process_group("nccl")
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.cuda.set_device(rank)
     dev = torch.device("cuda", rank)
     group = dist.group.WORLD
-    rows = []
+    rows, sweep = [], []
     vdev_note = ""
     for T in map(int, a.tokens.split(",")):
         for D in map(int, a.hidden.split(",")):
@@ -127,6 +132,20 @@ def main():
                     _, _, h = padded.dispatch(x, ids, w)
                 assert int(h.dropped) == 0
                 t_pad = bench(padded)
+                cf_nv = max(1.0, math.ceil(float(need) / (T * K) * 100) / 100)  # receive rows: no drops
+
+                def nvlink(sms):
+                    return NVLinkDispatcher(E, group, world, cf_nv, programs=sms, name="bench")
+
+                with torch.no_grad():
+                    _, _, h = nvlink(int(a.sms)).dispatch(x, ids, w)
+                assert int(h.dropped) == 0
+                t_nv = bench(nvlink(int(a.sms)))
+                if not sweep:
+                    for sms in map(int, a.sweep.split(",")):
+                        ms = bench(nvlink(sms))
+                        sweep.append({"T": T, "D": D, "routing": kind, "nvlink_sms": sms, "ms": ms,
+                                      "GBs": nbytes / (ms * 1e-3) / 1e9})
                 own = int(2 * float(T * K - dest_counts[rank]) * D * 2)
                 t_copy = slowest(peer_copy_ms(max(own // 2, 2), rank, world))
                 # vdev baseline: exact splits of the rank-major send buffer
@@ -134,13 +153,16 @@ def main():
 
                 lay = send_layout(ids, E, world)
                 x_send = x.index_select(0, lay.token_of_sorted_N)
-                t_vdev, note = vdev_ms(x_send, lay.counts_Re.sum(1), group)
+                t_vdev, note = (None, "skipped (--no-vdev)") if a.no_vdev else vdev_ms(x_send, lay.counts_Re.sum(1),
+                                                                                         group)
                 vdev_note = vdev_note or note
                 gbs = lambda ms: nbytes / (ms * 1e-3) / 1e9 if ms else float("nan")
                 row = {
                     "T": T, "D": D, "routing": kind, "ranks": world, "remote_MB": nbytes / 2 / 1e6,
                     "padded_cf": cf, "padded_rows_per_peer": padded_capacity(T, K, world, cf),
-                    "alltoall_ms": t_a2a, "padded_ms": t_pad,
+                    "alltoall_ms": t_a2a, "padded_ms": t_pad, "nvlink_ms": t_nv, "nvlink_sms": int(a.sms),
+                    "nvlink_GBs": gbs(t_nv), "nvlink_vs_alltoall": t_a2a / t_nv,
+                    "nvlink_frac_of_ceiling": t_copy / t_nv,
                     "vdev_ms": slowest(t_vdev) if t_vdev else float("nan"), "peer_copy_ms": t_copy,
                     "alltoall_GBs": gbs(t_a2a), "padded_GBs": gbs(t_pad),
                     "vdev_GBs": gbs(t_vdev) if t_vdev else float("nan"), "peer_copy_GBs": gbs(t_copy),
@@ -153,10 +175,13 @@ def main():
         env = environment()
         env["ranks"] = world
         env["vdev"] = vdev_note or "ran"
-        cols = ["T", "D", "routing", "remote_MB", "padded_cf", "alltoall_ms", "padded_ms", "vdev_ms", "peer_copy_ms",
-                "alltoall_GBs", "padded_GBs", "vdev_GBs", "peer_copy_GBs", "padded_vs_alltoall",
-                "padded_frac_of_ceiling"]
+        env["nvlink_sms_sweep"] = sweep
+        cols = ["T", "D", "routing", "remote_MB", "alltoall_ms", "padded_ms", "nvlink_ms", "vdev_ms", "peer_copy_ms",
+                "alltoall_GBs", "padded_GBs", "nvlink_GBs", "vdev_GBs", "peer_copy_GBs", "nvlink_vs_alltoall",
+                "nvlink_frac_of_ceiling", "padded_vs_alltoall"]
         table = markdown_table(rows, cols)
+        table += "\n\nnvlink time vs CTAs (≈ SMs) its kernels use:\n\n" + markdown_table(
+            sweep, ["T", "D", "routing", "nvlink_sms", "ms", "GBs"])
         stem = write_results(f"dispatch_ep{world}", env, rows, table, a.out)
         print(f"\ndispatch+combine, EP={world}, {env['gpu']}, torch {env['torch']} ({stem}.json); "
               f"all_to_all_vdev: {env['vdev']}\n{table}")

@@ -22,8 +22,9 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-from components.moe_echo.ep_dispatch import PaddedDispatcher
+from components.moe_echo.dispatcher import is_fixed_capacity
 from components.moe_echo.models import build_model, model_args_for, moe_layers
+from components.parallel.cuda_graph import HostCopy, StepGraph, make_capturable
 from components.parallel.data_parallel import allreduce_sum, init_distributed
 from components.parallel.grad_norm import clip_grad_norm_
 from components.parallel.mesh import build_mesh, parallel_dims
@@ -104,9 +105,10 @@ def train(argv: list[str]) -> None:
     model = parallelize(model, mesh, dims, cfg, device)
     layers = moe_layers(model)
     use_bf16 = device.type == "cuda" and t.mixed_precision_param == "bfloat16" and not dims.fsdp  # FSDP casts
-    autocast = (lambda: torch.autocast("cuda", dtype=torch.bfloat16)) if use_bf16 else nullcontext
+    autocast = ((lambda: torch.autocast("cuda", dtype=torch.bfloat16, cache_enabled=not t.cuda_graph)) if use_bf16
+                else nullcontext)
 
-    check_overflow = any(isinstance(moe.dispatcher, PaddedDispatcher) for _, moe in layers)  # fixed capacity
+    check_overflow = any(is_fixed_capacity(moe.dispatcher) for _, moe in layers)
     replay = check_overflow and cfg.moe_echo.on_overflow == "replay"
     optimizer = build_optimizer(model, cfg.optimizer, gated=replay)
     scheduler = build_lr_scheduler(optimizer, cfg.lr_scheduler, t.steps)
@@ -132,6 +134,8 @@ def train(argv: list[str]) -> None:
             print(f"initial weights: {loaded}", flush=True)
     if state.step >= t.steps and is_main:
         print(f"nothing to do: already at step {state.step} of {t.steps}")
+    if t.cuda_graph and device.type == "cuda":
+        make_capturable(optimizer, device)  # tensor lr filled by the scheduler, device step counters
 
     # --- training loop ------------------------------------------------------------------------------
     tb = MetricsLogger(os.path.join(dump, cfg.metrics.save_tb_folder) if is_main and cfg.metrics.enable_tensorboard
@@ -146,8 +150,9 @@ def train(argv: list[str]) -> None:
     gate = OverflowGate(layers, optimizer, device, cfg.moe_echo.grow_capacity_after) if replay else None
     window_t0, window_steps = time.perf_counter(), 0
 
-    def train_step(inputs_BS, labels_BS):
-        """Forward, backward, clip, optimizer, lr and router-bias steps; all gated on overflow."""
+    def device_step(inputs_BS, labels_BS):
+        """Forward, backward, clip, optimizer and router-bias steps, all gated on overflow; returns
+        device tensors only (no host read: a CUDA graph captures this whole function)."""
         with autocast():
             logits_BSV = model(inputs_BS)
         loss = F.cross_entropy(logits_BSV.flatten(0, 1).float(), labels_BS.flatten())
@@ -158,12 +163,11 @@ def train(argv: list[str]) -> None:
             if dropped:
                 raise UserError(
                     f"expert-parallel buffer overflow at step {state.step}: {dropped} (token, expert) assignments did "
-                    f"not fit the padded dispatcher's per-peer capacity; the step was not applied — raise [moe_echo] "
+                    f"not fit the dispatcher's fixed capacity; the step was not applied — raise [moe_echo] "
                     f"capacity_factor (now {cfg.moe_echo.capacity_factor}), use dispatcher = 'alltoall' or "
                     f"on_overflow = 'replay'")
         grad_norm = clip_grad_norm_(list(model.parameters()), t.max_norm)
         optimizer.step()
-        scheduler.step()
         optimizer.zero_grad(set_to_none=True)
         # aux-loss-free balancing: one bias step per layer from this step's global counts
         counts_LE = allreduce_sum(torch.stack([moe.tokens_per_expert for _, moe in layers])) if layers else None
@@ -173,17 +177,36 @@ def train(argv: list[str]) -> None:
             moe.overflow_count.zero_()
         echo = [(moe.echo_stats.clone(), moe.echo.last_load.clone()) if moe.echo is not None else None
                 for _, moe in layers]
-        return loss.detach(), grad_norm, counts_LE, echo, scheduler.get_last_lr()[0]
+        return allreduce_sum(loss.detach()) / world, grad_norm, counts_LE, echo
 
-    def log_step(step, out, replayed):
+    why_not_graph = None
+    if any(not moe.dispatcher.sync_free for _, moe in layers):
+        why_not_graph = (f"the {type(layers[0][1].dispatcher).__name__} sizes its buffers on the host; use "
+                         "dispatcher = 'nvlink' or 'padded'")
+    elif check_overflow and gate is None:
+        why_not_graph = "on_overflow = 'stop' reads the overflow count on the host every step"
+    elif device.type == "cuda" and t.mixed_precision_param != "bfloat16":
+        why_not_graph = "fp32 experts run a per-expert loop sized on the host; use mixed_precision_param = 'bfloat16'"
+    step_graph = StepGraph(device_step, device, t.cuda_graph_warmup, t.cuda_graph, why_not_graph,
+                           log=print if is_main else (lambda *_: None))
+
+    def train_step(inputs_BS, labels_BS, exact=False):
+        """One step (graphed when possible; ``exact``: eager replay on the exact path); its outputs
+        are copied to pinned host memory and read one step late."""
+        out = device_step(inputs_BS, labels_BS) if exact else step_graph(inputs_BS, labels_BS)
+        scheduler.step()  # fills the optimizer's lr tensor in place when graphed
+        lr = scheduler.base_lrs[0] * scheduler.lr_lambdas[0](scheduler.last_epoch)
+        return HostCopy((out, lr))
+
+    def log_step(step, host, replayed):
         nonlocal window_t0, window_steps
-        loss, grad_norm, counts_LE, echo, lr = out
+        (loss, grad_norm, counts_LE, echo), lr = host.get()
         window_steps += 1
         summary.tokens += tokens_per_step
         if not (step % cfg.metrics.log_freq == 0 or step == t.steps or step == 1):
             progress.update({})
             return
-        loss_val = float(allreduce_sum(loss.clone()) / world)
+        loss_val = float(loss)
         elapsed = time.perf_counter() - window_t0
         tps = tokens_per_step * window_steps / max(elapsed, 1e-9)
         window_t0, window_steps = time.perf_counter(), 0
@@ -216,14 +239,21 @@ def train(argv: list[str]) -> None:
             tb.heatmaps(step)
         progress.update({"loss": f"{loss_val:.3f}", "tok/s": f"{tps:,.0f}"})
 
+    def sync_check():
+        """[training] sync_debug: any device-to-host sync inside a training step raises."""
+        if not (t.sync_debug and device.type == "cuda"):
+            return nullcontext()
+        return _sync_debug_mode()
+
     # Steps run ahead of their confirmation by one: step s's overflow flag is read on the host after
     # step s+1 is launched. A flagged step (and the one after it, gated too) is replayed exactly.
     pending = []  # (step, batch, train_step output), oldest first
     while state.step < t.steps:
         state.step += 1
         step = state.step
-        batch = tuple(x.to(device, non_blocking=True) for x in loader.next_batch())
-        pending.append((step, batch, train_step(*batch)))
+        batch = tuple(_to_device(x, device) for x in loader.next_batch())
+        with sync_check():
+            pending.append((step, batch, train_step(*batch)))
         if gate is not None:
             gate.record(step)
         settle = gate is None or step == t.steps or (ckpt.enable and step % ckpt.interval == 0)
@@ -232,8 +262,11 @@ def train(argv: list[str]) -> None:
                 rewind_lr(scheduler, len(pending))
                 gate.clear()
                 with gate.exact_dispatch():
-                    pending = [(s, b, train_step(*b)) for s, b, _ in pending]
+                    pending = [(s, b, train_step(*b, exact=True)) for s, b, _ in pending]
+                version = gate.capacity_version
                 gate.replayed(len(pending))
+                if gate.capacity_version != version:
+                    step_graph.invalidate()  # buffers grew: warm up and capture again
                 summary.replayed_steps += len(pending)
                 for s, _, out in pending:
                     log_step(s, out, replayed=True)
@@ -252,12 +285,29 @@ def train(argv: list[str]) -> None:
         extra = {"params": f"{n_params:,}", "model": f"{m.name}/{m.flavor} ({len(layers)} MoE layers)",
                  "ranks": f"{world} (dp_replicate {dims.dp_replicate} x dp_shard {dims.dp_shard}, ep {dims.ep})",
                  "dispatcher": type(layers[0][1].dispatcher).__name__ if layers else "-",
+                 "cuda graph": (f"replayed (captured {step_graph.captures}x)" if step_graph.captures
+                                else f"off ({step_graph.reason})"),
                  "device": str(device), "metrics": log_path}
         if tb.writer is not None:
             extra["tensorboard"] = f"tensorboard --logdir {os.path.join(dump, cfg.metrics.save_tb_folder)}"
         if ckpt.enable:
             extra["checkpoints"] = ckpt_dir
         print(summary.text(extra), flush=True)
+
+
+def _to_device(x: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """Host batch → device without a host wait (pinned memory, async copy)."""
+    if device.type != "cuda":
+        return x.to(device)
+    return x.pin_memory().to(device, non_blocking=True)
+
+
+class _sync_debug_mode:
+    def __enter__(self):
+        torch.cuda.set_sync_debug_mode("error")
+
+    def __exit__(self, *exc):
+        torch.cuda.set_sync_debug_mode(0)
 
 
 def _peak_flops(device: torch.device) -> float:

@@ -4,8 +4,8 @@
 each available backend on random routing of the run's exact shape (T tokens, D, K, E, EP); the
 slowest rank's median decides. The choice is cached in ``$MOE_ECHO_CACHE`` (default
 ``~/.cache/moe_echo/dispatch.json``) keyed by machine, shape and candidates, and reported.
-Candidates today: ``padded`` (sync-free) and ``alltoall``; the NVLink and DeepEP backends join
-this list when they land.
+Candidates: ``nvlink`` (CUDA GPUs of one host), ``padded`` and ``alltoall``; ``deepep`` when
+``deep_ep`` is installed.
 """
 
 import json
@@ -18,7 +18,17 @@ import torch.distributed as dist
 from .config import MoEEchoConfig
 from .dispatcher import build_dispatcher
 
-CANDIDATES = ("padded", "alltoall")
+def candidates(device: torch.device, ep: int) -> tuple[str, ...]:
+    names = ["padded", "alltoall"]
+    if device.type == "cuda" and ep <= torch.cuda.device_count():
+        names.insert(0, "nvlink")
+        try:
+            import deep_ep  # noqa: F401
+
+            names.append("deepep")
+        except ImportError:
+            pass
+    return tuple(names)
 
 
 def _cache_path() -> str:
@@ -46,8 +56,9 @@ def _time_ms(fn, device, iters: int) -> float:
 def choose_backend(cfg: MoEEchoConfig, num_experts: int, top_k: int, dim: int, tokens: int, group, ep: int,
                    device: torch.device, dtype: torch.dtype, iters: int = 5) -> tuple[str, dict[str, float], bool]:
     """(backend, {backend: ms}, from_cache). Same answer on every rank (rank 0's decision is broadcast)."""
+    names = candidates(device, ep)
     key = f"{_machine(device)}|ep{ep}|E{num_experts}|K{top_k}|D{dim}|T{tokens}|{dtype}|cf{cfg.capacity_factor}|" \
-          + ",".join(CANDIDATES)
+          + ",".join(names)
     path = _cache_path()
     cache = {}
     if os.path.isfile(path):
@@ -64,9 +75,9 @@ def choose_backend(cfg: MoEEchoConfig, num_experts: int, top_k: int, dim: int, t
         ids = torch.rand(tokens, num_experts, device=device, generator=g).topk(top_k, dim=-1).indices
         w = torch.rand(tokens, top_k, device=device, generator=g)
         timings = {}
-        for name in CANDIDATES:
-            d = build_dispatcher(MoEEchoConfig(dispatcher=name, capacity_factor=max(cfg.capacity_factor, 2.0)),
-                                 num_experts, group, ep)
+        for name in names:
+            d = build_dispatcher(MoEEchoConfig(dispatcher=name, capacity_factor=max(cfg.capacity_factor, 2.0),
+                                               nvlink_sms=cfg.nvlink_sms), num_experts, group, ep)
 
             def fn():
                 with torch.no_grad():

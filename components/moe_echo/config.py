@@ -13,11 +13,14 @@ class MoEEchoConfig:
     enable: bool = True
     """Swap torchtitan's MoE modules for moe-echo's layer (False keeps torchtitan's own MoE)."""
 
-    dispatcher: Literal["auto", "fastest", "local", "alltoall", "padded"] = "auto"
+    dispatcher: Literal["auto", "fastest", "local", "alltoall", "padded", "nvlink", "deepep"] = "auto"
     """Token dispatcher backend. ``local``: all experts on this rank (EP=1). ``alltoall``: exact
     variable-size all_to_all, sizes read on the host (the baseline). ``padded``: fixed rows per
-    peer, no host read (sync-free). ``auto``: local at EP=1, padded at EP>1. ``fastest``: time the
-    EP backends once for this run's shape on this machine and use the fastest (cached)."""
+    peer over NCCL/gloo, no host read (sync-free). ``nvlink``: Triton kernels write tokens straight
+    into the peers' symmetric-memory receive buffers (sync-free, CUDA GPUs of one host).
+    ``deepep``: DeepEP's intranode kernels (needs ``deep_ep`` installed). ``auto``: local at EP=1,
+    nvlink at EP>1 on CUDA, padded elsewhere. ``fastest``: time the EP backends once for this
+    run's shape on this machine and use the fastest (cached)."""
 
     on_overflow: Literal["replay", "stop"] = "replay"
     """When a fixed-capacity (padded) buffer overflowed: ``replay`` — the step is gated on the device
@@ -28,7 +31,13 @@ class MoEEchoConfig:
     """With on_overflow = "replay": every this many replays, raise capacity_factor by 25% (0: never)."""
 
     capacity_factor: float = 1.25
-    """padded: rows per (source, destination) block = round_up(ceil(capacity_factor · T · K / EP), 8)."""
+    """Fixed-capacity backends. padded: rows per (source, destination) block =
+    round_up(ceil(capacity_factor · T · K / EP), 8); nvlink: receive rows per rank =
+    round_up(ceil(capacity_factor · T · K), 128) (T = tokens per rank, K = top-k)."""
+
+    nvlink_sms: int = 32
+    """nvlink: CTAs (about one per SM) the dispatch/combine copy kernels occupy; the rest of the GPU
+    stays free for compute overlapping with them."""
 
     aux_loss_coeff: float = 0.0
     """Coefficient of the sequence-level auxiliary balance loss (0 disables it)."""

@@ -21,6 +21,9 @@ from .row_ops import gather_rows, weighted_combine
 
 
 class Dispatcher(ABC):
+    sync_free = False  # True: no host read on the step path (the step can be captured in a CUDA graph)
+    fixed_capacity = False  # True: may overflow (counted in handle.dropped; the loop gates and replays)
+
     @abstractmethod
     def dispatch(
         self, x_TD: torch.Tensor, ids_TK: torch.Tensor, w_TK: torch.Tensor
@@ -43,6 +46,8 @@ class LocalDispatcher(Dispatcher):
     """All E experts on this rank. Expert-major order by a stable sort of the flat expert ids;
     N = T·K exactly. Everything stays on device: no host read, no boolean masks."""
 
+    sync_free = True
+
     def __init__(self, num_experts: int):
         self.num_experts = num_experts
 
@@ -64,10 +69,11 @@ class LocalDispatcher(Dispatcher):
         return weighted_combine(y_ND, handle.w_TK, handle.row_of_slot_TK, is_permutation=True).to(handle.out_dtype)
 
 
-def resolve_backend(cfg: MoEEchoConfig, ep_size: int) -> str:
-    """The backend ``cfg.dispatcher`` means at this EP degree (``auto``: local at EP=1, else padded)."""
+def resolve_backend(cfg: MoEEchoConfig, ep_size: int, on_cuda: bool = False) -> str:
+    """The backend ``cfg.dispatcher`` means at this EP degree (``auto``: local at EP=1, else nvlink
+    on CUDA and padded elsewhere)."""
     if cfg.dispatcher in ("auto", "fastest"):  # "fastest" is resolved by autotune before this
-        return "local" if ep_size == 1 else "padded"
+        return "local" if ep_size == 1 else ("nvlink" if on_cuda else "padded")
     if (cfg.dispatcher == "local") != (ep_size == 1):
         need = "expert_parallel_degree = 1" if cfg.dispatcher == "local" else "expert_parallel_degree > 1"
         raise ValueError(f"[moe_echo] dispatcher = {cfg.dispatcher!r} needs {need} (got {ep_size}); "
@@ -75,12 +81,26 @@ def resolve_backend(cfg: MoEEchoConfig, ep_size: int) -> str:
     return cfg.dispatcher
 
 
-def build_dispatcher(cfg: MoEEchoConfig, num_experts: int, ep_group=None, ep_size: int = 1) -> Dispatcher:
-    backend = resolve_backend(cfg, ep_size)
+def build_dispatcher(cfg: MoEEchoConfig, num_experts: int, ep_group=None, ep_size: int = 1,
+                     on_cuda: bool = False) -> Dispatcher:
+    backend = resolve_backend(cfg, ep_size, on_cuda)
     if backend == "local":
         return LocalDispatcher(num_experts)
+    if backend == "nvlink":
+        from .nvlink_dispatch import NVLinkDispatcher
+
+        return NVLinkDispatcher(num_experts, ep_group, ep_size, cfg.capacity_factor, cfg.nvlink_sms)
+    if backend == "deepep":
+        from .deepep_dispatch import DeepEPDispatcher
+
+        return DeepEPDispatcher(num_experts, ep_group, ep_size)
     from .ep_dispatch import AllToAllDispatcher, PaddedDispatcher
 
     if backend == "alltoall":
         return AllToAllDispatcher(num_experts, ep_group, ep_size)
     return PaddedDispatcher(num_experts, ep_group, ep_size, cfg.capacity_factor)
+
+
+def is_fixed_capacity(d: Dispatcher) -> bool:
+    """Fixed-capacity backends (padded, nvlink) may overflow: the training loop gates and replays."""
+    return d.fixed_capacity

@@ -87,6 +87,9 @@ def padded_capacity(num_tokens: int, top_k: int, ep_size: int, capacity_factor: 
 class PaddedDispatcher(_ExpertParallelDispatcher):
     """Fixed C rows per (source, destination) pair; static shapes; no host read."""
 
+    fixed_capacity = True
+    sync_free = True
+
     def __init__(self, num_experts: int, group, ep_size: int, capacity_factor: float):
         super().__init__(num_experts, group, ep_size)
         self.capacity_factor = capacity_factor

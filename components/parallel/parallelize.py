@@ -35,7 +35,8 @@ def apply_expert_parallel(moe: MoELayer, ep_mesh, cfg) -> None:
         setattr(moe.experts, name, nn.Parameter(DTensor.from_local(local, ep_mesh, [Shard(0)], run_check=False)))
     slots = cfg.echo_slots_per_rank if cfg.echo else 0
     # with ECHO the dispatcher routes over e + S "experts" per rank: home experts, then echo slots
-    moe.dispatcher = build_dispatcher(cfg, ep * (moe.num_experts // ep + slots), ep_mesh.get_group(), ep)
+    on_one_host = ep_mesh.device_type == "cuda" and ep <= torch.cuda.device_count()  # NVLink peers
+    moe.dispatcher = build_dispatcher(cfg, ep * (moe.num_experts // ep + slots), ep_mesh.get_group(), ep, on_one_host)
     moe.ep_size = ep
     if cfg.echo:
         moe.echo = Echo(moe.num_experts, ep_mesh.get_group(), ep, rank, slots, cfg.echo_planner)

@@ -17,6 +17,7 @@ try:
 except ModuleNotFoundError:  # Python < 3.11
     import tomli as tomllib
 
+import torch
 from torchtitan.config.job_config import JobConfig as TitanJobConfig
 from torchtitan.config.manager import ConfigManager
 
@@ -224,7 +225,15 @@ def validate(cfg) -> None:
         raise UserError("[moe_echo] echo = true needs [parallelism] expert_parallel_degree > 1 (clones live on other "
                         "EP ranks); set echo = false or raise expert_parallel_degree")
     _require(1 <= e.echo_slots_per_rank <= 64, "[moe_echo] echo_slots_per_rank", e.echo_slots_per_rank, "in [1, 64]")
-    if e.dispatcher in ("alltoall", "padded") and ep == 1:
+    _require(1 <= e.nvlink_sms <= 1024, "[moe_echo] nvlink_sms", e.nvlink_sms, "in [1, 1024]")
+    if e.dispatcher in ("nvlink", "deepep") and not torch.cuda.is_available():
+        raise UserError(f"[moe_echo] dispatcher = {e.dispatcher!r} needs CUDA GPUs (peer memory over NVLink); "
+                        "use 'padded' or 'auto' on this machine")
+    if e.dispatcher == "deepep":
+        from components.moe_echo.deepep_dispatch import require_deep_ep
+
+        require_deep_ep()
+    if e.dispatcher in ("alltoall", "padded", "nvlink", "deepep") and ep == 1:
         raise UserError(f"[moe_echo] dispatcher = {e.dispatcher!r} needs [parallelism] expert_parallel_degree > 1; "
                         "use 'local' or 'auto'")
     for key in ("tensor_parallel_degree", "pipeline_parallel_degree", "context_parallel_degree",

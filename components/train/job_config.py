@@ -33,6 +33,15 @@ class Training:
     """Read at most this many MB of text (the python_stdlib corpus and local files)."""
     seed: int = 0
     """Seed for weights init and data order."""
+    cuda_graph: bool = False
+    """Capture forward + backward + optimizer step as one CUDA graph after ``cuda_graph_warmup``
+    eager steps (GPU, sync-free dispatcher). When capture is impossible the run says why and
+    continues eagerly."""
+    cuda_graph_warmup: int = 2
+    """Eager steps (real training steps) before the capture."""
+    sync_debug: bool = False
+    """Raise on any device-to-host synchronisation inside training steps
+    (torch.cuda.set_sync_debug_mode("error")); for checking the sync-free path."""
 
 
 @dataclass

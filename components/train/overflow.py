@@ -1,6 +1,7 @@
 """Dropless training with fixed-capacity dispatch: gate on the device, replay from the host.
 
-A ``padded`` dispatcher that overflows has dropped (token, expert) assignments from that step.
+A fixed-capacity dispatcher (``padded``, ``nvlink``) that overflows has not sent some (token,
+expert) assignments of that step.
 Such a step must never be applied:
 
 1. gate (device, no host read): ``sticky |= any rank overflowed`` (an all-reduce of the layers'
@@ -12,8 +13,10 @@ Such a step must never be applied:
    step s+1 has been launched; if it is set, the learning-rate schedule is rewound over the gated
    steps and their batches are re-run on the exact path (``alltoall``, variable sizes, nothing
    dropped), the flag is cleared, and training continues.
-3. ``grow_after`` replays in a run raise the padded capacity by 25% (sync-free shapes stay static
-   between growths; a later CUDA-graph wrapper re-captures on growth).
+3. ``grow_after`` replays in a run raise the capacity factor by 25% (sync-free shapes stay static
+   between growths; the CUDA-graph step re-captures when a capacity changed).
+
+The flag is one device tensor updated in place (``sticky``), so a captured graph keeps pointing at it.
 """
 
 from contextlib import contextmanager
@@ -21,7 +24,8 @@ from contextlib import contextmanager
 import torch
 import torch.distributed as dist
 
-from components.moe_echo.ep_dispatch import AllToAllDispatcher, PaddedDispatcher
+from components.moe_echo.dispatcher import is_fixed_capacity
+from components.moe_echo.ep_dispatch import AllToAllDispatcher
 
 
 class OverflowGate:
@@ -34,14 +38,15 @@ class OverflowGate:
         self.replays = 0
         self.grow_after = grow_after
         self.dropped_total = torch.zeros((), dtype=torch.int64, device=device)
+        self.capacity_version = 0  # bumped when capacities grow (a captured step must be re-captured)
 
     def gate(self) -> torch.Tensor:
         """After backward: fold this step's overflow into the sticky flag and arm the optimizer."""
         dropped = torch.stack([moe.overflow_count for moe in self.layers]).sum()
         if dist.is_initialized():
             dist.all_reduce(dropped)
-        self.dropped_total += dropped
-        self.sticky = torch.maximum(self.sticky, (dropped > 0).float())
+        self.dropped_total.add_(dropped)
+        self.sticky.copy_(torch.maximum(self.sticky, (dropped > 0).float()))
         self.optimizer.found_inf = self.sticky
         return self.sticky
 
@@ -64,24 +69,25 @@ class OverflowGate:
         return bool(host > 0)
 
     def clear(self) -> None:
-        self.sticky = torch.zeros_like(self.sticky)
+        self.sticky.zero_()
         self.optimizer.found_inf = self.sticky
         self.host_flags.clear()
 
     def replayed(self, n: int) -> None:
         self.replays += 1
         if self.grow_after and self.replays % self.grow_after == 0:
+            self.capacity_version += 1
             for moe in self.layers:
-                if isinstance(moe.dispatcher, PaddedDispatcher):
+                if is_fixed_capacity(moe.dispatcher):
                     moe.dispatcher.capacity_factor *= 1.25
 
     @contextmanager
     def exact_dispatch(self):
-        """Swap every padded dispatcher for an exact alltoall one (same group and id space)."""
+        """Swap every fixed-capacity dispatcher for an exact alltoall one (same group and id space)."""
         saved = [moe.dispatcher for moe in self.layers]
         for moe in self.layers:
             d = moe.dispatcher
-            if isinstance(d, PaddedDispatcher):
+            if is_fixed_capacity(d):
                 moe.dispatcher = AllToAllDispatcher(d.num_experts, d.group, d.ep_size)
         try:
             yield

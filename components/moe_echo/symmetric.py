@@ -1,0 +1,79 @@
+"""Buffers every rank of a group can read and write: PyTorch symmetric memory (CUDA, NVLink).
+
+    ws = SymmetricWorkspace(group)
+    buf = ws.buffer("layer3/recv_x", (N, D), torch.bfloat16, device)   # collective on first use
+    buf.local      this rank's tensor                      [N, D]
+    buf.peers      every rank's tensor, mapped here         list of R tensors [N, D]
+    buf.ptrs_R     their base addresses (int64, on device) for Triton kernels
+    ws.barrier(buf)  device-side barrier of the group (a kernel: no host wait, graph-capturable)
+
+A buffer is allocated and exchanged (``rendezvous``) the first time its name is asked for with a
+shape, on every rank in the same order (the layers of a model run in the same order everywhere).
+Asking again with another shape (e.g. capacity grew) allocates anew. Buffers start zeroed.
+
+``backends share one interface``: tests drive the NVLink dispatcher on CPU with a thread-backed
+workspace of the same interface (tests/threaded_ranks.py).
+"""
+
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+
+@contextmanager
+def setup_work():
+    """One-time setup (allocation, rendezvous, graph capture) may wait on the device: exempt it from
+    ``torch.cuda.set_sync_debug_mode``, which guards the steady-state step."""
+    if not torch.cuda.is_available():
+        yield
+        return
+    mode = torch.cuda.get_sync_debug_mode()
+    torch.cuda.set_sync_debug_mode(0)
+    try:
+        yield
+    finally:
+        torch.cuda.set_sync_debug_mode(mode)
+
+
+@dataclass
+class SymmBuffer:
+    local: torch.Tensor
+    peers: list[torch.Tensor]
+    ptrs_R: torch.Tensor
+    handle: object = None
+
+
+class SymmetricWorkspace:
+    def __init__(self, group):
+        import torch.distributed._symmetric_memory as symm_mem
+
+        self.symm_mem = symm_mem
+        self.group = group
+        self.rank, self.world = dist.get_rank(group), dist.get_world_size(group)
+        self._buffers: dict[str, tuple[tuple, SymmBuffer]] = {}
+        enable = getattr(symm_mem, "enable_symm_mem_for_group", None)
+        if enable is not None:  # needed on older torch, harmless on newer
+            enable(group.group_name)
+
+    def buffer(self, name: str, shape: tuple, dtype: torch.dtype, device: torch.device) -> SymmBuffer:
+        key = (tuple(shape), dtype)
+        hit = self._buffers.get(name)
+        if hit is not None and hit[0] == key:
+            return hit[1]
+        with setup_work():
+            local = self.symm_mem.empty(*shape, dtype=dtype, device=device)
+            local.zero_()
+            handle = self.symm_mem.rendezvous(local, self.group.group_name)
+            peers = [local if r == self.rank else handle.get_buffer(r, tuple(shape), dtype)
+                     for r in range(self.world)]
+            ptrs_R = torch.tensor([p.data_ptr() for p in peers], dtype=torch.int64, device=device)
+            buf = SymmBuffer(local, peers, ptrs_R, handle)
+            self._buffers[name] = (key, buf)
+            torch.cuda.synchronize(device)  # zeroed everywhere before any peer writes into it
+            dist.barrier(group=self.group)
+        return buf
+
+    def barrier(self, buf: SymmBuffer) -> None:
+        buf.handle.barrier(channel=0)

@@ -1,0 +1,134 @@
+"""Full-iteration CUDA graphs: forward + backward + clipping + optimizer step replayed as one graph.
+
+    step = StepGraph(device_step, device, warmup=2, enabled=True, why_not=reason_or_None)
+    outputs = step(inputs_BS, labels_BS)     # tensors; valid until the next call
+
+``device_step(inputs, labels) -> pytree of tensors`` must be sync-free (no host read, no
+host-dependent shapes) and keep every tensor it updates in place (optimizer state, router bias,
+counters, the overflow flag). The wrapper:
+
+1. runs the first ``warmup`` calls eagerly on a side stream — real training steps, which also do
+   the lazy work that must not be captured (Triton compiles, NCCL/symmetric-memory buffers,
+   optimizer state, FSDP's lazy init);
+2. then copies the batch into static input buffers and captures one call into a graph (the CUDA
+   RNG's seed/offset is registered by the capture itself, so random ops advance per replay);
+3. replays the graph for every later call (copy inputs in, replay, return the static outputs).
+
+The optimizer must be capturable (``make_capturable``): tensor learning rate (the scheduler fills
+it in place), device step counters. When capture is impossible the wrapper says why once and
+runs eagerly: a backend that sizes buffers on the host (``alltoall``, ``deepep``), no CUDA, or an
+error raised while capturing (reported verbatim; every rank then runs eagerly).
+``invalidate()`` drops the graph (e.g. after capacities grew); the next calls warm up and
+re-capture.
+"""
+
+import torch
+import torch.distributed as dist
+from torch.utils._pytree import tree_leaves, tree_map
+
+from components.moe_echo.symmetric import setup_work
+
+
+class StepGraph:
+    def __init__(self, step_fn, device: torch.device, warmup: int = 2, enabled: bool = True,
+                 why_not: str | None = None, log=print):
+        self.step_fn, self.device, self.warmup, self.log = step_fn, device, max(1, warmup), log
+        self.reason = why_not if enabled else "disabled ([training] cuda_graph = false)"
+        if self.reason is None and device.type != "cuda":
+            self.reason = "no CUDA device"
+        if enabled and self.reason is not None:
+            log(f"cuda graph: off — {self.reason}; running eagerly")
+        self.graph = None
+        self.eager_calls = 0
+        self.captures = 0
+
+    @property
+    def active(self) -> bool:
+        return self.reason is None
+
+    def invalidate(self) -> None:
+        self.graph, self.eager_calls = None, 0
+
+    def __call__(self, inputs_BS: torch.Tensor, labels_BS: torch.Tensor):
+        if not self.active:
+            return self.step_fn(inputs_BS, labels_BS)
+        if self.graph is None:
+            if self.eager_calls < self.warmup:
+                self.eager_calls += 1
+                return self._on_side_stream(inputs_BS, labels_BS)
+            if not self._capture(inputs_BS, labels_BS):
+                return self.step_fn(inputs_BS, labels_BS)
+        self.inputs.copy_(inputs_BS, non_blocking=True)
+        self.labels.copy_(labels_BS, non_blocking=True)
+        self.graph.replay()
+        return self.outputs
+
+    def _on_side_stream(self, inputs_BS, labels_BS):
+        side = torch.cuda.Stream(self.device)
+        side.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(side):
+            out = self.step_fn(inputs_BS, labels_BS)
+        torch.cuda.current_stream(self.device).wait_stream(side)
+        return out
+
+    def _capture(self, inputs_BS, labels_BS) -> bool:
+        with setup_work():
+            return self._capture_once(inputs_BS, labels_BS)
+
+    def _capture_once(self, inputs_BS, labels_BS) -> bool:
+        self.inputs, self.labels = inputs_BS.clone(), labels_BS.clone()
+        torch.cuda.synchronize(self.device)  # once per capture, not per step
+        graph, error = torch.cuda.CUDAGraph(), None
+        try:
+            with torch.cuda.graph(graph):
+                outputs = self.step_fn(self.inputs, self.labels)
+        except Exception as err:  # reported below; every rank falls back together
+            error = f"{type(err).__name__}: {str(err).strip().splitlines()[0][:200]}"
+        ok = torch.tensor([0.0 if error else 1.0], device=self.device)
+        if dist.is_initialized():
+            dist.all_reduce(ok, op=dist.ReduceOp.MIN)
+        if float(ok) < 1:  # host read at capture time only
+            self.reason = error or "capture failed on another rank"
+            self.log(f"cuda graph: off — capture failed ({self.reason}); running eagerly")
+            return False
+        self.graph, self.outputs = graph, outputs
+        self.captures += 1
+        self.log(f"cuda graph: captured the training step (capture #{self.captures})")
+        return True
+
+
+def make_capturable(optimizer: torch.optim.Optimizer, device: torch.device) -> None:
+    """Tensor learning rates (LR schedulers fill them in place: no re-capture, no host read) and
+    device step counters. Call after the scheduler is built and any checkpoint is loaded."""
+    for group in optimizer.param_groups:
+        group["capturable"] = True
+        if not isinstance(group["lr"], torch.Tensor):
+            group["lr"] = torch.tensor(float(group["lr"]), dtype=torch.float32, device=device)
+    for state in optimizer.state.values():
+        if "step" in state and isinstance(state["step"], torch.Tensor):
+            state["step"] = state["step"].to(device=device, dtype=torch.float32)
+
+
+class HostCopy:
+    """A pytree of device tensors copied to pinned host memory without waiting; ``get()`` waits for
+    that copy only (an event recorded right after it), never for work queued later."""
+
+    def __init__(self, tree):
+        def copy(t):
+            if not isinstance(t, torch.Tensor):
+                return t
+            if not t.is_cuda:
+                return t.detach().clone()
+            host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+            return host.copy_(t.detach(), non_blocking=True)
+
+        self.tree = tree_map(copy, tree)
+        self.event = None
+        if any(isinstance(t, torch.Tensor) and t.is_cuda for t in tree_leaves(tree)):
+            self.event = torch.cuda.Event()
+            self.event.record()
+
+    def get(self):
+        if self.event is not None:
+            self.event.synchronize()
+        return self.tree

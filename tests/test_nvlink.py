@@ -1,0 +1,141 @@
+"""The ``nvlink`` dispatcher's logic on CPU: R ranks as threads sharing buffers (tests/threaded_ranks.py),
+against an independent fp64 reference — random and adversarial routing, overflow accounting, and
+the peer-copy kernels themselves in the Triton interpreter."""
+
+import pytest
+import torch
+
+from components.moe_echo.nvlink_dispatch import NVLinkDispatcher, nvlink_capacity
+from kernels import peer_rows
+from test_kernels import needs_cpu_interpreter, run_in_interpreter
+from threaded_ranks import run_ranks
+
+T, K, D, E_LOCAL = 24, 3, 8, 4
+
+
+def _routing(kind: str, R: int, rank: int, gen: torch.Generator) -> torch.Tensor:
+    E = R * E_LOCAL
+    if kind == "random":
+        return torch.rand(T, E, generator=gen).topk(K, dim=-1).indices
+    if kind == "skewed":  # 70% of tokens pick K of rank 0's experts, the rest pick at random
+        scores = torch.rand(T, E, generator=gen)
+        scores[torch.rand(T, generator=gen) < 0.7, :E_LOCAL] += 1.0
+        return scores.topk(K, dim=-1).indices
+    if kind == "all_to_one":  # every token of every rank picks experts 0..K-1 (all on rank 0)
+        return torch.arange(K).expand(T, K).clone()
+    if kind == "one_hot_per_rank":  # token t: the first K experts of rank t % R (expert 0 of each rank is
+        # hot, the last of each rank gets no token)
+        return ((torch.arange(T) % R) * E_LOCAL)[:, None] + torch.arange(K)[None, :]
+    raise ValueError(kind)
+
+
+def _expected_dropped(ids_R: list[torch.Tensor], R: int, cap: int) -> list[torch.Tensor]:
+    """Per source rank, the [T, K] mask of slots that do not fit: on each destination, slots are
+    ordered by (local expert, source rank, t·K + k) and rows >= cap are not sent."""
+    drops = [torch.zeros(T, K, dtype=torch.bool) for _ in range(R)]
+    for dest in range(R):
+        slots = [(int(ids[t, k]) % E_LOCAL, src, t * K + k) for src, ids in enumerate(ids_R)
+                 for t in range(T) for k in range(K) if int(ids[t, k]) // E_LOCAL == dest]
+        for p, (_, src, n) in enumerate(sorted(slots)):
+            if p >= cap:
+                drops[src][n // K, n % K] = True
+    return drops
+
+
+def _run(R: int, kind: str, capacity_factor: float):
+    E = R * E_LOCAL
+    scale_E = torch.linspace(0.5, 2.0, E, dtype=torch.float64)  # "expert e" multiplies its rows by scale[e]
+    inputs = []
+    for rank in range(R):
+        gen = torch.Generator().manual_seed(100 + rank)
+        ids = _routing(kind, R, rank, gen)
+        inputs.append((torch.randn(T, D, generator=gen, dtype=torch.float64), ids,
+                       torch.rand(T, K, generator=gen, dtype=torch.float64), torch.randn(T, D, generator=gen,
+                                                                                      dtype=torch.float64)))
+
+    def rank_fn(rank, ws):
+        x, ids, w, g = (t.clone() for t in inputs[rank])
+        x.requires_grad_()
+        w.requires_grad_()
+        disp = NVLinkDispatcher(E, None, R, capacity_factor, workspace=ws, name="layer")
+        x_ND, counts_e, h = disp.dispatch(x, ids, w)
+        used = int(counts_e.sum())
+        local_id = torch.repeat_interleave(torch.arange(E_LOCAL), counts_e)
+        f_N = torch.zeros(x_ND.shape[0], dtype=torch.float64)
+        f_N[:used] = scale_E[rank * E_LOCAL + local_id]
+        y_TD = disp.combine(x_ND * f_N[:, None], h)
+        (y_TD * g).sum().backward()
+        return y_TD.detach(), x.grad, w.grad, int(h.dropped), x_ND.shape[0]
+
+    outs = run_ranks(R, rank_fn)
+    cap = outs[0][4]
+    assert cap == nvlink_capacity(T, K, capacity_factor)
+    drops = _expected_dropped([inp[1] for inp in inputs], R, cap)
+    for rank, ((x, ids, w, g), (y, gx, gw, dropped, _)) in enumerate(zip(inputs, outs)):
+        keep_TK = (~drops[rank]).double()
+        f_TK = scale_E[ids] * keep_TK
+        y_ref = ((w * f_TK)[:, :, None] * x[:, None, :]).sum(1)
+        torch.testing.assert_close(y, y_ref, rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(gx, (w * f_TK).sum(1, keepdim=True) * g, rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(gw, f_TK * (x @ g.t()).diagonal()[:, None], rtol=1e-12, atol=1e-12)
+        assert dropped == int(drops[rank].sum())
+    return sum(o[3] for o in outs)
+
+
+@pytest.mark.parametrize("R", [2, 4])
+@pytest.mark.parametrize("kind", ["random", "one_hot_per_rank"])
+def test_nvlink_dispatch_equals_reference(R, kind):
+    assert _run(R, kind, capacity_factor=float(R)) == 0  # room for the worst case: nothing dropped
+
+
+def test_nvlink_all_tokens_to_one_rank():
+    assert _run(2, "all_to_one", capacity_factor=2.0) == 0  # rank 0 receives 2·T·K rows = its capacity
+    cap = nvlink_capacity(T, K, 2.0)  # 256 rows: round_up(2·T·K, 128)
+    assert _run(4, "all_to_one", capacity_factor=2.0) == 4 * T * K - cap  # the rows past capacity: counted
+
+
+def test_nvlink_overflow_is_counted_never_silent():
+    dropped = _run(4, "skewed", capacity_factor=1.0)
+    assert dropped > 0  # the reference above checked which slots, the outputs and the gradients
+
+
+_PEER_KERNELS = r"""
+import torch
+from kernels import peer_rows as pr
+for T, K, D, R, N in [(7, 3, 40, 2, 30), (5, 2, 1030, 3, 12), (4, 4, 8, 4, 16)]:
+    g = torch.Generator().manual_seed(T)
+    x = torch.randn(T, D, generator=g); w = torch.rand(T, K, generator=g); gr = torch.randn(T, D, generator=g)
+    rank = torch.randint(0, R, (T, K), generator=g)
+    row = torch.randperm(N * R, generator=g)[:T * K].view(T, K) % N  # may collide across ranks only
+    row = torch.where(torch.rand(T, K, generator=g) < 0.2, -1, row)
+    flat = rank * N + row; flat = torch.where(row < 0, -1, flat)
+    uniq = torch.zeros(T * K, dtype=torch.bool)  # keep one writer per (rank, row)
+    seen = set()
+    for i, v in enumerate(flat.reshape(-1).tolist()):
+        uniq[i] = v >= 0 and v not in seen; seen.add(v)
+    row = torch.where(uniq.view(T, K), row, -1)
+    assert pr.use_triton(x)
+    for fn in ("scatter", "gather", "combine_bwd"):
+        bufs = {m: [torch.randn(N, D, generator=g) for _ in range(R)] for m in ("y", "gy")}
+        ref = {m: [b.clone() for b in v] for m, v in bufs.items()}
+        ptrs = {m: torch.tensor([b.data_ptr() for b in v]) for m, v in bufs.items()}
+        if fn == "scatter":
+            pr.peer_scatter(x, rank, row, ptrs["y"], bufs["y"], w, programs=3)
+            pr.peer_scatter_torch(x, rank, row, ref["y"], w)
+        elif fn == "gather":
+            a = pr.peer_gather_sum(rank, row, ptrs["y"], bufs["y"], w, programs=2)
+            torch.testing.assert_close(a, pr.peer_gather_sum_torch(rank, row, ref["y"], w), rtol=1e-5, atol=1e-5)
+        else:
+            a = pr.peer_combine_backward(gr, rank, row, ptrs["y"], bufs["y"], ptrs["gy"], bufs["gy"], w, programs=4)
+            b = pr.peer_combine_backward_torch(gr, rank, row, ref["y"], ref["gy"], w)
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-4)
+        for m in bufs:
+            for p, q in zip(bufs[m], ref[m]):
+                torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-6)
+print("PEER-OK")
+"""
+
+
+@needs_cpu_interpreter
+def test_peer_kernels_in_interpreter():
+    run_in_interpreter(_PEER_KERNELS, "PEER-OK")
