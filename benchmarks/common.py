@@ -41,7 +41,7 @@ def markdown_table(rows: list[dict], columns: list[str]) -> str:
         return f"{v:.3g}" if isinstance(v, float) else str(v)
 
     lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
-    lines += ["| " + " | ".join(fmt(r[c]) for c in columns) + " |" for r in rows]
+    lines += ["| " + " | ".join(fmt(r.get(c, "")) for c in columns) + " |" for r in rows]
     return "\n".join(lines)
 
 

@@ -132,7 +132,9 @@ def main():
                     _, _, h = padded.dispatch(x, ids, w)
                 assert int(h.dropped) == 0
                 t_pad = bench(padded)
-                cf_nv = max(1.0, math.ceil(float(need) / (T * K) * 100) / 100)  # receive rows: no drops
+                recv_rows = dest_counts.clone()
+                dist.all_reduce(recv_rows)  # rows each rank receives
+                cf_nv = max(1.0, math.ceil(float(recv_rows.max()) / (T * K) * 100) / 100)  # no drops
 
                 def nvlink(sms):
                     return NVLinkDispatcher(E, group, world, cf_nv, programs=sms, name="bench")

@@ -102,6 +102,7 @@ class NVLinkDispatcher(Dispatcher):
     def dispatch(self, x_TD, ids_TK, w_TK):
         T, K = ids_TK.shape
         R, X, dev = self.ep_size, self.num_experts, x_TD.device
+        out_dtype = x_TD.dtype  # combine returns (and accumulates in fp32 into) the caller's dtype
         if torch.is_autocast_enabled(dev.type) and x_TD.is_floating_point():
             x_TD = x_TD.to(torch.get_autocast_dtype(dev.type))  # move the experts' input dtype
         cap = nvlink_capacity(T, K, self.capacity_factor)
@@ -115,13 +116,12 @@ class NVLinkDispatcher(Dispatcher):
         counts_RX = counts.local.clone()
         rank_TK, row_TK, counts_e, dropped = nvlink_layout(ids_TK, counts_RX, self.rank, self.num_local, cap)
         D = x_TD.shape[1]
-        h = NVLinkHandle(rank_TK, row_TK, w_TK, None, dropped,
+        h = NVLinkHandle(rank_TK, row_TK, w_TK, out_dtype, dropped,
                          self.ws.buffer(f"{self.name}/x", (cap, D), x_TD.dtype, dev), None, x_TD.dtype)
         x_ND = _NVLinkDispatch.apply(x_TD, self, h)
         return x_ND, counts_e, h
 
     def combine(self, y_ND, handle: NVLinkHandle):
-        handle.out_dtype = handle.x_dtype if handle.out_dtype is None else handle.out_dtype
         handle.y_buf = self.ws.buffer(f"{self.name}/y", tuple(y_ND.shape), y_ND.dtype, y_ND.device)
         return _NVLinkCombine.apply(y_ND, handle.w_TK, self, handle)
 
