@@ -15,9 +15,11 @@ if [ "${PART:-a}" = a ]; then
   tp 150 --nproc 2 --config train_configs/v2lite_1b_gpu.toml --steps 40 --label _ep2_echo --runs ours_eager,ours_graph \
      --ours "--parallelism.expert_parallel_degree 2 --moe_echo.dispatcher nvlink --moe_echo.capacity_factor 1.25 --moe_echo.echo true"
 else
-  export CUDA_VISIBLE_DEVICES=0
-  tp 200 --nproc 1 --config train_configs/debug_gpu.toml --steps 60
-  tp 200 --nproc 1 --config train_configs/v2lite_1b_gpu.toml --steps 40
-  timeout 150 python3 benchmarks/moe_layer.py --out "$OUT" 2>&1 | tail -7
+  CUDA_VISIBLE_DEVICES=0 tp 150 --nproc 1 --config train_configs/debug_gpu.toml --steps 60
+  CUDA_VISIBLE_DEVICES=0 tp 150 --nproc 1 --config train_configs/v2lite_1b_gpu.toml --steps 40
+  tp 200 --nproc 2 --config train_configs/v2lite_1b_gpu.toml --steps 40 --label _ep2 \
+     --ours "--parallelism.expert_parallel_degree 2 --moe_echo.dispatcher nvlink --moe_echo.capacity_factor 1.5" \
+     --titan "--parallelism.expert_parallel_degree 2"
+  CUDA_VISIBLE_DEVICES=0 timeout 100 python3 benchmarks/moe_layer.py --out "$OUT" 2>&1 | tail -7
 fi
-cp /tmp/moe_echo_throughput/*.log "$OUT/" 2>/dev/null
+tar czf "$OUT/logs.tgz" -C /tmp/moe_echo_throughput --exclude assets . 2>/dev/null

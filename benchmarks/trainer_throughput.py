@@ -34,7 +34,8 @@ def make_assets(folder: str, mb: int = 16) -> tuple[str, str]:
     from components.train.data import stdlib_documents
 
     os.makedirs(folder, exist_ok=True)
-    data = os.path.join(folder, "stdlib.jsonl")
+    os.makedirs(os.path.join(folder, "data"), exist_ok=True)  # its own folder: load_dataset reads all files
+    data = os.path.join(folder, "data", "stdlib.jsonl")
     if not os.path.exists(data):
         with open(data + ".tmp", "w") as f:
             for doc in stdlib_documents(mb * 1_000_000):
@@ -116,6 +117,8 @@ def run(name, a, cfg_path, cfg, tok_dir, data, work):
     log = p.stdout + p.stderr
     open(os.path.join(work, f"{name}.log"), "w").write(log)
     if p.returncode != 0:
+        lines = [ln for ln in log.splitlines() if ln.strip() and not ln.startswith(("W1", "I1", "  warnings"))]
+        print(f"--- {name} failed (rc {p.returncode}); last lines:\n" + "\n".join(lines[-30:]), flush=True)
         return {"run": name, "error": log.strip().splitlines()[-1][:200] if log.strip() else f"rc {p.returncode}"}
     if name == "torchtitan":  # "step: 25 ... tps: 12,345" (per device)
         vals = [(int(s), float(v.replace(",", ""))) for s, v in

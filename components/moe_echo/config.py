@@ -35,7 +35,7 @@ class MoEEchoConfig:
     round_up(ceil(capacity_factor · T · K / EP), 8); nvlink: receive rows per rank =
     round_up(ceil(capacity_factor · T · K), 128) (T = tokens per rank, K = top-k)."""
 
-    nvlink_sms: int = 32
+    nvlink_sms: int = 64
     """nvlink: CTAs (about one per SM) the dispatch/combine copy kernels occupy; the rest of the GPU
     stays free for compute overlapping with them."""
 
