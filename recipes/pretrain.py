@@ -259,6 +259,8 @@ def train(argv: list[str]) -> None:
         settle = gate is None or step == t.steps or (ckpt.enable and step % ckpt.interval == 0)
         while pending and (settle or len(pending) > 1):
             if gate is not None and gate.overflowed(pending[0][0]):
+                if step_graph.captures:  # let graph replays finish before eager steps touch FSDP's
+                    torch.cuda.synchronize(device)  # stream/event state (stale captured events otherwise)
                 rewind_lr(scheduler, len(pending))
                 gate.clear()
                 with gate.exact_dispatch():
