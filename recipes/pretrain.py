@@ -266,9 +266,11 @@ def train(argv: list[str]) -> None:
                 with gate.exact_dispatch():
                     pending = [(s, b, train_step(*b, exact=True)) for s, b, _ in pending]
                 gate.replayed(len(pending))
-                # capture again after eager replays (and after capacities grew): graph replays that
-                # resumed after eager FSDP steps crashed on v2lite_1b at EP=2 (misaligned address)
-                step_graph.invalidate()
+                if step_graph.captures:
+                    # Known issue: on v2lite_1b at EP=2 (FSDP2 + nvlink), graph replays after eager exact
+                    # replays crashed with "misaligned address" (cause not found); run eagerly from here.
+                    step_graph.disable("an overflow was replayed on the exact path; graph replays after "
+                                       "eager replays are not yet reliable")
                 summary.replayed_steps += len(pending)
                 for s, _, out in pending:
                     log_step(s, out, replayed=True)

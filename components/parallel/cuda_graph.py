@@ -49,6 +49,13 @@ class StepGraph:
     def invalidate(self) -> None:
         self.graph, self.eager_calls = None, 0
 
+    def disable(self, reason: str) -> None:
+        """Drop the graph and run eagerly from now on (says why once)."""
+        if self.reason is None:
+            self.reason = reason
+            self.graph = None
+            self.log(f"cuda graph: off from here — {reason}")
+
     def __call__(self, inputs_BS: torch.Tensor, labels_BS: torch.Tensor):
         if not self.active:
             return self.step_fn(inputs_BS, labels_BS)
