@@ -139,3 +139,35 @@ print("PEER-OK")
 @needs_cpu_interpreter
 def test_peer_kernels_in_interpreter():
     run_in_interpreter(_PEER_KERNELS, "PEER-OK")
+
+
+@pytest.mark.parametrize("shape", [(2, 3, 5), (2, 5, 3)])  # w1/w3-like [e, H, D] and w2-like [e, D, H]
+def test_nvlink_weight_multicast_and_gradient_reduce_back(shape):
+    """Clone slot s of rank r holds expert x = slot_expert[r·S + s] (zeros if unused); the home
+    expert's gradient gains the sum of its clones' gradients — fp64, against direct indexing."""
+    from components.moe_echo.nvlink_dispatch import nvlink_multicast
+
+    R, S = 3, 2
+    e = shape[0]
+    slot_expert_G = torch.tensor([3, -1, 0, 5, 3, -1])  # expert 3 cloned twice, rank 2's slot 1 unused
+    gen = torch.Generator().manual_seed(0)
+    w_R = [torch.randn(*shape, generator=gen, dtype=torch.float64) for _ in range(R)]
+    g_R = [torch.randn(S, *shape[1:], generator=gen, dtype=torch.float64) for _ in range(R)]
+
+    def rank_fn(rank, ws):
+        w = w_R[rank].clone().requires_grad_()
+        clones = nvlink_multicast(w, slot_expert_G, ws, "layer/w0", rank, S)
+        (clones * g_R[rank]).sum().backward()
+        return clones.detach(), w.grad
+
+    outs = run_ranks(R, rank_fn)
+    for rank, (clones, grad) in enumerate(outs):
+        for s in range(S):
+            x = int(slot_expert_G[rank * S + s])
+            want = w_R[x // e][x % e] if x >= 0 else torch.zeros(shape[1:], dtype=torch.float64)
+            torch.testing.assert_close(clones[s], want, rtol=0, atol=0)
+        want_grad = torch.zeros(shape, dtype=torch.float64)
+        for g, x in enumerate(slot_expert_G.tolist()):
+            if x >= 0 and x // e == rank:
+                want_grad[x % e] += g_R[g // S][g % S]
+        torch.testing.assert_close(grad, want_grad, rtol=1e-12, atol=1e-12)

@@ -8,10 +8,13 @@ Per step, on every rank of the EP group (R ranks, e = E / R home experts, S echo
     expert's current weights (``multicast``), and in backward the clone's weight gradient flows
     back into the home expert's gradient (autograd through the same all_to_all).
 
-Static-shape NCCL/gloo multicast: every (home, destination) pair exchanges a block of S expert
-weights (zeros where the destination's slot s clones none of the home's experts), i.e. R·S expert
-blocks leave each rank per weight tensor, of which only the clones' are non-zero. The NVLink path
-(peer pulls of exactly the S cloned experts) replaces this with the sync-free work.
+Multicast, two ways (both static-shape, no host read):
+- NCCL/gloo (``padded``/``alltoall`` dispatchers): every (home, destination) pair exchanges a block
+  of S expert weights (zeros where the destination's slot s clones none of the home's experts), i.e.
+  R·S expert blocks leave each rank per weight tensor, of which only the clones' are non-zero;
+- over peer memory (``nvlink`` dispatcher, ``nvlink_dispatch.nvlink_multicast``): each home rank
+  writes exactly its cloned experts into the clone ranks' slot buffers, and in backward pulls the
+  clones' gradients from them.
 """
 
 import torch
@@ -22,9 +25,12 @@ from .planner import EchoPlan, plan_echo, rank_local_ids, rewrite
 
 
 class Echo:
-    def __init__(self, num_experts: int, group, ep_size: int, ep_rank: int, slots_per_rank: int, rule: str):
+    def __init__(self, num_experts: int, group, ep_size: int, ep_rank: int, slots_per_rank: int, rule: str,
+                 nvlink=None):
+        """``nvlink``: the layer's NVLinkDispatcher — clone weights then move over its peer memory."""
         self.E, self.group, self.R, self.rank, self.S, self.rule = num_experts, group, ep_size, ep_rank, slots_per_rank, rule
         self.e = num_experts // ep_size
+        self.nvlink = nvlink
         self.last_plan: EchoPlan | None = None
 
     def gather_counts(self, counts_E: torch.Tensor) -> torch.Tensor:
@@ -41,9 +47,15 @@ class Echo:
         virtual = rewrite(ids_TK, plan, self.rank, self.E)
         return rank_local_ids(virtual, self.E, self.R, self.S), plan
 
-    def multicast(self, w_eX: torch.Tensor, plan: EchoPlan) -> torch.Tensor:
-        """Clone weights [S, ...] for this rank's slots from their home experts (differentiable)."""
+    def multicast(self, w_eX: torch.Tensor, plan: EchoPlan, index: int = 0) -> torch.Tensor:
+        """Clone weights [S, ...] for this rank's slots from their home experts (differentiable);
+        ``index`` tells the layer's weights (w1, w2, w3) apart."""
         x_G = plan.slot_expert_G
+        if self.nvlink is not None:
+            from .nvlink_dispatch import nvlink_multicast
+
+            d = self.nvlink
+            return nvlink_multicast(w_eX, x_G, d.ws, f"{d.name}/w{index}", self.rank, self.S, d.programs)
         flat = w_eX.reshape(self.e, -1)
         mine_G = (x_G >= 0) & (x_G // self.e == self.rank)  # slots (anywhere) that clone my experts
         send = flat.index_select(0, (x_G % self.e).clamp(min=0)) * mine_G.unsqueeze(1).to(flat.dtype)
@@ -53,9 +65,9 @@ class Echo:
         rows = (my_x.clamp(min=0) // self.e) * self.S + torch.arange(self.S, device=x_G.device)
         return (recv.index_select(0, rows) * used).view(self.S, *w_eX.shape[1:])
 
-    def local_weights(self, w_eX: torch.Tensor, plan: EchoPlan) -> torch.Tensor:
+    def local_weights(self, w_eX: torch.Tensor, plan: EchoPlan, index: int = 0) -> torch.Tensor:
         """[e + S, ...]: home experts then this rank's clones."""
-        return torch.cat([w_eX, self.multicast(w_eX, plan).to(w_eX.dtype)])
+        return torch.cat([w_eX, self.multicast(w_eX, plan, index).to(w_eX.dtype)])
 
 
 def echo_stats(plan: EchoPlan) -> torch.Tensor:

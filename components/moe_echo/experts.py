@@ -65,11 +65,11 @@ class GroupedExperts(nn.Module):
     def forward(self, x_ND: torch.Tensor, counts_e: torch.Tensor, extend=None) -> torch.Tensor:
         """counts_e: rows of each *local* expert; with expert parallelism the weights are DTensors
         sharded on dim 0 over the EP mesh and only this rank's e = E / EP experts are used.
-        ``extend(w) -> w'`` appends echo-slot (clone) weights to each local weight; it runs inside
+        ``extend(w, i) -> w'`` appends echo-slot (clone) weights to local weight i (w1, w2, w3); it runs inside
         this forward so FSDP's unshard / gradient reduce-scatter hooks see every use."""
         weights = self.local_weights()
         if extend is not None:
-            weights = tuple(extend(w) for w in weights)
+            weights = tuple(extend(w, i) for i, w in enumerate(weights))
         return grouped_swiglu(x_ND, *weights, counts_e)
 
     def local_weights(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -107,7 +107,7 @@ class MoELayer(nn.Module):
         if handle.dropped is not None:
             with torch.no_grad():
                 self.overflow_count.add_(handle.dropped)
-        extend = None if self.echo is None else (lambda w: self.echo.local_weights(w, plan))
+        extend = None if self.echo is None else (lambda w, i: self.echo.local_weights(w, plan, i))
         if self.echo is not None and self.cfg.echo_recompute and torch.is_grad_enabled():
             y_ND = torch.utils.checkpoint.checkpoint(self.experts, x_ND, counts_e, extend, use_reentrant=False)
         else:

@@ -169,6 +169,53 @@ class _NVLinkCombine(torch.autograd.Function):
         return gy.local.view(gy.local.shape), grad_w_TK, None, None
 
 
+class _NVLinkMulticast(torch.autograd.Function):
+    """Clone weights over peer memory. Forward: every home rank writes each of its experts that a
+    slot clones straight into that slot's row of the clone rank's buffer [S, ...] (only the cloned
+    experts move). Backward: each clone rank exposes its slots' weight gradients; each home rank
+    pulls the gradients of the slots cloning its experts and adds them to its experts' gradients."""
+
+    @staticmethod
+    def forward(ctx, w_eX, slot_expert_G, ws, name: str, rank: int, slots: int, programs: int):
+        e, G = w_eX.shape[0], slot_expert_G.shape[0]
+        rows, width = (w_eX[0].numel() // w_eX.shape[-1]), w_eX.shape[-1]  # each expert = rows x width
+        dev = w_eX.device
+        mine_G = (slot_expert_G >= 0) & (slot_expert_G // e == rank)  # slots (anywhere) cloning my experts
+        local_G = (slot_expert_G % e).clamp(min=0)
+        g_N = torch.arange(G * rows, device=dev) // rows
+        dest_N1 = (g_N // slots).view(-1, 1)
+        row_N1 = torch.where(mine_G.index_select(0, g_N), (g_N % slots) * rows + torch.arange(G * rows, device=dev) % rows,
+                             -1).view(-1, 1)
+        buf = ws.buffer(f"{name}/clone", (slots * rows, width), w_eX.dtype, dev)
+        src_ND = w_eX.reshape(e, rows, width).index_select(0, local_G).reshape(G * rows, width)
+        peer_scatter(src_ND, dest_N1, row_N1, buf.ptrs_R, buf.peers, programs=programs)
+        ws.barrier(buf)
+        used_S = slot_expert_G[rank * slots:(rank + 1) * slots] >= 0
+        out = buf.local.view(slots, rows, width) * used_S.view(-1, 1, 1).to(w_eX.dtype)  # unused slots: zeros
+        ctx.save_for_backward(local_G, dest_N1, row_N1)
+        ctx.ws, ctx.name, ctx.shape, ctx.programs = ws, name, (e, rows, width), programs
+        return out.view(slots, *w_eX.shape[1:])
+
+    @staticmethod
+    def backward(ctx, grad_SX):
+        local_G, dest_N1, row_N1 = ctx.saved_tensors
+        e, rows, width = ctx.shape
+        gbuf = ctx.ws.buffer(f"{ctx.name}/clone_grad", (grad_SX.shape[0] * rows, width), grad_SX.dtype, grad_SX.device)
+        gbuf.local.copy_(grad_SX.reshape(-1, width))
+        ctx.ws.barrier(gbuf)
+        pulled_ND = peer_gather_sum(dest_N1, row_N1, gbuf.ptrs_R, gbuf.peers, programs=ctx.programs)  # 0: not mine
+        grad_eX = torch.zeros(e, rows, width, dtype=grad_SX.dtype, device=grad_SX.device)
+        grad_eX.index_add_(0, local_G, pulled_ND.view(-1, rows, width))
+        return grad_eX.view(e, *grad_SX.shape[1:]), None, None, None, None, None, None
+
+
+def nvlink_multicast(w_eX: torch.Tensor, slot_expert_G: torch.Tensor, ws, name: str, rank: int, slots: int,
+                     programs: int = 64) -> torch.Tensor:
+    """[S, ...] clone weights of this rank's echo slots from their home experts (differentiable:
+    the clones' gradients are summed into the home experts'). ``name`` must be unique per weight."""
+    return _NVLinkMulticast.apply(w_eX, slot_expert_G, ws, name, rank, slots, programs)
+
+
 def _workspace_for(group):
     from .symmetric import SymmetricWorkspace
 

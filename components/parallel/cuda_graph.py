@@ -108,7 +108,7 @@ def make_capturable(optimizer: torch.optim.Optimizer, device: torch.device) -> N
     """Tensor learning rates (LR schedulers fill them in place: no re-capture, no host read) and
     device step counters. Call after the scheduler is built and any checkpoint is loaded."""
     for group in optimizer.param_groups:
-        group["capturable"] = True
+        group["capturable"] = device.type == "cuda"  # torch supports capturable optimizers on GPUs only
         if not isinstance(group["lr"], torch.Tensor):
             group["lr"] = torch.tensor(float(group["lr"]), dtype=torch.float32, device=device)
     for state in optimizer.state.values():

@@ -21,6 +21,7 @@ from torch.distributed.tensor import DTensor, Shard
 from components.moe_echo.dispatcher import build_dispatcher
 from components.moe_echo.echo import Echo
 from components.moe_echo.layer import MoELayer
+from components.moe_echo.nvlink_dispatch import NVLinkDispatcher
 from components.train.errors import UserError
 
 from .mesh import Meshes, ParallelDims
@@ -39,7 +40,8 @@ def apply_expert_parallel(moe: MoELayer, ep_mesh, cfg) -> None:
     moe.dispatcher = build_dispatcher(cfg, ep * (moe.num_experts // ep + slots), ep_mesh.get_group(), ep, on_one_host)
     moe.ep_size = ep
     if cfg.echo:
-        moe.echo = Echo(moe.num_experts, ep_mesh.get_group(), ep, rank, slots, cfg.echo_planner)
+        nvlink = moe.dispatcher if isinstance(moe.dispatcher, NVLinkDispatcher) else None  # peer-memory multicast
+        moe.echo = Echo(moe.num_experts, ep_mesh.get_group(), ep, rank, slots, cfg.echo_planner, nvlink=nvlink)
 
 
 def _fastest_backend(model, mesh, dims, cfg, device) -> str:

@@ -1,0 +1,108 @@
+"""The CUDA-graph step wrapper's contract that holds without a GPU: it says why it cannot capture
+and runs the step eagerly; tensor learning rates are filled in place by the scheduler; metrics
+copies are detached snapshots; the overflow flag is one tensor updated in place (a captured graph
+keeps pointing at it); backends declare whether they are sync-free and fixed-capacity."""
+
+import pytest
+import torch
+
+from components.moe_echo.config import MoEEchoConfig
+from components.moe_echo.dispatcher import LocalDispatcher, resolve_backend
+from components.moe_echo.ep_dispatch import AllToAllDispatcher, PaddedDispatcher
+from components.moe_echo.nvlink_dispatch import NVLinkDispatcher
+from components.parallel.cuda_graph import HostCopy, StepGraph, make_capturable
+from components.train.errors import UserError
+from components.train.optim import build_lr_scheduler, lr_factor
+from components.train.overflow import OverflowGate
+
+
+def test_step_graph_says_why_and_runs_eagerly():
+    logs, calls = [], []
+    step = StepGraph(lambda a, b: calls.append((a, b)) or a + b, torch.device("cpu"), warmup=1, enabled=True,
+                     log=logs.append)
+    assert not step.active and logs == ["cuda graph: off — no CUDA device; running eagerly"]
+    out = step(torch.ones(2), torch.ones(2))
+    assert torch.equal(out, torch.full((2,), 2.0)) and len(calls) == 1 and step.captures == 0
+
+    logs.clear()
+    StepGraph(lambda a, b: a, torch.device("cpu"), enabled=True, why_not="alltoall sizes buffers on the host",
+              log=logs.append)
+    assert logs == ["cuda graph: off — alltoall sizes buffers on the host; running eagerly"]
+    logs.clear()
+    off = StepGraph(lambda a, b: a, torch.device("cpu"), enabled=False, log=logs.append)
+    assert logs == [] and "cuda_graph = false" in off.reason
+
+
+def test_capturable_optimizer_lr_is_a_tensor_the_scheduler_fills_in_place():
+    class Sched:
+        warmup_steps, decay_ratio, decay_type, min_lr_factor, total_steps = 4, None, "linear", 0.1, 0
+
+    model = torch.nn.Linear(3, 2)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=False)
+    sched = build_lr_scheduler(opt, Sched(), 10)
+    make_capturable(opt, torch.device("cpu"))
+    lr = opt.param_groups[0]["lr"]
+    assert isinstance(lr, torch.Tensor)
+    for step in range(1, 8):
+        model(torch.randn(4, 3)).sum().backward()
+        opt.step()
+        sched.step()
+        assert opt.param_groups[0]["lr"] is lr  # same tensor: a captured optimizer step reads it
+        expect = 1e-3 * lr_factor(step, 4, 10, None, "linear", 0.1)
+        assert float(lr) == pytest.approx(expect, rel=1e-6)
+
+
+def test_host_copy_is_a_detached_snapshot():
+    t = torch.arange(4.0, requires_grad=True) * 1
+    h = HostCopy((t, [t.sum(), None], 3.0))
+    with torch.no_grad():
+        t.add_(100)
+    (a, (b, none), c) = h.get()
+    assert torch.equal(a, torch.arange(4.0)) and float(b) == 6.0 and none is None and c == 3.0
+    assert not a.requires_grad
+
+
+def test_overflow_flag_is_one_tensor_updated_in_place():
+    class Layer:
+        def __init__(self):
+            self.overflow_count = torch.zeros((), dtype=torch.int64)
+            self.dispatcher = None
+
+    class Opt:
+        pass
+
+    layers = [("1", Layer()), ("2", Layer())]
+    opt = Opt()
+    gate = OverflowGate(layers, opt, torch.device("cpu"))
+    flag = gate.sticky
+    assert float(gate.gate()) == 0 and opt.found_inf is flag
+    layers[1][1].overflow_count.fill_(3)
+    assert float(gate.gate()) == 1 and gate.sticky is flag and int(gate.dropped_total) == 3
+    layers[1][1].overflow_count.zero_()
+    assert float(gate.gate()) == 1  # sticky until the host acts
+    gate.clear()
+    assert gate.sticky is flag and float(flag) == 0 and opt.found_inf is flag
+
+
+def test_backends_declare_sync_free_and_fixed_capacity():
+    assert LocalDispatcher.sync_free and not LocalDispatcher.fixed_capacity
+    assert PaddedDispatcher.sync_free and PaddedDispatcher.fixed_capacity
+    assert NVLinkDispatcher.sync_free and NVLinkDispatcher.fixed_capacity
+    assert not AllToAllDispatcher.sync_free and not AllToAllDispatcher.fixed_capacity
+    cfg = MoEEchoConfig()
+    assert resolve_backend(cfg, 1) == "local"
+    assert resolve_backend(cfg, 2, on_cuda=False) == "padded"
+    assert resolve_backend(cfg, 2, on_cuda=True) == "nvlink"
+
+
+def test_deepep_selected_without_deep_ep_is_one_clear_error():
+    pytest.importorskip("torch")
+    try:
+        import deep_ep  # noqa: F401
+        pytest.skip("deep_ep is installed here")
+    except ImportError:
+        pass
+    from components.moe_echo.deepep_dispatch import require_deep_ep
+
+    with pytest.raises(UserError, match="needs the deep_ep package"):
+        require_deep_ep()
