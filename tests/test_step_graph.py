@@ -106,3 +106,17 @@ def test_deepep_selected_without_deep_ep_is_one_clear_error():
 
     with pytest.raises(UserError, match="needs the deep_ep package"):
         require_deep_ep()
+
+
+def test_recipe_with_cuda_graph_on_cpu_says_why_it_runs_eagerly(tmp_path):
+    import subprocess
+    import sys
+
+    from test_recipe import CONFIG, RECIPE, SMALL
+
+    p = subprocess.run([sys.executable, RECIPE, "--job.config_file", CONFIG, "--job.dump_folder", str(tmp_path), *SMALL,
+                        "--training.steps", "3", "--training.cuda_graph", "true", "--checkpoint.enable", "false"],
+                       capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert "cuda graph: off — no CUDA device; running eagerly" in p.stdout + p.stderr
+    assert "cuda graph     off (no CUDA device)" in p.stdout
