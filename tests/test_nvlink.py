@@ -171,3 +171,80 @@ def test_nvlink_weight_multicast_and_gradient_reduce_back(shape):
             if x >= 0 and x // e == rank:
                 want_grad[x % e] += g_R[g // S][g % S]
         torch.testing.assert_close(grad, want_grad, rtol=1e-12, atol=1e-12)
+
+
+def _threaded_all_gather(ws, name):
+    """Echo's counts all-gather over the thread workspace (each rank writes its row everywhere)."""
+    def gather(counts_E):
+        buf = ws.buffer(name, (ws.world, counts_E.shape[0]), counts_E.dtype, counts_E.device)
+        for peer in buf.peers:
+            peer[ws.rank].copy_(counts_E)
+        ws.barrier(buf)
+        out = buf.local.clone()
+        ws.barrier(buf)  # nobody writes the next layer's rows before every rank has read these
+        return out
+    return gather
+
+
+@pytest.mark.parametrize("R", [2, 4])
+@pytest.mark.parametrize("routing", ["random", "all_to_one", "one_hot_per_rank", "more_hot_than_slots"])
+def test_echo_layer_over_nvlink_equals_ep1(R, routing):
+    """The whole MoE layer with ECHO on the nvlink backend (plan, rewrite, peer dispatch, clone
+    weights and gradient reduce-back over peer memory, combine) against the same layer at EP=1:
+    outputs, input gradients, expert gradients and replicated gradients, fp64 to 1e-12."""
+    import copy
+
+    from components.moe_echo.echo import Echo
+    from ep_worker import _layer
+
+    E, K, T_rank, S = 8, 2, 10, 1 if routing == "more_hot_than_slots" else 2
+    e = E // R
+    ref = _layer(E, K, shared=1, seed=0)
+    bias = torch.zeros(E)
+    if routing == "all_to_one":
+        bias[:] = -50.0
+        bias[E - 1] = 50.0
+    elif routing == "one_hot_per_rank":
+        bias[::e] = 50.0
+    elif routing == "more_hot_than_slots":
+        bias[: E // 2] = 50.0
+    ref.expert_bias.copy_(bias)
+    layers = [copy.deepcopy(ref) for _ in range(R)]
+    g = torch.Generator().manual_seed(1)
+    x_all = torch.randn(R, T_rank, 12, generator=g, dtype=torch.float64)
+    gy_all = torch.randn(R, T_rank, 12, generator=g, dtype=torch.float64)
+    x_ref = x_all.clone().requires_grad_()
+    y_ref = ref(x_ref)
+    (y_ref * gy_all).sum().backward()
+
+    def rank_fn(rank, ws):
+        layer = layers[rank]
+        for name in ("w1", "w2", "w3"):
+            full = getattr(layer.experts, name).data
+            setattr(layer.experts, name, torch.nn.Parameter(full[rank * e:(rank + 1) * e].clone()))
+        disp = NVLinkDispatcher(R * (e + S), None, R, float(R), workspace=ws, name="layer")
+        layer.dispatcher, layer.ep_size = disp, R
+        layer.echo = Echo(E, None, R, rank, S, "greedy", nvlink=disp)
+        layer.echo.gather_counts = _threaded_all_gather(ws, "echo_counts")
+        x = x_all[rank:rank + 1].clone().requires_grad_()
+        y = layer(x)
+        (y * gy_all[rank:rank + 1]).sum().backward()
+        return y.detach(), x.grad, {n: p.grad for n, p in layer.named_parameters()}, layer.echo_stats.clone()
+
+    outs = run_ranks(R, rank_fn)
+    tol = dict(rtol=1e-12, atol=1e-12)
+    ref_grads = dict(ref.named_parameters())
+    clones = 0.0
+    for rank, (y, gx, grads, stats) in enumerate(outs):
+        torch.testing.assert_close(y, y_ref[rank:rank + 1].detach(), **tol)
+        torch.testing.assert_close(gx, x_ref.grad[rank:rank + 1], **tol)
+        for name in ("w1", "w2", "w3"):
+            torch.testing.assert_close(grads[f"experts.{name}"], ref_grads[f"experts.{name}"].grad[rank * e:(rank + 1) * e],
+                                       **tol)
+        assert stats[1] <= stats[0] + 1e-9  # rank load after ECHO <= before
+        clones += float(stats[2])
+    for name, p in ref_grads.items():  # replicated parameters: the ranks' gradients sum to the reference
+        if not name.startswith("experts."):
+            torch.testing.assert_close(sum(o[2][name] for o in outs), p.grad, **tol)
+    if routing in ("all_to_one", "more_hot_than_slots") or float(outs[0][3][0]) > 1.2:
+        assert clones >= 1  # ECHO really cloned (and so the multicast really ran)
