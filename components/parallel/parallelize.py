@@ -37,6 +37,9 @@ def apply_expert_parallel(moe: MoELayer, ep_mesh, cfg) -> None:
     slots = cfg.echo_slots_per_rank if cfg.echo else 0
     # with ECHO the dispatcher routes over e + S "experts" per rank: home experts, then echo slots
     on_one_host = ep_mesh.device_type == "cuda" and ep <= torch.cuda.device_count()  # NVLink peers
+    if cfg.dispatcher == "nvlink" and not on_one_host:
+        raise UserError(f"[moe_echo] dispatcher = 'nvlink' needs the {ep} EP ranks on the CUDA GPUs of one host "
+                        f"({torch.cuda.device_count()} here); use 'padded' or 'auto'")
     moe.dispatcher = build_dispatcher(cfg, ep * (moe.num_experts // ep + slots), ep_mesh.get_group(), ep, on_one_host)
     moe.ep_size = ep
     if cfg.echo:

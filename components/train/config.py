@@ -226,6 +226,7 @@ def validate(cfg) -> None:
                         "EP ranks); set echo = false or raise expert_parallel_degree")
     _require(1 <= e.echo_slots_per_rank <= 64, "[moe_echo] echo_slots_per_rank", e.echo_slots_per_rank, "in [1, 64]")
     _require(1 <= e.nvlink_sms <= 1024, "[moe_echo] nvlink_sms", e.nvlink_sms, "in [1, 1024]")
+    _require(t.cuda_graph_warmup >= 1, "[training] cuda_graph_warmup", t.cuda_graph_warmup, ">= 1")
     if e.dispatcher in ("nvlink", "deepep") and not torch.cuda.is_available():
         raise UserError(f"[moe_echo] dispatcher = {e.dispatcher!r} needs CUDA GPUs (peer memory over NVLink); "
                         "use 'padded' or 'auto' on this machine")
