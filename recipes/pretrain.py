@@ -268,7 +268,10 @@ def train(argv: list[str]) -> None:
                 gate.replayed(len(pending))
                 if step_graph.captures:
                     # Known issue: on v2lite_1b at EP=2 (FSDP2 + nvlink), graph replays after eager exact
-                    # replays crashed with "misaligned address" (cause not found); run eagerly from here.
+                    # replays crashed with "misaligned address". Likely cause (not proven): FSDP2's copy
+                    # kernels stage pointer tables in pinned host memory; the captured graph keeps the
+                    # address of a block that later eager steps reuse (pytorch#164264, #167861). So no
+                    # graph is replayed after an eager step: run eagerly from here.
                     step_graph.disable("an overflow was replayed on the exact path; graph replays after "
                                        "eager replays are not yet reliable")
                 summary.replayed_steps += len(pending)
