@@ -118,9 +118,10 @@ def _bad(tmp_path, *args, toml_extra=None):
         (("--model.hf_assets_path", "/no/such/tokenizer"), None, "/no/such/tokenizer"),
         (("--model.flavor", "huge"), None, "flavor"),
         (("--moe_echo.dispatcher", "nvlink"), None, "needs CUDA GPUs"),
+        (("--training.cuda_graph_warmup", "0"), None, "cuda_graph_warmup"),
     ],
     ids=["unknown_toml_section", "invalid_toml", "unknown_cli_key", "wrong_type", "out_of_range", "missing_data",
-         "missing_tokenizer", "unknown_flavor", "nvlink_without_gpus"],
+         "missing_tokenizer", "unknown_flavor", "nvlink_without_gpus", "graph_warmup"],
 )
 def test_bad_input_is_one_line_exit_2(tmp_path, args, toml_extra, expect):
     line = _bad(tmp_path, *args, toml_extra=toml_extra)
