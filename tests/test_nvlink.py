@@ -173,19 +173,6 @@ def test_nvlink_weight_multicast_and_gradient_reduce_back(shape):
         torch.testing.assert_close(grad, want_grad, rtol=1e-12, atol=1e-12)
 
 
-def _threaded_all_gather(ws, name):
-    """Echo's counts all-gather over the thread workspace (each rank writes its row everywhere)."""
-    def gather(counts_E):
-        buf = ws.buffer(name, (ws.world, counts_E.shape[0]), counts_E.dtype, counts_E.device)
-        for peer in buf.peers:
-            peer[ws.rank].copy_(counts_E)
-        ws.barrier(buf)
-        out = buf.local.clone()
-        ws.barrier(buf)  # nobody writes the next layer's rows before every rank has read these
-        return out
-    return gather
-
-
 @pytest.mark.parametrize("R", [2, 4])
 @pytest.mark.parametrize("routing", ["random", "all_to_one", "one_hot_per_rank", "more_hot_than_slots"])
 def test_echo_layer_over_nvlink_equals_ep1(R, routing):
@@ -224,8 +211,7 @@ def test_echo_layer_over_nvlink_equals_ep1(R, routing):
             setattr(layer.experts, name, torch.nn.Parameter(full[rank * e:(rank + 1) * e].clone()))
         disp = NVLinkDispatcher(R * (e + S), None, R, float(R), workspace=ws, name="layer")
         layer.dispatcher, layer.ep_size = disp, R
-        layer.echo = Echo(E, None, R, rank, S, "greedy", nvlink=disp)
-        layer.echo.gather_counts = _threaded_all_gather(ws, "echo_counts")
+        layer.echo = Echo(E, None, R, rank, S, "greedy", nvlink=disp)  # counts gathered over the workspace too
         x = x_all[rank:rank + 1].clone().requires_grad_()
         y = layer(x)
         (y * gy_all[rank:rank + 1]).sum().backward()

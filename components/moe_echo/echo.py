@@ -34,6 +34,10 @@ class Echo:
         self.last_plan: EchoPlan | None = None
 
     def gather_counts(self, counts_E: torch.Tensor) -> torch.Tensor:
+        if self.nvlink is not None:  # over peer memory: one write per peer and a device barrier
+            from .nvlink_dispatch import all_gather_rows
+
+            return all_gather_rows(self.nvlink.ws, f"{self.nvlink.name}/echo_counts", counts_E)
         parts = [torch.empty_like(counts_E) for _ in range(self.R)]
         dist.all_gather(parts, counts_E.contiguous(), group=self.group)
         return torch.stack(parts)

@@ -44,6 +44,17 @@ def nvlink_capacity(num_tokens: int, top_k: int, capacity_factor: float) -> int:
     return max(128, -(-rows // 128) * 128)
 
 
+def all_gather_rows(ws, name: str, row_X: torch.Tensor) -> torch.Tensor:
+    """[R, X]: every rank's ``row_X`` (this rank writes its row into every peer's buffer; one
+    device barrier). The buffer is per name, rewritten one full step later."""
+    R, X, dev = ws.world, row_X.shape[0], row_X.device
+    buf = ws.buffer(name, (R, X), row_X.dtype, dev)
+    to_all = torch.arange(R, device=dev).view(1, R)
+    peer_scatter(row_X.view(1, X), to_all, torch.full_like(to_all, ws.rank), buf.ptrs_R, buf.peers, programs=R)
+    ws.barrier(buf)
+    return buf.local.clone()
+
+
 def nvlink_layout(ids_TK: torch.Tensor, counts_RX: torch.Tensor, rank: int, num_local: int, capacity: int):
     """Where each (token, choice) slot lands: (dest rank_TK, row_TK with -1 = not sent, counts_e
     received by this rank per local id, dropped slots of this rank). Static shapes, device only."""
@@ -106,14 +117,9 @@ class NVLinkDispatcher(Dispatcher):
         if torch.is_autocast_enabled(dev.type) and x_TD.is_floating_point():
             x_TD = x_TD.to(torch.get_autocast_dtype(dev.type))  # move the experts' input dtype
         cap = nvlink_capacity(T, K, self.capacity_factor)
-        counts = self.ws.buffer(f"{self.name}/counts", (R, X), torch.int64, dev)
         counts_X = torch.zeros(X, dtype=torch.int64, device=dev).scatter_add_(
             0, ids_TK.reshape(-1), torch.ones(T * K, dtype=torch.int64, device=dev))
-        to_all = torch.arange(R, device=dev).view(1, R)
-        peer_scatter(counts_X.view(1, X), to_all, torch.full_like(to_all, self.rank), counts.ptrs_R, counts.peers,
-                     programs=R)
-        self.ws.barrier(counts)
-        counts_RX = counts.local.clone()
+        counts_RX = all_gather_rows(self.ws, f"{self.name}/counts", counts_X)
         rank_TK, row_TK, counts_e, dropped = nvlink_layout(ids_TK, counts_RX, self.rank, self.num_local, cap)
         D = x_TD.shape[1]
         h = NVLinkHandle(rank_TK, row_TK, w_TK, out_dtype, dropped,
