@@ -217,7 +217,7 @@ def train(argv: list[str]) -> None:
             values["memory/peak_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
             summary.peak_mem_gib = max(summary.peak_mem_gib, values["memory/peak_gib"])
         if gate is not None:
-            values["moe/overflow_assignments"] = float(gate.dropped_total)
+            values["moe/overflow_assignments"] = float(gate.dropped_seen)  # host copy, read one step late
             values["moe/replayed_steps"] = float(summary.replayed_steps)
             values["moe/replayed"] = float(replayed)
         for (name, moe), counts_E, ech in zip(layers, counts_LE if layers else [], echo):

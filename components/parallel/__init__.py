@@ -1,1 +1,2 @@
-"""Parallelism: device mesh, FSDP2 + EP parallelize, grad-norm clipping across meshes, process groups."""
+"""Parallelism: device mesh, FSDP2 + EP parallelize, grad-norm clipping across meshes, process groups,
+the CUDA-graph step wrapper."""

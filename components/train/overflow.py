@@ -14,7 +14,7 @@ Such a step must never be applied:
    steps and their batches are re-run on the exact path (``alltoall``, variable sizes, nothing
    dropped), the flag is cleared, and training continues.
 3. ``grow_after`` replays in a run raise the capacity factor by 25% (sync-free shapes stay static
-   between growths; the CUDA-graph step re-captures when a capacity changed).
+   between growths).
 
 The flag is one device tensor updated in place (``sticky``), so a captured graph keeps pointing at it.
 """
@@ -26,6 +26,7 @@ import torch.distributed as dist
 
 from components.moe_echo.dispatcher import is_fixed_capacity
 from components.moe_echo.ep_dispatch import AllToAllDispatcher
+from components.parallel.cuda_graph import HostCopy
 
 
 class OverflowGate:
@@ -33,12 +34,11 @@ class OverflowGate:
         self.layers = [moe for _, moe in layers]
         self.optimizer = optimizer
         self.sticky = torch.zeros((), dtype=torch.float32, device=device)
-        self.host_flags: dict[int, tuple[torch.Tensor, torch.cuda.Event | None]] = {}
-        self.pin = device.type == "cuda"
+        self.host_flags: dict[int, HostCopy] = {}
         self.replays = 0
         self.grow_after = grow_after
         self.dropped_total = torch.zeros((), dtype=torch.int64, device=device)
-        self.capacity_version = 0  # bumped when capacities grow (a captured step must be re-captured)
+        self.dropped_seen = 0  # dropped_total as of the last step read on the host (for logging)
 
     def gate(self) -> torch.Tensor:
         """After backward: fold this step's overflow into the sticky flag and arm the optimizer."""
@@ -51,22 +51,15 @@ class OverflowGate:
         return self.sticky
 
     def record(self, step: int) -> None:
-        """Copy this step's flag to host memory without waiting for it."""
-        host = torch.empty((), dtype=torch.float32, pin_memory=self.pin)
-        host.copy_(self.sticky, non_blocking=True)
-        event = None
-        if self.pin:
-            event = torch.cuda.Event()
-            event.record()
-        self.host_flags[step] = (host, event)
+        """Copy this step's flag and the running drop count to host memory without waiting."""
+        self.host_flags[step] = HostCopy((self.sticky, self.dropped_total))
 
     def overflowed(self, step: int) -> bool:
         """Host read of step's flag: waits only for that step's copy (recorded before the next step
         was launched), never for the work queued after it."""
-        host, event = self.host_flags.pop(step)
-        if event is not None:
-            event.synchronize()
-        return bool(host > 0)
+        flag, dropped = self.host_flags.pop(step).get()
+        self.dropped_seen = int(dropped)
+        return bool(flag > 0)
 
     def clear(self) -> None:
         self.sticky.zero_()
@@ -76,7 +69,6 @@ class OverflowGate:
     def replayed(self, n: int) -> None:
         self.replays += 1
         if self.grow_after and self.replays % self.grow_after == 0:
-            self.capacity_version += 1
             for moe in self.layers:
                 if is_fixed_capacity(moe.dispatcher):
                     moe.dispatcher.capacity_factor *= 1.25
