@@ -32,6 +32,7 @@ import torch
 from kernels.peer_rows import peer_combine_backward, peer_gather_sum, peer_scatter
 
 from .dispatcher import Dispatcher
+from .ep_layout import SendLayout, send_layout
 from .symmetric import SymmBuffer
 
 _workspaces: dict[str, object] = {}
@@ -55,17 +56,19 @@ def all_gather_rows(ws, name: str, row_X: torch.Tensor) -> torch.Tensor:
     return buf.local.clone()
 
 
-def nvlink_layout(ids_TK: torch.Tensor, counts_RX: torch.Tensor, rank: int, num_local: int, capacity: int):
+def nvlink_layout(ids_TK: torch.Tensor, lay: SendLayout, counts_RX: torch.Tensor, rank: int, num_local: int,
+                  capacity: int):
     """Where each (token, choice) slot lands: (dest rank_TK, row_TK with -1 = not sent, counts_e
-    received by this rank per local id, dropped slots of this rank). Static shapes, device only."""
+    received by this rank per local id, dropped slots of this rank). ``lay``: this rank's
+    ``send_layout`` (its stable sort by id); ``counts_RX``: every rank's counts. Device only."""
     T, K = ids_TK.shape
     R, X = counts_RX.shape
     flat_N = ids_TK.reshape(-1)
-    order_N = torch.argsort(flat_N, stable=True)
-    mine_X = counts_RX[rank]
-    first_X = torch.cumsum(mine_X, 0) - mine_X  # this rank's first sorted slot of each id
-    rank_in_id = torch.empty_like(order_N).scatter_(
-        0, order_N, torch.arange(T * K, device=ids_TK.device) - first_X.index_select(0, flat_N.index_select(0, order_N)))
+    # a slot's rank among this rank's slots for the same id = its place in the destination block
+    # minus the rows of the destination's lower local ids
+    pos_N = lay.pos_in_dest_N.index_select(0, lay.sorted_of_slot_TK.reshape(-1))
+    first_in_dest_X = (torch.cumsum(lay.counts_Re, 1) - lay.counts_Re).reshape(X)
+    rank_in_id = pos_N - first_in_dest_X.index_select(0, flat_N)
     total_Re = counts_RX.sum(0).view(R, num_local)
     start_X = (torch.cumsum(total_Re, 1) - total_Re).reshape(X)  # start of each id in its owner's buffer
     before_X = counts_RX[:rank].sum(0)  # rows of each id from lower source ranks
@@ -117,10 +120,9 @@ class NVLinkDispatcher(Dispatcher):
         if torch.is_autocast_enabled(dev.type) and x_TD.is_floating_point():
             x_TD = x_TD.to(torch.get_autocast_dtype(dev.type))  # move the experts' input dtype
         cap = nvlink_capacity(T, K, self.capacity_factor)
-        counts_X = torch.zeros(X, dtype=torch.int64, device=dev).scatter_add_(
-            0, ids_TK.reshape(-1), torch.ones(T * K, dtype=torch.int64, device=dev))
-        counts_RX = all_gather_rows(self.ws, f"{self.name}/counts", counts_X)
-        rank_TK, row_TK, counts_e, dropped = nvlink_layout(ids_TK, counts_RX, self.rank, self.num_local, cap)
+        lay = send_layout(ids_TK, X, R)  # the same sort by id as the NCCL backends
+        counts_RX = all_gather_rows(self.ws, f"{self.name}/counts", lay.counts_Re.reshape(X))
+        rank_TK, row_TK, counts_e, dropped = nvlink_layout(ids_TK, lay, counts_RX, self.rank, self.num_local, cap)
         D = x_TD.shape[1]
         h = NVLinkHandle(rank_TK, row_TK, w_TK, out_dtype, dropped,
                          self.ws.buffer(f"{self.name}/x", (cap, D), x_TD.dtype, dev), None, x_TD.dtype)
