@@ -8,6 +8,11 @@ ceiling), all in one run; plus nvlink's time against the SMs (CTAs) its kernels 
 Bytes counted = rows that leave the busiest rank × D × 2 B, twice (dispatch there, combine back);
 GB/s = those bytes / the slowest rank's time. The peer copy moves the same bytes with
 one cudaMemcpy-style copy into the peer GPU each way. E=64, K=8, bf16.
+
+The sync-free backends also run captured in a CUDA graph (``*_graph_ms``: how the training step
+runs them, without the host's launch cost); alltoall cannot be captured (it reads the split sizes
+on the host). The sweep varies the CTAs (``--sweep``) and tokens per CTA iteration (``--block-t``)
+of the nvlink kernels, graphed, on the first and the last shape.
 """
 
 import argparse
@@ -55,6 +60,20 @@ def peer_copy_ms(nbytes: int, rank: int, world: int) -> float:
     return time_ms(fn)
 
 
+def graphed(fn):
+    """``fn`` captured once in a CUDA graph (after eager warm-up); returns the replay."""
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    dist.barrier()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    torch.cuda.synchronize()
+    dist.barrier()
+    return g.replay
+
+
 def vdev_ms(x_send, send_splits, group):
     """torch.ops.symm_mem.all_to_all_vdev there and back, or the reason it does not run."""
     try:
@@ -91,8 +110,9 @@ def main():
     ap.add_argument("--out", default=None)
     ap.add_argument("--tokens", default="4096,16384")
     ap.add_argument("--hidden", default="2048,7168")
-    ap.add_argument("--sms", default="32", help="nvlink CTAs for the main table")
-    ap.add_argument("--sweep", default="4,8,16,32,64,132", help="nvlink CTAs swept on the first shape")
+    ap.add_argument("--sms", default="64", help="nvlink CTAs for the main table (the nvlink_sms default)")
+    ap.add_argument("--sweep", default="8,16,32,64,132", help="nvlink CTAs swept (graphed)")
+    ap.add_argument("--block-t", default="1,2,4", help="nvlink tokens per CTA iteration swept (graphed)")
     ap.add_argument("--no-vdev", action="store_true")
     a = ap.parse_args()
     dist.init_process_group("nccl")
@@ -101,6 +121,8 @@ def main():
     dev = torch.device("cuda", rank)
     group = dist.group.WORLD
     rows, sweep = [], []
+    shapes = [(int(T), int(D)) for T in a.tokens.split(",") for D in a.hidden.split(",")]
+    sweep_shapes = {shapes[0], shapes[-1]}
     vdev_note = ""
     for T in map(int, a.tokens.split(",")):
         for D in map(int, a.hidden.split(",")):
@@ -119,12 +141,13 @@ def main():
                 cf = max(1.0, math.ceil(float(need) * world / (T * K) * 20) / 20)  # no drops, 0.05 steps
                 nbytes = int(2 * remote_rows * D * 2)
 
-                def bench(disp):
+                def bench(disp, graph=False, dispatch_only=False):
                     def fn():
                         with torch.no_grad():
                             x_nd, _, h = disp.dispatch(x, ids, w)
-                            disp.combine(x_nd, h)
-                    return slowest(time_ms(fn))
+                            if not dispatch_only:
+                                disp.combine(x_nd, h)
+                    return slowest(time_ms(graphed(fn) if graph else fn))
 
                 t_a2a = bench(AllToAllDispatcher(E, group, world))
                 padded = PaddedDispatcher(E, group, world, cf)
@@ -136,18 +159,29 @@ def main():
                 dist.all_reduce(recv_rows)  # rows each rank receives
                 cf_nv = max(1.0, math.ceil(float(recv_rows.max()) / (T * K) * 100) / 100)  # no drops
 
-                def nvlink(sms):
-                    return NVLinkDispatcher(E, group, world, cf_nv, programs=sms, name="bench")
+                def nvlink(sms, block_t=None):
+                    return NVLinkDispatcher(E, group, world, cf_nv, programs=sms, name="bench", block_t=block_t)
 
                 with torch.no_grad():
                     _, _, h = nvlink(int(a.sms)).dispatch(x, ids, w)
                 assert int(h.dropped) == 0
                 t_nv = bench(nvlink(int(a.sms)))
-                if not sweep:
+                t_nv_g = bench(nvlink(int(a.sms)), graph=True)
+                t_nv_disp_g = bench(nvlink(int(a.sms)), graph=True, dispatch_only=True)
+                t_pad_g = bench(padded, graph=True)
+                if (T, D) in sweep_shapes and kind == "balanced":
+                    def combined(disp):
+                        with torch.no_grad():
+                            x_nd, _, h = disp.dispatch(x, ids, w)
+                            return disp.combine(x_nd, h).clone()
+
+                    ref = combined(nvlink(int(a.sms), 1))
                     for sms in map(int, a.sweep.split(",")):
-                        ms = bench(nvlink(sms))
-                        sweep.append({"T": T, "D": D, "routing": kind, "nvlink_sms": sms, "ms": ms,
-                                      "GBs": nbytes / (ms * 1e-3) / 1e9})
+                        for bt in map(int, a.block_t.split(",")):
+                            same = torch.equal(combined(nvlink(sms, bt)), ref)  # same fp32 sums: bitwise equal
+                            ms = bench(nvlink(sms, bt), graph=True)
+                            sweep.append({"T": T, "D": D, "routing": kind, "nvlink_sms": sms, "block_t": bt,
+                                          "graph_ms": ms, "GBs": nbytes / (ms * 1e-3) / 1e9, "equal": same})
                 own = int(2 * float(T * K - dest_counts[rank]) * D * 2)
                 t_copy = slowest(peer_copy_ms(max(own // 2, 2), rank, world))
                 # vdev baseline: exact splits of the rank-major send buffer
@@ -163,8 +197,10 @@ def main():
                     "T": T, "D": D, "routing": kind, "ranks": world, "remote_MB": nbytes / 2 / 1e6,
                     "padded_cf": cf, "padded_rows_per_peer": padded_capacity(T, K, world, cf),
                     "alltoall_ms": t_a2a, "padded_ms": t_pad, "nvlink_ms": t_nv, "nvlink_sms": int(a.sms),
-                    "nvlink_GBs": gbs(t_nv), "nvlink_vs_alltoall": t_a2a / t_nv,
-                    "nvlink_frac_of_ceiling": t_copy / t_nv,
+                    "nvlink_graph_ms": t_nv_g, "nvlink_dispatch_graph_ms": t_nv_disp_g, "padded_graph_ms": t_pad_g,
+                    "nvlink_GBs": gbs(t_nv), "nvlink_graph_GBs": gbs(t_nv_g), "nvlink_vs_alltoall": t_a2a / t_nv,
+                    "nvlink_graph_vs_alltoall": t_a2a / t_nv_g, "nvlink_frac_of_ceiling": t_copy / t_nv,
+                    "nvlink_graph_frac_of_ceiling": t_copy / t_nv_g,
                     "vdev_ms": slowest(t_vdev) if t_vdev else float("nan"), "peer_copy_ms": t_copy,
                     "alltoall_GBs": gbs(t_a2a), "padded_GBs": gbs(t_pad),
                     "vdev_GBs": gbs(t_vdev) if t_vdev else float("nan"), "peer_copy_GBs": gbs(t_copy),
@@ -179,11 +215,12 @@ def main():
         env["vdev"] = vdev_note or "ran"
         env["nvlink_sms_sweep"] = sweep
         cols = ["T", "D", "routing", "remote_MB", "alltoall_ms", "padded_ms", "nvlink_ms", "vdev_ms", "peer_copy_ms",
-                "alltoall_GBs", "padded_GBs", "nvlink_GBs", "vdev_GBs", "peer_copy_GBs", "nvlink_vs_alltoall",
-                "nvlink_frac_of_ceiling", "padded_vs_alltoall"]
+                "padded_graph_ms", "nvlink_graph_ms", "nvlink_dispatch_graph_ms", "alltoall_GBs", "nvlink_GBs",
+                "nvlink_graph_GBs", "peer_copy_GBs", "nvlink_vs_alltoall", "nvlink_graph_vs_alltoall",
+                "nvlink_frac_of_ceiling", "nvlink_graph_frac_of_ceiling", "padded_vs_alltoall"]
         table = markdown_table(rows, cols)
-        table += "\n\nnvlink time vs CTAs (≈ SMs) its kernels use:\n\n" + markdown_table(
-            sweep, ["T", "D", "routing", "nvlink_sms", "ms", "GBs"])
+        table += ("\n\nnvlink dispatch + combine (graphed) vs CTAs (≈ SMs) and tokens per CTA iteration:\n\n"
+                  + markdown_table(sweep, ["T", "D", "routing", "nvlink_sms", "block_t", "graph_ms", "GBs", "equal"]))
         stem = write_results(f"dispatch_ep{world}", env, rows, table, a.out)
         print(f"\ndispatch+combine, EP={world}, {env['gpu']}, torch {env['torch']} ({stem}.json); "
               f"all_to_all_vdev: {env['vdev']}\n{table}")

@@ -125,7 +125,7 @@ def run(name, a, cfg_path, cfg, tok_dir, data, work):
                 re.findall(r"step:\s*(\d+).*?tps:\s*([\d,]+)", re.sub(r"\x1b\[[0-9;]*m", "", log))]
     else:
         rows = [json.loads(line) for line in open(os.path.join(dump, "metrics.jsonl"))]
-        vals = [(r["step"], r["tokens_per_s"] / a.nproc) for r in rows]
+        vals = [(r["step"], r["tokens_per_s"] / a.nproc) for r in rows if "tokens_per_s" in r]  # untimed: replayed
     tps = steady(vals, a.steps)
     tokens_per_gpu_step = cfg["training"]["local_batch_size"] * cfg["training"]["seq_len"]
     graph = re.search(r"cuda graph\s+(.*)", log)

@@ -72,52 +72,63 @@ if triton is not None:
 
     @triton.jit
     def _peer_scatter_kernel(x_ptr, rank_ptr, row_ptr, ptrs_ptr, buf_like, scale_ptr, T, D, K: tl.constexpr,
-                             HAS_SCALE: tl.constexpr, BLOCK_D: tl.constexpr):
-        cols = tl.arange(0, BLOCK_D)
+                             HAS_SCALE: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr):
+        ty = buf_like.dtype.element_ty
+        cols = tl.arange(0, BLOCK_D)[None, :]
         in_row = cols < D
-        for t64 in range(tl.program_id(0).to(tl.int64), T, tl.num_programs(0).to(tl.int64)):
-            x = tl.load(x_ptr + t64 * D + cols, mask=in_row)
+        for b in range(tl.program_id(0).to(tl.int64), tl.cdiv(T, BLOCK_T), tl.num_programs(0).to(tl.int64)):
+            t_T = b * BLOCK_T + tl.arange(0, BLOCK_T)
+            ok_T = t_T < T
+            x = tl.load(x_ptr + t_T[:, None] * D + cols, mask=ok_T[:, None] & in_row)
             for k in tl.static_range(K):
-                row = tl.load(row_ptr + t64 * K + k).to(tl.int64)
-                dst = tl.load(ptrs_ptr + tl.load(rank_ptr + t64 * K + k)).to(tl.pointer_type(buf_like.dtype.element_ty))
+                row_T = tl.load(row_ptr + t_T * K + k, mask=ok_T, other=-1).to(tl.int64)
+                dst_T = tl.load(ptrs_ptr + tl.load(rank_ptr + t_T * K + k, mask=ok_T, other=0)).to(tl.pointer_type(ty))
                 v = x
                 if HAS_SCALE:
-                    v = x.to(tl.float32) * tl.load(scale_ptr + t64 * K + k).to(tl.float32)
-                tl.store(dst + row * D + cols, v.to(buf_like.dtype.element_ty), mask=in_row & ((cols * 0 + row) >= 0))
+                    s_T = tl.load(scale_ptr + t_T * K + k, mask=ok_T, other=0.0).to(tl.float32)
+                    v = x.to(tl.float32) * s_T[:, None]
+                tl.store(dst_T[:, None] + row_T[:, None] * D + cols, v.to(ty), mask=(row_T >= 0)[:, None] & in_row)
 
     @triton.jit
     def _peer_gather_sum_kernel(out_ptr, rank_ptr, row_ptr, ptrs_ptr, buf_like, w_ptr, T, D, K: tl.constexpr,
-                                HAS_W: tl.constexpr, BLOCK_D: tl.constexpr):
-        cols = tl.arange(0, BLOCK_D)
+                                HAS_W: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr):
+        ty = buf_like.dtype.element_ty
+        cols = tl.arange(0, BLOCK_D)[None, :]
         in_row = cols < D
-        for t64 in range(tl.program_id(0).to(tl.int64), T, tl.num_programs(0).to(tl.int64)):
-            acc = tl.zeros([BLOCK_D], dtype=tl.float32)
+        for b in range(tl.program_id(0).to(tl.int64), tl.cdiv(T, BLOCK_T), tl.num_programs(0).to(tl.int64)):
+            t_T = b * BLOCK_T + tl.arange(0, BLOCK_T)
+            ok_T = t_T < T
+            acc = tl.zeros([BLOCK_T, BLOCK_D], dtype=tl.float32)
             for k in tl.static_range(K):
-                row = tl.load(row_ptr + t64 * K + k).to(tl.int64)
-                src = tl.load(ptrs_ptr + tl.load(rank_ptr + t64 * K + k)).to(tl.pointer_type(buf_like.dtype.element_ty))
-                v = tl.load(src + row * D + cols, mask=in_row & ((cols * 0 + row) >= 0), other=0.0).to(tl.float32)
+                row_T = tl.load(row_ptr + t_T * K + k, mask=ok_T, other=-1).to(tl.int64)
+                src_T = tl.load(ptrs_ptr + tl.load(rank_ptr + t_T * K + k, mask=ok_T, other=0)).to(tl.pointer_type(ty))
+                v = tl.load(src_T[:, None] + row_T[:, None] * D + cols, mask=(row_T >= 0)[:, None] & in_row,
+                            other=0.0).to(tl.float32)
                 if HAS_W:
-                    v = v * tl.load(w_ptr + t64 * K + k).to(tl.float32)
+                    v = v * tl.load(w_ptr + t_T * K + k, mask=ok_T, other=0.0).to(tl.float32)[:, None]
                 acc += v
-            tl.store(out_ptr + t64 * D + cols, acc.to(out_ptr.dtype.element_ty), mask=in_row)
+            tl.store(out_ptr + t_T[:, None] * D + cols, acc.to(out_ptr.dtype.element_ty), mask=ok_T[:, None] & in_row)
 
     @triton.jit
     def _peer_combine_bwd_kernel(g_ptr, rank_ptr, row_ptr, y_ptrs, gy_ptrs, buf_like, w_ptr, gw_ptr, T, D,
-                                 K: tl.constexpr, BLOCK_D: tl.constexpr):
-        cols = tl.arange(0, BLOCK_D)
+                                 K: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr):
+        ty = buf_like.dtype.element_ty
+        cols = tl.arange(0, BLOCK_D)[None, :]
         in_row = cols < D
-        for t64 in range(tl.program_id(0).to(tl.int64), T, tl.num_programs(0).to(tl.int64)):
-            g = tl.load(g_ptr + t64 * D + cols, mask=in_row, other=0.0).to(tl.float32)
+        for b in range(tl.program_id(0).to(tl.int64), tl.cdiv(T, BLOCK_T), tl.num_programs(0).to(tl.int64)):
+            t_T = b * BLOCK_T + tl.arange(0, BLOCK_T)
+            ok_T = t_T < T
+            g = tl.load(g_ptr + t_T[:, None] * D + cols, mask=ok_T[:, None] & in_row, other=0.0).to(tl.float32)
             for k in tl.static_range(K):
-                row = tl.load(row_ptr + t64 * K + k).to(tl.int64)
-                r = tl.load(rank_ptr + t64 * K + k)
-                m = in_row & ((cols * 0 + row) >= 0)
-                y_src = tl.load(y_ptrs + r).to(tl.pointer_type(buf_like.dtype.element_ty))
-                y = tl.load(y_src + row * D + cols, mask=m, other=0.0).to(tl.float32)
-                w = tl.load(w_ptr + t64 * K + k).to(tl.float32)
-                gy_dst = tl.load(gy_ptrs + r).to(tl.pointer_type(buf_like.dtype.element_ty))
-                tl.store(gy_dst + row * D + cols, (w * g).to(buf_like.dtype.element_ty), mask=m)
-                tl.store(gw_ptr + t64 * K + k, tl.sum(g * y, axis=0).to(gw_ptr.dtype.element_ty))
+                row_T = tl.load(row_ptr + t_T * K + k, mask=ok_T, other=-1).to(tl.int64)
+                r_T = tl.load(rank_ptr + t_T * K + k, mask=ok_T, other=0)
+                m = (row_T >= 0)[:, None] & in_row
+                y_src = tl.load(y_ptrs + r_T).to(tl.pointer_type(ty))
+                y = tl.load(y_src[:, None] + row_T[:, None] * D + cols, mask=m, other=0.0).to(tl.float32)
+                w_T = tl.load(w_ptr + t_T * K + k, mask=ok_T, other=0.0).to(tl.float32)
+                gy_dst = tl.load(gy_ptrs + r_T).to(tl.pointer_type(ty))
+                tl.store(gy_dst[:, None] + row_T[:, None] * D + cols, (w_T[:, None] * g).to(ty), mask=m)
+                tl.store(gw_ptr + t_T * K + k, tl.sum(g * y, axis=1).to(gw_ptr.dtype.element_ty), mask=ok_T)
 
 
 def use_triton(t: torch.Tensor) -> bool:
@@ -126,12 +137,18 @@ def use_triton(t: torch.Tensor) -> bool:
     return t.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"
 
 
-def _launch_args(T: int, D: int, programs: int):
+TOKENS_PER_BLOCK = 1  # tokens a CTA moves per loop iteration (power of 2); benchmarks/dispatch.py sweeps it
+
+
+def _launch(T: int, D: int, programs: int, block_t: int | None):
+    """Grid and meta-parameters: ``programs`` persistent CTAs, ``block_t`` whole rows per iteration."""
+    block_t = block_t or TOKENS_PER_BLOCK
     block_d = triton.next_power_of_2(D)
-    return (max(1, min(T, programs)),), block_d, max(4, min(16, block_d // 512))
+    grid = (max(1, min(-(-T // block_t), programs)),)
+    return grid, dict(BLOCK_T=block_t, BLOCK_D=block_d, num_warps=max(4, min(16, block_t * block_d // 512)))
 
 
-def peer_scatter(x_TD, rank_TK, row_TK, ptrs_R, peers, scale_TK=None, programs: int = 32):
+def peer_scatter(x_TD, rank_TK, row_TK, ptrs_R, peers, scale_TK=None, programs: int = 32, block_t: int | None = None):
     """``peers`` (list of tensors) is used by the torch path, ``ptrs_R`` by the kernel."""
     if not use_triton(x_TD):
         return peer_scatter_torch(x_TD, rank_TK, row_TK, peers, scale_TK)
@@ -139,13 +156,14 @@ def peer_scatter(x_TD, rank_TK, row_TK, ptrs_R, peers, scale_TK=None, programs: 
     if T == 0:
         return
     D = x_TD.shape[1]
-    grid, block_d, warps = _launch_args(T, D, programs)
+    grid, meta = _launch(T, D, programs, block_t)
     scale = scale_TK.contiguous() if scale_TK is not None else row_TK  # dummy pointer without scale
     _peer_scatter_kernel[grid](x_TD.contiguous(), rank_TK.contiguous(), row_TK.contiguous(), ptrs_R, peers[0], scale, T, D,
-                               K=K, HAS_SCALE=scale_TK is not None, BLOCK_D=block_d, num_warps=warps)
+                               K=K, HAS_SCALE=scale_TK is not None, **meta)
 
 
-def peer_gather_sum(rank_TK, row_TK, ptrs_R, peers, w_TK=None, out_dtype=None, programs: int = 32):
+def peer_gather_sum(rank_TK, row_TK, ptrs_R, peers, w_TK=None, out_dtype=None, programs: int = 32,
+                    block_t: int | None = None):
     if not use_triton(peers[0]):
         return peer_gather_sum_torch(rank_TK, row_TK, peers, w_TK).to(out_dtype or peers[0].dtype)
     T, K = row_TK.shape
@@ -153,14 +171,15 @@ def peer_gather_sum(rank_TK, row_TK, ptrs_R, peers, w_TK=None, out_dtype=None, p
     out_TD = torch.empty(T, D, dtype=out_dtype or peers[0].dtype, device=rank_TK.device)
     if T == 0:
         return out_TD
-    grid, block_d, warps = _launch_args(T, D, programs)
+    grid, meta = _launch(T, D, programs, block_t)
     w = w_TK.contiguous() if w_TK is not None else row_TK
     _peer_gather_sum_kernel[grid](out_TD, rank_TK.contiguous(), row_TK.contiguous(), ptrs_R, peers[0], w, T, D, K=K,
-                                  HAS_W=w_TK is not None, BLOCK_D=block_d, num_warps=warps)
+                                  HAS_W=w_TK is not None, **meta)
     return out_TD
 
 
-def peer_combine_backward(g_TD, rank_TK, row_TK, y_ptrs_R, y_peers, gy_ptrs_R, gy_peers, w_TK, programs: int = 32):
+def peer_combine_backward(g_TD, rank_TK, row_TK, y_ptrs_R, y_peers, gy_ptrs_R, gy_peers, w_TK, programs: int = 32,
+                          block_t: int | None = None):
     if not use_triton(g_TD):
         return peer_combine_backward_torch(g_TD, rank_TK, row_TK, y_peers, gy_peers, w_TK)
     T, K = row_TK.shape
@@ -168,7 +187,7 @@ def peer_combine_backward(g_TD, rank_TK, row_TK, y_ptrs_R, y_peers, gy_ptrs_R, g
     if T == 0:
         return grad_w_TK
     D = g_TD.shape[1]
-    grid, block_d, warps = _launch_args(T, D, programs)
+    grid, meta = _launch(T, D, programs, block_t)
     _peer_combine_bwd_kernel[grid](g_TD.contiguous(), rank_TK.contiguous(), row_TK.contiguous(), y_ptrs_R, gy_ptrs_R,
-                                   gy_peers[0], w_TK.contiguous(), grad_w_TK, T, D, K=K, BLOCK_D=block_d, num_warps=warps)
+                                   gy_peers[0], w_TK.contiguous(), grad_w_TK, T, D, K=K, **meta)
     return grad_w_TK

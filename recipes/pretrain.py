@@ -24,7 +24,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 
 from components.moe_echo.dispatcher import is_fixed_capacity
 from components.moe_echo.models import build_model, model_args_for, moe_layers
-from components.parallel.cuda_graph import HostCopy, StepGraph, make_capturable
+from components.parallel.cuda_graph import HostCopy, StepGraph, make_capturable, to_device_async
 from components.parallel.data_parallel import allreduce_sum, init_distributed
 from components.parallel.grad_norm import clip_grad_norm_
 from components.parallel.mesh import build_mesh, parallel_dims
@@ -198,7 +198,9 @@ def train(argv: list[str]) -> None:
         lr = scheduler.base_lrs[0] * scheduler.lr_lambdas[0](scheduler.last_epoch)
         return HostCopy((out, lr))
 
-    def log_step(step, host, replayed):
+    def log_step(step, host, replayed, timed=True):
+        """``timed = False``: a replayed step logged right after another one; its time is counted
+        in the next timed step's window (otherwise its tokens/s would divide by ~0 s)."""
         nonlocal window_t0, window_steps
         (loss, grad_norm, counts_LE, echo), lr = host.get()
         window_steps += 1
@@ -207,12 +209,13 @@ def train(argv: list[str]) -> None:
             progress.update({})
             return
         loss_val = float(loss)
-        elapsed = time.perf_counter() - window_t0
-        tps = tokens_per_step * window_steps / max(elapsed, 1e-9)
-        window_t0, window_steps = time.perf_counter(), 0
-        values = {"loss": loss_val, "lr": lr, "grad_norm": float(grad_norm), "tokens_per_s": tps}
-        if peak_flops:
-            values["mfu_pct"] = 100 * flops_per_token * tps / (peak_flops * world)
+        values = {"loss": loss_val, "lr": lr, "grad_norm": float(grad_norm)}
+        if timed:
+            elapsed = time.perf_counter() - window_t0
+            values["tokens_per_s"] = tokens_per_step * window_steps / max(elapsed, 1e-9)
+            window_t0, window_steps = time.perf_counter(), 0
+            if peak_flops:
+                values["mfu_pct"] = 100 * flops_per_token * values["tokens_per_s"] / (peak_flops * world)
         if device.type == "cuda":
             values["memory/peak_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
             summary.peak_mem_gib = max(summary.peak_mem_gib, values["memory/peak_gib"])
@@ -237,7 +240,7 @@ def train(argv: list[str]) -> None:
         heat = cfg.moe_echo.load_heatmap_freq
         if is_main and heat and (step % heat == 0 or step == t.steps):
             tb.heatmaps(step)
-        progress.update({"loss": f"{loss_val:.3f}", "tok/s": f"{tps:,.0f}"})
+        progress.update({"loss": f"{loss_val:.3f}", **({"tok/s": f"{values['tokens_per_s']:,.0f}"} if timed else {})})
 
     def sync_check():
         """[training] sync_debug: any device-to-host sync inside a training step raises."""
@@ -251,7 +254,7 @@ def train(argv: list[str]) -> None:
     while state.step < t.steps:
         state.step += 1
         step = state.step
-        batch = tuple(_to_device(x, device) for x in loader.next_batch())
+        batch = tuple(to_device_async(x, device) for x in loader.next_batch())
         with sync_check():
             pending.append((step, batch, train_step(*batch)))
         if gate is not None:
@@ -266,17 +269,17 @@ def train(argv: list[str]) -> None:
                 with gate.exact_dispatch():
                     pending = [(s, b, train_step(*b, exact=True)) for s, b, _ in pending]
                 gate.replayed(len(pending))
-                if step_graph.captures:
-                    # Known issue: on v2lite_1b at EP=2 (FSDP2 + nvlink), graph replays after eager exact
-                    # replays crashed with "misaligned address". Likely cause (not proven): FSDP2's copy
-                    # kernels stage pointer tables in pinned host memory; the captured graph keeps the
-                    # address of a block that later eager steps reuse (pytorch#164264, #167861). So no
-                    # graph is replayed after an eager step: run eagerly from here.
-                    step_graph.disable("an overflow was replayed on the exact path; graph replays after "
-                                       "eager replays are not yet reliable")
+                if step_graph.captures and t.cuda_graph_after_replay == "recapture":
+                    step_graph.invalidate()  # warm up and capture again (capacity may have grown)
+                elif step_graph.captures:
+                    # Known issue (session 2): v2lite_1b at EP=2 (FSDP2 + nvlink) crashed with "misaligned
+                    # address" in graph replays after eager replays; not reproduced since (per-step pinned
+                    # allocations removed, torch's captured pinned staging probed safe), cause not found.
+                    step_graph.disable("an overflow was replayed on the exact path; set [training] "
+                                       "cuda_graph_after_replay = 'recapture' to capture the step again")
                 summary.replayed_steps += len(pending)
-                for s, _, out in pending:
-                    log_step(s, out, replayed=True)
+                for i, (s, _, out) in enumerate(pending):
+                    log_step(s, out, replayed=True, timed=i == len(pending) - 1)
                 pending = []
             else:
                 s, _, out = pending.pop(0)
@@ -300,13 +303,6 @@ def train(argv: list[str]) -> None:
         if ckpt.enable:
             extra["checkpoints"] = ckpt_dir
         print(summary.text(extra), flush=True)
-
-
-def _to_device(x: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """Host batch → device without a host wait (pinned memory, async copy)."""
-    if device.type != "cuda":
-        return x.to(device)
-    return x.pin_memory().to(device, non_blocking=True)
 
 
 class _sync_debug_mode:

@@ -235,6 +235,8 @@ def test_overflow_is_gated_and_replayed_never_dropped(tmp_path, grow):
         assert len(replayed) < 8 and rows[-1]["moe/replayed"] == 0  # capacity grew; later steps fit
     else:
         assert replayed == list(range(1, 9))
+        untimed = [r["step"] for r in rows if "tokens_per_s" not in r]  # replayed back to back: no 0-s windows
+        assert untimed and len(untimed) < len(rows) and set(untimed) <= set(replayed)
     exact, padded = losses(tmp_path / "exact"), losses(tmp_path / "padded")
     for step in exact:
         assert padded[step] == pytest.approx(exact[step], rel=1e-5), step

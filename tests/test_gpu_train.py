@@ -35,6 +35,8 @@ CASES = {
     "echo_nvlink_2gpu": (2, ["--parallelism.expert_parallel_degree", "2", "--moe_echo.dispatcher", "nvlink",
                              "--moe_echo.echo", "true", "--moe_echo.echo_slots_per_rank", "2",
                              "--moe_echo.capacity_factor", "2.0"]),
+    "padded_2gpu": (2, ["--parallelism.expert_parallel_degree", "2", "--moe_echo.dispatcher", "padded",
+                        "--moe_echo.capacity_factor", "2.0"]),
 }
 
 
@@ -53,9 +55,11 @@ def test_sync_free_steps_and_graph_equals_eager(case, tmp_path):
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
-def test_nvlink_overflow_is_replayed_to_the_exact_result(tmp_path):
+@pytest.mark.parametrize("graph", ["off", "eager", "recapture"])
+def test_nvlink_overflow_is_replayed_to_the_exact_result(tmp_path, graph):
     """A tiny nvlink capacity with a hot expert overflows: the steps are gated on the device and
-    replayed on the exact path; losses and final weights equal an alltoall run's (bf16 tolerance)."""
+    replayed on the exact path; losses and final weights equal an alltoall run's (bf16 tolerance),
+    eager and CUDA-graphed (after a replay: run eagerly, or capture again)."""
     from test_expert_parallel import _final_weights
 
     common = ["--parallelism.expert_parallel_degree", "2", "--moe_echo.debug_hot_experts", "1",
@@ -64,7 +68,10 @@ def test_nvlink_overflow_is_replayed_to_the_exact_result(tmp_path):
                                                               "--training.sync_debug", "false"])
     nvlink, out = run_recipe(str(tmp_path), "nvlink", 2, common + ["--moe_echo.dispatcher", "nvlink",
                                                                   "--moe_echo.capacity_factor", "1.0",
-                                                                  "--moe_echo.grow_capacity_after", "0"])
+                                                                  "--moe_echo.grow_capacity_after", "0",
+                                                                  "--training.cuda_graph", str(graph != "off").lower(),
+                                                                  "--training.cuda_graph_after_replay",
+                                                                  "recapture" if graph == "recapture" else "eager"])
     assert "gated and replayed" in out
     for s, (a, b) in enumerate(zip(exact, nvlink), 1):
         assert abs(a - b) <= 2e-3 * abs(a), f"step {s}: exact {a} vs nvlink+replay {b}"

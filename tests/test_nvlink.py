@@ -115,18 +115,19 @@ for T, K, D, R, N in [(7, 3, 40, 2, 30), (5, 2, 1030, 3, 12), (4, 4, 8, 4, 16)]:
         uniq[i] = v >= 0 and v not in seen; seen.add(v)
     row = torch.where(uniq.view(T, K), row, -1)
     assert pr.use_triton(x)
-    for fn in ("scatter", "gather", "combine_bwd"):
+    for fn, bt in [(f, bt) for f in ("scatter", "gather", "combine_bwd") for bt in (1, 4)]:  # bt: tokens per block
         bufs = {m: [torch.randn(N, D, generator=g) for _ in range(R)] for m in ("y", "gy")}
         ref = {m: [b.clone() for b in v] for m, v in bufs.items()}
         ptrs = {m: torch.tensor([b.data_ptr() for b in v]) for m, v in bufs.items()}
         if fn == "scatter":
-            pr.peer_scatter(x, rank, row, ptrs["y"], bufs["y"], w, programs=3)
+            pr.peer_scatter(x, rank, row, ptrs["y"], bufs["y"], w, programs=3, block_t=bt)
             pr.peer_scatter_torch(x, rank, row, ref["y"], w)
         elif fn == "gather":
-            a = pr.peer_gather_sum(rank, row, ptrs["y"], bufs["y"], w, programs=2)
+            a = pr.peer_gather_sum(rank, row, ptrs["y"], bufs["y"], w, programs=2, block_t=bt)
             torch.testing.assert_close(a, pr.peer_gather_sum_torch(rank, row, ref["y"], w), rtol=1e-5, atol=1e-5)
         else:
-            a = pr.peer_combine_backward(gr, rank, row, ptrs["y"], bufs["y"], ptrs["gy"], bufs["gy"], w, programs=4)
+            a = pr.peer_combine_backward(gr, rank, row, ptrs["y"], bufs["y"], ptrs["gy"], bufs["gy"], w, programs=4,
+                                         block_t=bt)
             b = pr.peer_combine_backward_torch(gr, rank, row, ref["y"], ref["gy"], w)
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-4)
         for m in bufs:

@@ -10,7 +10,7 @@ from components.moe_echo.config import MoEEchoConfig
 from components.moe_echo.dispatcher import LocalDispatcher, resolve_backend
 from components.moe_echo.ep_dispatch import AllToAllDispatcher, PaddedDispatcher
 from components.moe_echo.nvlink_dispatch import NVLinkDispatcher
-from components.parallel.cuda_graph import HostCopy, StepGraph, make_capturable
+from components.parallel.cuda_graph import HostCopy, PinnedRing, StepGraph, make_capturable
 from components.train.errors import UserError
 from components.train.optim import build_lr_scheduler, lr_factor
 from components.train.overflow import OverflowGate
@@ -60,6 +60,34 @@ def test_host_copy_is_a_detached_snapshot():
     (a, (b, none), c) = h.get()
     assert torch.equal(a, torch.arange(4.0)) and float(b) == 6.0 and none is None and c == 3.0
     assert not a.requires_grad
+
+
+def test_pinned_ring_reuses_its_buffers_and_waits_for_their_last_copy():
+    class Event:
+        def __init__(self, done):
+            self.done, self.waited = done, False
+
+        def query(self):
+            return self.done
+
+        def synchronize(self):
+            self.waited = True
+
+    ring = PinnedRing(depth=3)
+    got = [ring.take((2, 5), torch.int64) for _ in range(7)]
+    ptrs = [b.data_ptr() for b, _, _ in got]
+    assert len(set(ptrs)) == 3 and ptrs[:3] == ptrs[3:6] and ptrs[6] == ptrs[0]  # allocated once, round-robin
+    assert ring.take((2,), torch.int64)[0].shape == (2,)  # keyed by shape and dtype
+    busy, idle = Event(done=False), Event(done=True)
+    _, i, key = ring.take((2, 5), torch.int64)  # slot 1
+    ring.done(key, i, busy)
+    _, j, _ = ring.take((2, 5), torch.int64)  # slot 2
+    ring.done(key, j, idle)
+    ring.take((2, 5), torch.int64)  # slot 0: no event
+    ring.take((2, 5), torch.int64)  # slot 1 again: its last copy has not finished
+    assert busy.waited
+    ring.take((2, 5), torch.int64)
+    assert not idle.waited
 
 
 def test_overflow_flag_is_one_tensor_updated_in_place():

@@ -99,12 +99,13 @@ class NVLinkDispatcher(Dispatcher):
     sync_free = True
 
     def __init__(self, num_experts: int, group, ep_size: int, capacity_factor: float, programs: int = 32,
-                 workspace=None, name: str | None = None):
+                 workspace=None, name: str | None = None, block_t: int | None = None):
         if num_experts % ep_size != 0:
             raise ValueError(f"num_experts={num_experts} is not divisible by expert_parallel_degree={ep_size}")
         self.num_experts, self.group, self.ep_size = num_experts, group, ep_size
         self.num_local = num_experts // ep_size
         self.capacity_factor, self.programs = capacity_factor, programs
+        self.block_t = block_t  # tokens per CTA iteration (None: kernels.peer_rows.TOKENS_PER_BLOCK)
         self.ws = workspace if workspace is not None else _workspace_for(group)
         self.rank = self.ws.rank
         # buffer names must agree across ranks: layers are built in the same order on every rank
@@ -138,7 +139,7 @@ class _NVLinkDispatch(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x_TD, disp: NVLinkDispatcher, h: NVLinkHandle):
         buf = h.x_buf
-        peer_scatter(x_TD, h.rank_TK, h.row_TK, buf.ptrs_R, buf.peers, programs=disp.programs)
+        peer_scatter(x_TD, h.rank_TK, h.row_TK, buf.ptrs_R, buf.peers, programs=disp.programs, block_t=disp.block_t)
         disp.ws.barrier(buf)
         ctx.disp, ctx.h = disp, h
         return buf.local.view(buf.local.shape)
@@ -150,7 +151,7 @@ class _NVLinkDispatch(torch.autograd.Function):
         gx.local.copy_(grad_ND)
         disp.ws.barrier(gx)
         grad_TD = peer_gather_sum(h.rank_TK, h.row_TK, gx.ptrs_R, gx.peers, out_dtype=h.x_dtype,
-                                  programs=disp.programs)
+                                  programs=disp.programs, block_t=disp.block_t)
         return grad_TD, None, None
 
 
@@ -163,7 +164,7 @@ class _NVLinkCombine(torch.autograd.Function):
         ctx.save_for_backward(w_TK)
         ctx.disp, ctx.h = disp, h
         return peer_gather_sum(h.rank_TK, h.row_TK, yb.ptrs_R, yb.peers, w_TK, out_dtype=h.out_dtype,
-                               programs=disp.programs)
+                               programs=disp.programs, block_t=disp.block_t)
 
     @staticmethod
     def backward(ctx, grad_TD):
@@ -172,7 +173,7 @@ class _NVLinkCombine(torch.autograd.Function):
         yb = h.y_buf
         gy = disp._shared("grad_y", *yb.local.shape, yb.local.dtype, yb.local.device)
         grad_w_TK = peer_combine_backward(grad_TD, h.rank_TK, h.row_TK, yb.ptrs_R, yb.peers, gy.ptrs_R, gy.peers,
-                                          w_TK, programs=disp.programs)
+                                          w_TK, programs=disp.programs, block_t=disp.block_t)
         disp.ws.barrier(gy)
         return gy.local.view(gy.local.shape), grad_w_TK, None, None
 

@@ -8,6 +8,7 @@ own source text).
 """
 
 from dataclasses import dataclass, field
+from typing import Literal
 
 from components.moe_echo.config import MoEEchoConfig
 
@@ -39,6 +40,11 @@ class Training:
     continues eagerly."""
     cuda_graph_warmup: int = 2
     """Eager steps (real training steps) before the capture."""
+    cuda_graph_after_replay: Literal["eager", "recapture"] = "eager"
+    """After an overflow was replayed eagerly on the exact path: "eager" runs eagerly from then on
+    (safe); "recapture" warms up and captures the step again (capacity may have grown meanwhile).
+    "recapture" ran correctly at EP=2 (debug model; v2lite_1b with one re-capture), but a session
+    before it the same v2lite_1b case crashed ("misaligned address"), cause not found — hence off."""
     sync_debug: bool = False
     """Raise on any device-to-host synchronisation inside training steps
     (torch.cuda.set_sync_debug_mode("error")); for checking the sync-free path."""
