@@ -41,15 +41,6 @@ _OUR_DEEPSEEK = {
         moe_args=MoEArgs(num_experts=64, num_shared_experts=2, top_k=6, score_func="softmax",
                          route_norm=False, score_before_experts=False),
     ),
-    # The v2lite_1b block at DeepSeek-V2-Lite's expert width (1408), 12 layers: ~6B total, ~1B active,
-    # sized to fill 4 GPUs at EP=4 (issue 6's scaling runs).
-    "v2lite_6b": DeepSeekV3ModelArgs(
-        vocab_size=32768, dim=2048, inter_dim=10944, moe_inter_dim=1408, n_layers=12, n_dense_layers=1,
-        n_heads=16, q_lora_rank=0, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64,
-        v_head_dim=128, mscale=0.70, max_seq_len=4096,
-        moe_args=MoEArgs(num_experts=64, num_shared_experts=2, top_k=6, score_func="softmax",
-                         route_norm=False, score_before_experts=False),
-    ),
 }
 _OUR_QWEN3 = {
     "tiny_moe": Qwen3ModelArgs(
@@ -66,6 +57,9 @@ _OUR_QWEN3 = {
                          route_norm=True, score_before_experts=False),
     ),
 }
+# The v2lite_1b block at DeepSeek-V2-Lite's expert width (1408), 12 layers: ~6.6B total, ~1B active,
+# sized to fill 4 GPUs at EP=4 (the scaling runs).
+_OUR_DEEPSEEK["v2lite_6b"] = dataclasses.replace(_OUR_DEEPSEEK["v2lite_1b"], moe_inter_dim=1408, n_layers=12)
 FLAVORS = {
     "deepseek_v3": {**deepseekv3_args, **_OUR_DEEPSEEK},
     "qwen3": {**qwen3_args, **_OUR_QWEN3},
