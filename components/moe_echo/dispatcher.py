@@ -89,7 +89,8 @@ def build_dispatcher(cfg: MoEEchoConfig, num_experts: int, ep_group=None, ep_siz
     if backend == "nvlink":
         from .nvlink_dispatch import NVLinkDispatcher
 
-        return NVLinkDispatcher(num_experts, ep_group, ep_size, cfg.capacity_factor, cfg.nvlink_sms)
+        return NVLinkDispatcher(num_experts, ep_group, ep_size, cfg.capacity_factor, cfg.nvlink_sms,
+                                combine=cfg.nvlink_combine)
     if backend == "deepep":
         from .deepep_dispatch import DeepEPDispatcher
 
