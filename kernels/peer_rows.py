@@ -88,6 +88,13 @@ def peer_combine_backward_torch(g_TD, rank_TK, row_TK, y_peers, gy_peers, w_TK, 
 if triton is not None:
 
     @triton.jit
+    def _slot_row(row_ptr, rank_ptr, ptrs_ptr, buf_like, t_T, ok_T, k, K: tl.constexpr):
+        """(row_T, base_T) of choice k of tokens t_T: its row (-1: none) and that peer's buffer base."""
+        row_T = tl.load(row_ptr + t_T * K + k, mask=ok_T, other=-1).to(tl.int64)
+        rank_T = tl.load(rank_ptr + t_T * K + k, mask=ok_T, other=0)
+        return row_T, tl.load(ptrs_ptr + rank_T).to(tl.pointer_type(buf_like.dtype.element_ty))
+
+    @triton.jit
     def _peer_scatter_kernel(x_ptr, rank_ptr, row_ptr, ptrs_ptr, buf_like, scale_ptr, meta_ptrs, meta_like, meta_base,
                              T, D, K: tl.constexpr, HAS_SCALE: tl.constexpr, HAS_META: tl.constexpr,
                              BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr):
@@ -99,11 +106,9 @@ if triton is not None:
             ok_T = t_T < T
             x = tl.load(x_ptr + t_T[:, None] * D + cols, mask=ok_T[:, None] & in_row)
             for k in tl.static_range(K):
-                row_T = tl.load(row_ptr + t_T * K + k, mask=ok_T, other=-1).to(tl.int64)
-                r_T = tl.load(rank_ptr + t_T * K + k, mask=ok_T, other=0)
-                dst_T = tl.load(ptrs_ptr + r_T).to(tl.pointer_type(ty))
+                row_T, dst_T = _slot_row(row_ptr, rank_ptr, ptrs_ptr, buf_like, t_T, ok_T, k, K)
                 if HAS_META:
-                    meta_T = tl.load(meta_ptrs + r_T).to(tl.pointer_type(meta_like.dtype.element_ty))
+                    _, meta_T = _slot_row(row_ptr, rank_ptr, meta_ptrs, meta_like, t_T, ok_T, k, K)
                     tl.store(meta_T + row_T, meta_base + t_T * K + k, mask=row_T >= 0)
                 v = x
                 if HAS_SCALE:
@@ -114,7 +119,6 @@ if triton is not None:
     @triton.jit
     def _peer_gather_sum_kernel(out_ptr, rank_ptr, row_ptr, ptrs_ptr, buf_like, w_ptr, T, D, K: tl.constexpr,
                                 HAS_W: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr):
-        ty = buf_like.dtype.element_ty
         cols = tl.arange(0, BLOCK_D)[None, :]
         in_row = cols < D
         for b in range(tl.program_id(0).to(tl.int64), tl.cdiv(T, BLOCK_T), tl.num_programs(0).to(tl.int64)):
@@ -122,8 +126,7 @@ if triton is not None:
             ok_T = t_T < T
             acc = tl.zeros([BLOCK_T, BLOCK_D], dtype=tl.float32)
             for k in tl.static_range(K):
-                row_T = tl.load(row_ptr + t_T * K + k, mask=ok_T, other=-1).to(tl.int64)
-                src_T = tl.load(ptrs_ptr + tl.load(rank_ptr + t_T * K + k, mask=ok_T, other=0)).to(tl.pointer_type(ty))
+                row_T, src_T = _slot_row(row_ptr, rank_ptr, ptrs_ptr, buf_like, t_T, ok_T, k, K)
                 v = tl.load(src_T[:, None] + row_T[:, None] * D + cols, mask=(row_T >= 0)[:, None] & in_row,
                             other=0.0).to(tl.float32)
                 if HAS_W:
@@ -142,15 +145,12 @@ if triton is not None:
             ok_T = t_T < T
             g = tl.load(g_ptr + t_T[:, None] * D + cols, mask=ok_T[:, None] & in_row, other=0.0).to(tl.float32)
             for k in tl.static_range(K):
-                row_T = tl.load(row_ptr + t_T * K + k, mask=ok_T, other=-1).to(tl.int64)
-                r_T = tl.load(rank_ptr + t_T * K + k, mask=ok_T, other=0)
+                row_T, gy_dst = _slot_row(row_ptr, rank_ptr, gy_ptrs, buf_like, t_T, ok_T, k, K)
+                yrow_T, y_src = _slot_row(yrow_ptr, yrank_ptr, y_ptrs, buf_like, t_T, ok_T, k, K)
                 m = (row_T >= 0)[:, None] & in_row
-                yrow_T = tl.load(yrow_ptr + t_T * K + k, mask=ok_T, other=-1).to(tl.int64)
-                y_src = tl.load(y_ptrs + tl.load(yrank_ptr + t_T * K + k, mask=ok_T, other=0)).to(tl.pointer_type(ty))
                 y = tl.load(y_src[:, None] + yrow_T[:, None] * D + cols, mask=m & (yrow_T >= 0)[:, None],
                             other=0.0).to(tl.float32)
                 w_T = tl.load(w_ptr + t_T * K + k, mask=ok_T, other=0.0).to(tl.float32)
-                gy_dst = tl.load(gy_ptrs + r_T).to(tl.pointer_type(ty))
                 tl.store(gy_dst[:, None] + row_T[:, None] * D + cols, (w_T[:, None] * g).to(ty), mask=m)
                 tl.store(gw_ptr + t_T * K + k, tl.sum(g * y, axis=1).to(gw_ptr.dtype.element_ty), mask=ok_T)
 

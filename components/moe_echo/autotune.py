@@ -16,11 +16,11 @@ import torch
 import torch.distributed as dist
 
 from .config import MoEEchoConfig
-from .dispatcher import build_dispatcher
+from .dispatcher import build_dispatcher, peers_on_one_host
 
 def candidates(device: torch.device, ep: int) -> tuple[str, ...]:
     names = ["padded", "alltoall"]
-    if device.type == "cuda" and ep <= torch.cuda.device_count():
+    if peers_on_one_host(device.type, ep):
         names.insert(0, "nvlink")
         try:
             import deep_ep  # noqa: F401

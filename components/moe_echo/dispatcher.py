@@ -102,6 +102,11 @@ def build_dispatcher(cfg: MoEEchoConfig, num_experts: int, ep_group=None, ep_siz
     return PaddedDispatcher(num_experts, ep_group, ep_size, cfg.capacity_factor)
 
 
+def peers_on_one_host(device_type: str, ep_size: int) -> bool:
+    """Whether the EP ranks can be CUDA GPUs of this one host (what ``nvlink`` needs: peer memory)."""
+    return device_type == "cuda" and ep_size <= torch.cuda.device_count()
+
+
 def is_fixed_capacity(d: Dispatcher) -> bool:
     """Fixed-capacity backends (padded, nvlink) may overflow: the training loop gates and replays."""
     return d.fixed_capacity

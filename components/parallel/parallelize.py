@@ -18,7 +18,7 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoi
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, Shard
 
-from components.moe_echo.dispatcher import build_dispatcher
+from components.moe_echo.dispatcher import build_dispatcher, peers_on_one_host
 from components.moe_echo.echo import Echo
 from components.moe_echo.layer import MoELayer
 from components.moe_echo.nvlink_dispatch import NVLinkDispatcher
@@ -36,7 +36,7 @@ def apply_expert_parallel(moe: MoELayer, ep_mesh, cfg) -> None:
         setattr(moe.experts, name, nn.Parameter(DTensor.from_local(local, ep_mesh, [Shard(0)], run_check=False)))
     slots = cfg.echo_slots_per_rank if cfg.echo else 0
     # with ECHO the dispatcher routes over e + S "experts" per rank: home experts, then echo slots
-    on_one_host = ep_mesh.device_type == "cuda" and ep <= torch.cuda.device_count()  # NVLink peers
+    on_one_host = peers_on_one_host(ep_mesh.device_type, ep)
     if cfg.dispatcher == "nvlink" and not on_one_host:
         raise UserError(f"[moe_echo] dispatcher = 'nvlink' needs the {ep} EP ranks on the CUDA GPUs of one host "
                         f"({torch.cuda.device_count()} here); use 'padded' or 'auto'")
