@@ -9,8 +9,7 @@ Bytes counted = rows that leave the busiest rank × D × 2 B, twice (dispatch th
 GB/s = those bytes / the slowest rank's time. The peer copy moves the same bytes with
 one cudaMemcpy-style copy into the peer GPU each way. E=64, K=8, bf16.
 
-``push_*``: nvlink with ``combine = "push"`` (results written back to the sources instead of read
-from the owners). The sync-free backends also run captured in a CUDA graph (``*_graph_ms``: how the training step
+The sync-free backends also run captured in a CUDA graph (``*_graph_ms``: how the training step
 runs them, without the host's launch cost); alltoall cannot be captured (it reads the split sizes
 on the host). The sweep varies the CTAs (``--sweep``) and tokens per CTA iteration (``--block-t``)
 of the nvlink kernels, graphed, on the first and the last shape.
@@ -160,14 +159,8 @@ def main():
                 dist.all_reduce(recv_rows)  # rows each rank receives
                 cf_nv = max(1.0, math.ceil(float(recv_rows.max()) / (T * K) * 100) / 100)  # no drops
 
-                def nvlink(sms, block_t=None, combine="pull"):
-                    return NVLinkDispatcher(E, group, world, cf_nv, programs=sms, name=f"bench_{combine}",
-                                            block_t=block_t, combine=combine)
-
-                def combined(disp):
-                    with torch.no_grad():
-                        x_nd, _, h = disp.dispatch(x, ids, w)
-                        return disp.combine(x_nd, h).clone()
+                def nvlink(sms, block_t=None):
+                    return NVLinkDispatcher(E, group, world, cf_nv, programs=sms, name="bench", block_t=block_t)
 
                 with torch.no_grad():
                     _, _, h = nvlink(int(a.sms)).dispatch(x, ids, w)
@@ -176,10 +169,12 @@ def main():
                 t_nv_g = bench(nvlink(int(a.sms)), graph=True)
                 t_nv_disp_g = bench(nvlink(int(a.sms)), graph=True, dispatch_only=True)
                 t_pad_g = bench(padded, graph=True)
-                push = nvlink(int(a.sms), combine="push")
-                push_equal = torch.equal(combined(push), combined(nvlink(int(a.sms))))  # same fp32 sums
-                t_push, t_push_g = bench(push), bench(push, graph=True)
                 if (T, D) in sweep_shapes and kind == "balanced":
+                    def combined(disp):
+                        with torch.no_grad():
+                            x_nd, _, h = disp.dispatch(x, ids, w)
+                            return disp.combine(x_nd, h).clone()
+
                     ref = combined(nvlink(int(a.sms), 1))
                     for sms in map(int, a.sweep.split(",")):
                         for bt in map(int, a.block_t.split(",")):
@@ -205,9 +200,7 @@ def main():
                     "nvlink_graph_ms": t_nv_g, "nvlink_dispatch_graph_ms": t_nv_disp_g, "padded_graph_ms": t_pad_g,
                     "nvlink_GBs": gbs(t_nv), "nvlink_graph_GBs": gbs(t_nv_g), "nvlink_vs_alltoall": t_a2a / t_nv,
                     "nvlink_graph_vs_alltoall": t_a2a / t_nv_g, "nvlink_frac_of_ceiling": t_copy / t_nv,
-                    "nvlink_graph_frac_of_ceiling": t_copy / t_nv_g, "push_ms": t_push, "push_graph_ms": t_push_g,
-                    "push_graph_vs_alltoall": t_a2a / t_push_g, "push_graph_frac_of_ceiling": t_copy / t_push_g,
-                    "push_equal": push_equal,
+                    "nvlink_graph_frac_of_ceiling": t_copy / t_nv_g,
                     "vdev_ms": slowest(t_vdev) if t_vdev else float("nan"), "peer_copy_ms": t_copy,
                     "alltoall_GBs": gbs(t_a2a), "padded_GBs": gbs(t_pad),
                     "vdev_GBs": gbs(t_vdev) if t_vdev else float("nan"), "peer_copy_GBs": gbs(t_copy),
@@ -224,8 +217,7 @@ def main():
         cols = ["T", "D", "routing", "remote_MB", "alltoall_ms", "padded_ms", "nvlink_ms", "vdev_ms", "peer_copy_ms",
                 "padded_graph_ms", "nvlink_graph_ms", "nvlink_dispatch_graph_ms", "alltoall_GBs", "nvlink_GBs",
                 "nvlink_graph_GBs", "peer_copy_GBs", "nvlink_vs_alltoall", "nvlink_graph_vs_alltoall",
-                "nvlink_frac_of_ceiling", "nvlink_graph_frac_of_ceiling", "padded_vs_alltoall", "push_ms",
-                "push_graph_ms", "push_graph_vs_alltoall", "push_graph_frac_of_ceiling", "push_equal"]
+                "nvlink_frac_of_ceiling", "nvlink_graph_frac_of_ceiling", "padded_vs_alltoall"]
         table = markdown_table(rows, cols)
         table += ("\n\nnvlink dispatch + combine (graphed) vs CTAs (≈ SMs) and tokens per CTA iteration:\n\n"
                   + markdown_table(sweep, ["T", "D", "routing", "nvlink_sms", "block_t", "graph_ms", "GBs", "equal"]))

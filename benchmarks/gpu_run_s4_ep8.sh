@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Prepared for the next session on an 8-GPU host (nvidia-h200-x8), not yet run.
-# PART=a: the push-combine check (tests/test_gpu_ep.py on GPUs 0,1: fp32 nvlink push == alltoall),
-#         dispatch + combine at EP=2 (pull vs push vs alltoall vs padded vs peer copy), then EP=8.
+# PART=a: tests/test_gpu_ep.py on GPUs 0,1 (on the nvlink-push branch: fp32 nvlink push == alltoall),
+#         dispatch + combine at EP=2 (nvlink vs alltoall vs padded vs peer copy; push too on that
+#         branch), then EP=8.
 # PART=b: v2lite_1b at EP=8, nvlink, capacity 1.5, 100 steps, sync_debug: natural / 8 hot experts,
 #         ECHO off / on (issue 6's EP=8 rows).
 set -uo pipefail

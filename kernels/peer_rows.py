@@ -10,11 +10,6 @@ per rank, readable on the device) and a (rank, row) pair per (token, choice) slo
         out[t] = Σ_k w[t, k] · peer[rank[t, k]][row[t, k]]   (fp32 accumulate; -1 adds nothing)
     peer_combine_backward(g_TD, rank_TK, row_TK, y_ptrs_R, y_peers, gy_ptrs_R, gy_peers, w_TK) -> grad_w_TK
         peer_gy[rank][row] = w[t, k] · g[t];  grad_w[t, k] = <g[t], peer_y[rank][row]>  (fp32)
-        (y_rank_TK / y_row_TK: read y elsewhere than gy is written, e.g. a local buffer)
-    peer_scatter(..., meta_ptrs_R=, meta_base=)
-        also peer_meta[rank[t, k]][row[t, k]] = meta_base + t·K + k   (where each row came from)
-    peer_push_rows(src_ND, meta_N, total, ptrs_R, peers, TK)
-        for n < total: peer[meta[n] // TK][meta[n] % TK] = src[n]     (rows back to their sources)
 
 The kernels run a persistent grid of ``programs`` CTAs (the SMs the transfer may occupy); each CTA
 walks tokens t = pid, pid + programs, ... and moves whole rows (BLOCK_D >= D), issuing the K row
@@ -37,17 +32,13 @@ except ImportError:  # CPU-only installs may lack triton
 
 # --- torch references (CPU; the check for the kernels) -------------------------------------------
 
-def peer_scatter_torch(x_TD, rank_TK, row_TK, peers, scale_TK=None, meta_peers=None, meta_base=0):
+def peer_scatter_torch(x_TD, rank_TK, row_TK, peers, scale_TK=None):
     T, K = row_TK.shape
-    if meta_peers is not None:
-        slot_TK = meta_base + torch.arange(T * K, device=row_TK.device).view(T, K)
-        peer_scatter_torch(slot_TK.reshape(-1, 1), rank_TK.reshape(-1, 1), row_TK.reshape(-1, 1),
-                           [m.view(-1, 1) for m in meta_peers])
     vals_TKD = x_TD.unsqueeze(1).expand(T, K, -1)
     if scale_TK is not None:
         acc = torch.promote_types(x_TD.dtype, torch.float32)
         vals_TKD = (vals_TKD.to(acc) * scale_TK.to(acc).unsqueeze(-1)).to(x_TD.dtype)
-    vals_ND, rank_N, row_N = vals_TKD.reshape(T * K, x_TD.shape[-1]), rank_TK.reshape(-1), row_TK.reshape(-1)
+    vals_ND, rank_N, row_N = vals_TKD.reshape(T * K, -1), rank_TK.reshape(-1), row_TK.reshape(-1)
     for r, buf in enumerate(peers):
         sel = (rank_N == r) & (row_N >= 0)
         buf.index_copy_(0, row_N[sel], vals_ND[sel].to(buf.dtype))
@@ -66,16 +57,8 @@ def peer_gather_sum_torch(rank_TK, row_TK, peers, w_TK=None):
     return gather_sum_torch(src, idx, w_TK)
 
 
-def peer_push_rows_torch(src_ND, meta_N, total, peers, TK):
-    n = int(total)
-    meta_n = meta_N[:n]
-    peer_scatter_torch(src_ND[:n], (meta_n // TK).view(-1, 1), (meta_n % TK).view(-1, 1), peers)
-
-
-def peer_combine_backward_torch(g_TD, rank_TK, row_TK, y_peers, gy_peers, w_TK, y_rank_TK=None, y_row_TK=None):
-    y_rank_TK = rank_TK if y_rank_TK is None else y_rank_TK
-    y_row_TK = row_TK if y_row_TK is None else y_row_TK
-    y, idx = _stacked(y_rank_TK, y_row_TK, y_peers)
+def peer_combine_backward_torch(g_TD, rank_TK, row_TK, y_peers, gy_peers, w_TK):
+    y, idx = _stacked(rank_TK, row_TK, y_peers)
     acc = torch.promote_types(y.dtype, torch.float32)
     rows = y.index_select(0, idx.clamp(min=0).reshape(-1)).view(*idx.shape, -1).to(acc)
     grad_w_TK = (rows * g_TD.to(acc).unsqueeze(1)).sum(-1) * (idx >= 0)
@@ -88,16 +71,8 @@ def peer_combine_backward_torch(g_TD, rank_TK, row_TK, y_peers, gy_peers, w_TK, 
 if triton is not None:
 
     @triton.jit
-    def _slot_row(row_ptr, rank_ptr, ptrs_ptr, buf_like, t_T, ok_T, k, K: tl.constexpr):
-        """(row_T, base_T) of choice k of tokens t_T: its row (-1: none) and that peer's buffer base."""
-        row_T = tl.load(row_ptr + t_T * K + k, mask=ok_T, other=-1).to(tl.int64)
-        rank_T = tl.load(rank_ptr + t_T * K + k, mask=ok_T, other=0)
-        return row_T, tl.load(ptrs_ptr + rank_T).to(tl.pointer_type(buf_like.dtype.element_ty))
-
-    @triton.jit
-    def _peer_scatter_kernel(x_ptr, rank_ptr, row_ptr, ptrs_ptr, buf_like, scale_ptr, meta_ptrs, meta_like, meta_base,
-                             T, D, K: tl.constexpr, HAS_SCALE: tl.constexpr, HAS_META: tl.constexpr,
-                             BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr):
+    def _peer_scatter_kernel(x_ptr, rank_ptr, row_ptr, ptrs_ptr, buf_like, scale_ptr, T, D, K: tl.constexpr,
+                             HAS_SCALE: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr):
         ty = buf_like.dtype.element_ty
         cols = tl.arange(0, BLOCK_D)[None, :]
         in_row = cols < D
@@ -106,10 +81,8 @@ if triton is not None:
             ok_T = t_T < T
             x = tl.load(x_ptr + t_T[:, None] * D + cols, mask=ok_T[:, None] & in_row)
             for k in tl.static_range(K):
-                row_T, dst_T = _slot_row(row_ptr, rank_ptr, ptrs_ptr, buf_like, t_T, ok_T, k, K)
-                if HAS_META:
-                    _, meta_T = _slot_row(row_ptr, rank_ptr, meta_ptrs, meta_like, t_T, ok_T, k, K)
-                    tl.store(meta_T + row_T, meta_base + t_T * K + k, mask=row_T >= 0)
+                row_T = tl.load(row_ptr + t_T * K + k, mask=ok_T, other=-1).to(tl.int64)
+                dst_T = tl.load(ptrs_ptr + tl.load(rank_ptr + t_T * K + k, mask=ok_T, other=0)).to(tl.pointer_type(ty))
                 v = x
                 if HAS_SCALE:
                     s_T = tl.load(scale_ptr + t_T * K + k, mask=ok_T, other=0.0).to(tl.float32)
@@ -119,6 +92,7 @@ if triton is not None:
     @triton.jit
     def _peer_gather_sum_kernel(out_ptr, rank_ptr, row_ptr, ptrs_ptr, buf_like, w_ptr, T, D, K: tl.constexpr,
                                 HAS_W: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr):
+        ty = buf_like.dtype.element_ty
         cols = tl.arange(0, BLOCK_D)[None, :]
         in_row = cols < D
         for b in range(tl.program_id(0).to(tl.int64), tl.cdiv(T, BLOCK_T), tl.num_programs(0).to(tl.int64)):
@@ -126,7 +100,8 @@ if triton is not None:
             ok_T = t_T < T
             acc = tl.zeros([BLOCK_T, BLOCK_D], dtype=tl.float32)
             for k in tl.static_range(K):
-                row_T, src_T = _slot_row(row_ptr, rank_ptr, ptrs_ptr, buf_like, t_T, ok_T, k, K)
+                row_T = tl.load(row_ptr + t_T * K + k, mask=ok_T, other=-1).to(tl.int64)
+                src_T = tl.load(ptrs_ptr + tl.load(rank_ptr + t_T * K + k, mask=ok_T, other=0)).to(tl.pointer_type(ty))
                 v = tl.load(src_T[:, None] + row_T[:, None] * D + cols, mask=(row_T >= 0)[:, None] & in_row,
                             other=0.0).to(tl.float32)
                 if HAS_W:
@@ -135,8 +110,8 @@ if triton is not None:
             tl.store(out_ptr + t_T[:, None] * D + cols, acc.to(out_ptr.dtype.element_ty), mask=ok_T[:, None] & in_row)
 
     @triton.jit
-    def _peer_combine_bwd_kernel(g_ptr, rank_ptr, row_ptr, yrank_ptr, yrow_ptr, y_ptrs, gy_ptrs, buf_like, w_ptr,
-                                 gw_ptr, T, D, K: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr):
+    def _peer_combine_bwd_kernel(g_ptr, rank_ptr, row_ptr, y_ptrs, gy_ptrs, buf_like, w_ptr, gw_ptr, T, D,
+                                 K: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr):
         ty = buf_like.dtype.element_ty
         cols = tl.arange(0, BLOCK_D)[None, :]
         in_row = cols < D
@@ -145,30 +120,15 @@ if triton is not None:
             ok_T = t_T < T
             g = tl.load(g_ptr + t_T[:, None] * D + cols, mask=ok_T[:, None] & in_row, other=0.0).to(tl.float32)
             for k in tl.static_range(K):
-                row_T, gy_dst = _slot_row(row_ptr, rank_ptr, gy_ptrs, buf_like, t_T, ok_T, k, K)
-                yrow_T, y_src = _slot_row(yrow_ptr, yrank_ptr, y_ptrs, buf_like, t_T, ok_T, k, K)
+                row_T = tl.load(row_ptr + t_T * K + k, mask=ok_T, other=-1).to(tl.int64)
+                r_T = tl.load(rank_ptr + t_T * K + k, mask=ok_T, other=0)
                 m = (row_T >= 0)[:, None] & in_row
-                y = tl.load(y_src[:, None] + yrow_T[:, None] * D + cols, mask=m & (yrow_T >= 0)[:, None],
-                            other=0.0).to(tl.float32)
+                y_src = tl.load(y_ptrs + r_T).to(tl.pointer_type(ty))
+                y = tl.load(y_src[:, None] + row_T[:, None] * D + cols, mask=m, other=0.0).to(tl.float32)
                 w_T = tl.load(w_ptr + t_T * K + k, mask=ok_T, other=0.0).to(tl.float32)
+                gy_dst = tl.load(gy_ptrs + r_T).to(tl.pointer_type(ty))
                 tl.store(gy_dst[:, None] + row_T[:, None] * D + cols, (w_T[:, None] * g).to(ty), mask=m)
                 tl.store(gw_ptr + t_T * K + k, tl.sum(g * y, axis=1).to(gw_ptr.dtype.element_ty), mask=ok_T)
-
-
-if triton is not None:
-
-    @triton.jit
-    def _peer_push_rows_kernel(src_ptr, meta_ptr, total_ptr, ptrs_ptr, buf_like, N, D, TK, BLOCK_D: tl.constexpr):
-        ty = buf_like.dtype.element_ty
-        cols = tl.arange(0, BLOCK_D)
-        in_row = cols < D
-        total = tl.load(total_ptr)
-        for n in range(tl.program_id(0).to(tl.int64), N, tl.num_programs(0).to(tl.int64)):
-            live = in_row & ((cols * 0 + n) < total)  # rows past ``total`` hold stale data: skipped
-            meta = tl.load(meta_ptr + n, mask=n < total, other=0)
-            dst = tl.load(ptrs_ptr + meta // TK).to(tl.pointer_type(ty))
-            v = tl.load(src_ptr + n * D + cols, mask=live)
-            tl.store(dst + (meta % TK) * D + cols, v.to(ty), mask=live)
 
 
 def use_triton(t: torch.Tensor) -> bool:
@@ -188,35 +148,18 @@ def _launch(T: int, D: int, programs: int, block_t: int | None):
     return grid, dict(BLOCK_T=block_t, BLOCK_D=block_d, num_warps=max(4, min(16, block_t * block_d // 512)))
 
 
-def peer_scatter(x_TD, rank_TK, row_TK, ptrs_R, peers, scale_TK=None, programs: int = 32, block_t: int | None = None,
-                 meta_ptrs_R=None, meta_peers=None, meta_base: int = 0):
-    """``peers`` (list of tensors) is used by the torch path, ``ptrs_R`` by the kernel; ``meta_*``
-    (int64 [rows] buffers): also record where each row came from."""
+def peer_scatter(x_TD, rank_TK, row_TK, ptrs_R, peers, scale_TK=None, programs: int = 32, block_t: int | None = None):
+    """``peers`` (list of tensors) is used by the torch path, ``ptrs_R`` by the kernel."""
     if not use_triton(x_TD):
-        return peer_scatter_torch(x_TD, rank_TK, row_TK, peers, scale_TK, meta_peers, meta_base)
+        return peer_scatter_torch(x_TD, rank_TK, row_TK, peers, scale_TK)
     T, K = row_TK.shape
     if T == 0:
         return
     D = x_TD.shape[1]
-    grid, launch = _launch(T, D, programs, block_t)
+    grid, meta = _launch(T, D, programs, block_t)
     scale = scale_TK.contiguous() if scale_TK is not None else row_TK  # dummy pointer without scale
-    has_meta = meta_ptrs_R is not None
-    _peer_scatter_kernel[grid](x_TD.contiguous(), rank_TK.contiguous(), row_TK.contiguous(), ptrs_R, peers[0], scale,
-                               meta_ptrs_R if has_meta else ptrs_R, meta_peers[0] if has_meta else row_TK, meta_base,
-                               T, D, K=K, HAS_SCALE=scale_TK is not None, HAS_META=has_meta, **launch)
-
-
-def peer_push_rows(src_ND, meta_N, total, ptrs_R, peers, TK: int, programs: int = 32):
-    """Rows n < ``total`` (device scalar) of ``src_ND`` to the peer row ``meta_N[n]`` encodes
-    (rank · TK + row, as ``peer_scatter(meta_...)`` recorded it)."""
-    if not use_triton(src_ND):
-        return peer_push_rows_torch(src_ND, meta_N, total, peers, TK)
-    N, D = src_ND.shape
-    if N == 0:
-        return
-    _peer_push_rows_kernel[(max(1, min(N, programs)),)](
-        src_ND.contiguous(), meta_N, total.reshape(1), ptrs_R, peers[0], N, D, TK,
-        BLOCK_D=triton.next_power_of_2(D), num_warps=max(4, min(16, triton.next_power_of_2(D) // 512)))
+    _peer_scatter_kernel[grid](x_TD.contiguous(), rank_TK.contiguous(), row_TK.contiguous(), ptrs_R, peers[0], scale, T, D,
+                               K=K, HAS_SCALE=scale_TK is not None, **meta)
 
 
 def peer_gather_sum(rank_TK, row_TK, ptrs_R, peers, w_TK=None, out_dtype=None, programs: int = 32,
@@ -236,18 +179,15 @@ def peer_gather_sum(rank_TK, row_TK, ptrs_R, peers, w_TK=None, out_dtype=None, p
 
 
 def peer_combine_backward(g_TD, rank_TK, row_TK, y_ptrs_R, y_peers, gy_ptrs_R, gy_peers, w_TK, programs: int = 32,
-                          block_t: int | None = None, y_rank_TK=None, y_row_TK=None):
+                          block_t: int | None = None):
     if not use_triton(g_TD):
-        return peer_combine_backward_torch(g_TD, rank_TK, row_TK, y_peers, gy_peers, w_TK, y_rank_TK, y_row_TK)
-    y_rank_TK = rank_TK if y_rank_TK is None else y_rank_TK
-    y_row_TK = row_TK if y_row_TK is None else y_row_TK
+        return peer_combine_backward_torch(g_TD, rank_TK, row_TK, y_peers, gy_peers, w_TK)
     T, K = row_TK.shape
     grad_w_TK = torch.zeros(T, K, dtype=w_TK.dtype, device=w_TK.device)
     if T == 0:
         return grad_w_TK
     D = g_TD.shape[1]
     grid, meta = _launch(T, D, programs, block_t)
-    _peer_combine_bwd_kernel[grid](g_TD.contiguous(), rank_TK.contiguous(), row_TK.contiguous(), y_rank_TK.contiguous(),
-                                   y_row_TK.contiguous(), y_ptrs_R, gy_ptrs_R, gy_peers[0], w_TK.contiguous(), grad_w_TK,
-                                   T, D, K=K, **meta)
+    _peer_combine_bwd_kernel[grid](g_TD.contiguous(), rank_TK.contiguous(), row_TK.contiguous(), y_ptrs_R, gy_ptrs_R,
+                                   gy_peers[0], w_TK.contiguous(), grad_w_TK, T, D, K=K, **meta)
     return grad_w_TK

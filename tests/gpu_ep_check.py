@@ -3,8 +3,7 @@
    torch.cuda.set_sync_debug_mode("error");
 2. the alltoall baseline does raise there (so the check is real);
 3. the bf16 EP=2 layer matches the same layer at EP=1 (every backend);
-4. in fp32, nvlink's outputs and input/weight gradients (pull and push combine) equal alltoall's
-   (exact path) to 1e-5."""
+4. in fp32, nvlink's outputs and input/weight gradients equal alltoall's (exact path) to 1e-5."""
 
 import copy
 import os
@@ -77,22 +76,21 @@ def main():
             print(f"{backend} echo={echo}: rel err vs EP=1 {rel:.2e}; host sync: {synced or 'none'}", flush=True)
     # fp32: nvlink (with ECHO) against the exact alltoall path, outputs and gradients
     grads = {}
-    for backend in ("alltoall", "nvlink", "nvlink_push"):
+    for backend in ("alltoall", "nvlink"):
         layer = copy.deepcopy(ref)
         layer.expert_bias[:2] = 0.5
-        apply_expert_parallel(layer, mesh, MoEEchoConfig(dispatcher=backend.split("_")[0], capacity_factor=float(world),
-                                                         echo=True, nvlink_combine="push" if "push" in backend else "pull"))
+        apply_expert_parallel(layer, mesh, MoEEchoConfig(dispatcher=backend, capacity_factor=float(world),
+                                                         echo=True))
         x = x_all[rank:rank + 1].clone().requires_grad_()
         y = layer(x)
         (y * torch.linspace(-1, 1, y.numel(), device=dev).view_as(y)).sum().backward()
         grads[backend] = [y.detach(), x.grad] + [p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad
                                                   for p in layer.parameters()]
-    for mode in ("nvlink", "nvlink_push"):
-        for a, b in zip(grads["alltoall"], grads[mode]):
-            err = float((a - b).norm() / b.norm().clamp_min(1e-30))
-            assert err < 1e-5, f"fp32 {mode} vs alltoall: rel err {err}"
-        if rank == 0:
-            print(f"fp32 {mode} == alltoall (outputs, input and {len(grads[mode]) - 2} parameter grads)", flush=True)
+    for a, b in zip(grads["alltoall"], grads["nvlink"]):
+        err = float((a - b).norm() / b.norm().clamp_min(1e-30))
+        assert err < 1e-5, f"fp32 nvlink vs alltoall: rel err {err}"
+    if rank == 0:
+        print(f"fp32 nvlink == alltoall (outputs, input and {len(grads['nvlink']) - 2} parameter grads)", flush=True)
     dist.barrier()
     if rank == 0:
         print("GPU-EP-OK", flush=True)

@@ -39,11 +39,6 @@ class MoEEchoConfig:
     """nvlink: CTAs (about one per SM) the dispatch/combine copy kernels occupy; the rest of the GPU
     stays free for compute overlapping with them."""
 
-    nvlink_combine: Literal["pull", "push"] = "pull"
-    """nvlink: "pull" — each source reads its rows' results from the owners' buffers (measured);
-    "push" — owners write results straight back to the sources (remote writes only, no local copy
-    of the expert output; CPU-tested, not yet measured on GPUs)."""
-
     aux_loss_coeff: float = 0.0
     """Coefficient of the sequence-level auxiliary balance loss (0 disables it)."""
 

@@ -89,8 +89,7 @@ def build_dispatcher(cfg: MoEEchoConfig, num_experts: int, ep_group=None, ep_siz
     if backend == "nvlink":
         from .nvlink_dispatch import NVLinkDispatcher
 
-        return NVLinkDispatcher(num_experts, ep_group, ep_size, cfg.capacity_factor, cfg.nvlink_sms,
-                                combine=cfg.nvlink_combine)
+        return NVLinkDispatcher(num_experts, ep_group, ep_size, cfg.capacity_factor, cfg.nvlink_sms)
     if backend == "deepep":
         from .deepep_dispatch import DeepEPDispatcher
 

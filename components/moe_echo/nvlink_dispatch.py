@@ -16,12 +16,6 @@ and, shared by all layers, the backward's ``grad_y`` and ``grad_x`` of the same 
     backward:  combine: w·g written to peers' grad_y, grad_w = <g, peer_y row> ─► barrier
                dispatch: grad_x_ND ─copy─► grad_x buffer ─► barrier ─► Σ_k peer rows
 
-``combine = "push"`` replaces both reads of peer memory by writes: dispatch also records, per
-received row, where it came from (``meta`` [N_cap] int64 = source rank · T·K + t·K + k); combine
-writes each valid row of y_ND straight into its source's ``ret`` [T·K, D] buffer (no local copy),
-barrier, then sums locally; grad_w reads the local ``ret`` rows; the dispatch backward writes
-grad_x rows back the same way into a shared ``grad_ret`` [T·K, D] and sums locally.
-
 No host read anywhere (counts, offsets and overflow stay on the device); every shape comes from
 the capacity, so the step can be captured in a CUDA graph. Assignments that do not fit are not
 sent and are counted in ``handle.dropped`` — the training loop gates the step and replays it (never
@@ -35,7 +29,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels.peer_rows import peer_combine_backward, peer_gather_sum, peer_push_rows, peer_scatter
+from kernels.peer_rows import peer_combine_backward, peer_gather_sum, peer_scatter
 
 from .dispatcher import Dispatcher
 from .ep_layout import SendLayout, send_layout
@@ -96,9 +90,6 @@ class NVLinkHandle:
     x_buf: SymmBuffer
     y_buf: SymmBuffer
     x_dtype: torch.dtype
-    meta_buf: SymmBuffer | None = None  # push: where each received row came from
-    total: torch.Tensor | None = None  # push: rows this rank received (device scalar)
-    slot_TK: torch.Tensor | None = None  # push: t·K + k for sent slots, -1 otherwise
 
 
 class NVLinkDispatcher(Dispatcher):
@@ -108,16 +99,13 @@ class NVLinkDispatcher(Dispatcher):
     sync_free = True
 
     def __init__(self, num_experts: int, group, ep_size: int, capacity_factor: float, programs: int = 32,
-                 workspace=None, name: str | None = None, block_t: int | None = None, combine: str = "pull"):
+                 workspace=None, name: str | None = None, block_t: int | None = None):
         if num_experts % ep_size != 0:
             raise ValueError(f"num_experts={num_experts} is not divisible by expert_parallel_degree={ep_size}")
         self.num_experts, self.group, self.ep_size = num_experts, group, ep_size
         self.num_local = num_experts // ep_size
         self.capacity_factor, self.programs = capacity_factor, programs
         self.block_t = block_t  # tokens per CTA iteration (None: kernels.peer_rows.TOKENS_PER_BLOCK)
-        if combine not in ("pull", "push"):
-            raise ValueError(f"nvlink combine must be 'pull' or 'push', got {combine!r}")
-        self.push = combine == "push"
         self.ws = workspace if workspace is not None else _workspace_for(group)
         self.rank = self.ws.rank
         # buffer names must agree across ranks: layers are built in the same order on every rank
@@ -139,41 +127,19 @@ class NVLinkDispatcher(Dispatcher):
         D = x_TD.shape[1]
         h = NVLinkHandle(rank_TK, row_TK, w_TK, out_dtype, dropped,
                          self.ws.buffer(f"{self.name}/x", (cap, D), x_TD.dtype, dev), None, x_TD.dtype)
-        if self.push:
-            h.meta_buf = self.ws.buffer(f"{self.name}/meta", (cap,), torch.int64, dev)
-            h.total = counts_e.sum()
-            slots_TK = torch.arange(T * K, device=dev).view(T, K)
-            h.slot_TK = torch.where(row_TK >= 0, slots_TK, -1)
         x_ND = _NVLinkDispatch.apply(x_TD, self, h)
         return x_ND, counts_e, h
 
     def combine(self, y_ND, handle: NVLinkHandle):
-        if self.push:  # results go back into the sources' buffer of one row per (token, choice)
-            T, K = handle.row_TK.shape
-            handle.y_buf = self.ws.buffer(f"{self.name}/ret", (T * K, y_ND.shape[1]), y_ND.dtype, y_ND.device)
-        else:
-            handle.y_buf = self.ws.buffer(f"{self.name}/y", tuple(y_ND.shape), y_ND.dtype, y_ND.device)
+        handle.y_buf = self.ws.buffer(f"{self.name}/y", tuple(y_ND.shape), y_ND.dtype, y_ND.device)
         return _NVLinkCombine.apply(y_ND, handle.w_TK, self, handle)
-
-    def _local_sum(self, buf: SymmBuffer, h: NVLinkHandle, w_TK=None, out_dtype=None):
-        """out[t] = Σ_k w · buf.local[t·K + k] over sent slots (fp32): the push mode's local reduce."""
-        return peer_gather_sum(torch.zeros_like(h.slot_TK), h.slot_TK, buf.ptrs_R[self.rank:self.rank + 1],
-                               [buf.local], w_TK, out_dtype=out_dtype, programs=self.programs, block_t=self.block_t)
-
-    def _push(self, src_ND, buf: SymmBuffer, h: NVLinkHandle):
-        """Valid rows of ``src_ND`` (one per received slot) into their sources' ``buf`` [T·K, D]."""
-        peer_push_rows(src_ND, h.meta_buf.local, h.total, buf.ptrs_R, buf.peers, h.slot_TK.numel(),
-                       programs=self.programs)
-        self.ws.barrier(buf)
 
 
 class _NVLinkDispatch(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x_TD, disp: NVLinkDispatcher, h: NVLinkHandle):
-        buf, meta = h.x_buf, h.meta_buf
-        peer_scatter(x_TD, h.rank_TK, h.row_TK, buf.ptrs_R, buf.peers, programs=disp.programs, block_t=disp.block_t,
-                     meta_ptrs_R=meta.ptrs_R if meta else None, meta_peers=meta.peers if meta else None,
-                     meta_base=disp.rank * h.row_TK.numel())
+        buf = h.x_buf
+        peer_scatter(x_TD, h.rank_TK, h.row_TK, buf.ptrs_R, buf.peers, programs=disp.programs, block_t=disp.block_t)
         disp.ws.barrier(buf)
         ctx.disp, ctx.h = disp, h
         return buf.local.view(buf.local.shape)
@@ -181,10 +147,6 @@ class _NVLinkDispatch(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_ND):
         disp, h = ctx.disp, ctx.h
-        if disp.push:
-            gret = disp._shared("grad_ret", h.slot_TK.numel(), grad_ND.shape[1], grad_ND.dtype, grad_ND.device)
-            disp._push(grad_ND, gret, h)
-            return disp._local_sum(gret, h, out_dtype=h.x_dtype), None, None
         gx = disp._shared("grad_x", *grad_ND.shape, grad_ND.dtype, grad_ND.device)
         gx.local.copy_(grad_ND)
         disp.ws.barrier(gx)
@@ -197,13 +159,10 @@ class _NVLinkCombine(torch.autograd.Function):
     @staticmethod
     def forward(ctx, y_ND, w_TK, disp: NVLinkDispatcher, h: NVLinkHandle):
         yb = h.y_buf
-        ctx.save_for_backward(w_TK)
-        ctx.disp, ctx.h, ctx.y_shape = disp, h, y_ND.shape
-        if disp.push:
-            disp._push(y_ND, yb, h)
-            return disp._local_sum(yb, h, w_TK, out_dtype=h.out_dtype)
         yb.local.copy_(y_ND)
         disp.ws.barrier(yb)
+        ctx.save_for_backward(w_TK)
+        ctx.disp, ctx.h = disp, h
         return peer_gather_sum(h.rank_TK, h.row_TK, yb.ptrs_R, yb.peers, w_TK, out_dtype=h.out_dtype,
                                programs=disp.programs, block_t=disp.block_t)
 
@@ -212,15 +171,9 @@ class _NVLinkCombine(torch.autograd.Function):
         (w_TK,) = ctx.saved_tensors
         disp, h = ctx.disp, ctx.h
         yb = h.y_buf
-        gy = disp._shared("grad_y", *ctx.y_shape, yb.local.dtype, yb.local.device)
-        if disp.push:  # y rows are local (t·K + k of ret); grad_y still goes to the owners
-            grad_w_TK = peer_combine_backward(grad_TD, h.rank_TK, h.row_TK, yb.ptrs_R[disp.rank:disp.rank + 1],
-                                              [yb.local], gy.ptrs_R, gy.peers, w_TK, programs=disp.programs,
-                                              block_t=disp.block_t, y_rank_TK=torch.zeros_like(h.slot_TK),
-                                              y_row_TK=h.slot_TK)
-        else:
-            grad_w_TK = peer_combine_backward(grad_TD, h.rank_TK, h.row_TK, yb.ptrs_R, yb.peers, gy.ptrs_R, gy.peers,
-                                              w_TK, programs=disp.programs, block_t=disp.block_t)
+        gy = disp._shared("grad_y", *yb.local.shape, yb.local.dtype, yb.local.device)
+        grad_w_TK = peer_combine_backward(grad_TD, h.rank_TK, h.row_TK, yb.ptrs_R, yb.peers, gy.ptrs_R, gy.peers,
+                                          w_TK, programs=disp.programs, block_t=disp.block_t)
         disp.ws.barrier(gy)
         return gy.local.view(gy.local.shape), grad_w_TK, None, None
 
