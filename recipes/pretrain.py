@@ -148,7 +148,7 @@ def train(argv: list[str]) -> None:
     peak_flops = _peak_flops(device)
     tokens_per_step = t.local_batch_size * t.seq_len * world
     gate = OverflowGate(layers, optimizer, device, cfg.moe_echo.grow_capacity_after) if replay else None
-    window_t0, window_steps = time.perf_counter(), 0
+    window_t0, window_steps, window_copy = time.perf_counter(), 0, None
 
     def device_step(inputs_BS, labels_BS):
         """Forward, backward, clip, optimizer and router-bias steps, all gated on overflow; returns
@@ -200,8 +200,10 @@ def train(argv: list[str]) -> None:
 
     def log_step(step, host, replayed, timed=True):
         """``timed = False``: a replayed step logged right after another one; its time is counted
-        in the next timed step's window (otherwise its tokens/s would divide by ~0 s)."""
-        nonlocal window_t0, window_steps
+        in the next timed step's window (otherwise its tokens/s would divide by ~0 s). Windows are
+        timed on the GPU timeline (events after each step's outputs), so that the last window is
+        not cut short by the host finishing its final launch early; host time without CUDA."""
+        nonlocal window_t0, window_steps, window_copy
         (loss, grad_norm, counts_LE, echo), lr = host.get()
         window_steps += 1
         summary.tokens += tokens_per_step
@@ -211,9 +213,10 @@ def train(argv: list[str]) -> None:
         loss_val = float(loss)
         values = {"loss": loss_val, "lr": lr, "grad_norm": float(grad_norm)}
         if timed:
-            elapsed = time.perf_counter() - window_t0
+            gpu_elapsed = host.seconds_since(window_copy)
+            elapsed = gpu_elapsed if gpu_elapsed is not None else time.perf_counter() - window_t0
             values["tokens_per_s"] = tokens_per_step * window_steps / max(elapsed, 1e-9)
-            window_t0, window_steps = time.perf_counter(), 0
+            window_t0, window_steps, window_copy = time.perf_counter(), 0, host
             if peak_flops:
                 values["mfu_pct"] = 100 * flops_per_token * values["tokens_per_s"] / (peak_flops * world)
         if device.type == "cuda":
@@ -296,7 +299,8 @@ def train(argv: list[str]) -> None:
                  "ranks": f"{world} (dp_replicate {dims.dp_replicate} x dp_shard {dims.dp_shard}, ep {dims.ep})",
                  "dispatcher": type(layers[0][1].dispatcher).__name__ if layers else "-",
                  "cuda graph": (f"replayed (captured {step_graph.captures}x)" if step_graph.captures
-                                else f"off ({step_graph.reason})"),
+                                else f"off ({step_graph.reason})" if step_graph.reason
+                                else "never captured (the run ended within the warm-up steps)"),
                  "device": str(device), "metrics": log_path}
         if tb.writer is not None:
             extra["tensorboard"] = f"tensorboard --logdir {os.path.join(dump, cfg.metrics.save_tb_folder)}"

@@ -62,6 +62,36 @@ def test_host_copy_is_a_detached_snapshot():
     assert not a.requires_grad
 
 
+def test_host_copy_times_steps_on_the_gpu_timeline_when_it_has_events():
+    a, b = HostCopy(torch.ones(2)), HostCopy(torch.ones(2))
+    assert b.seconds_since(a) is None and b.seconds_since(None) is None  # CPU: the caller uses host time
+
+    class Event:  # stands in for torch.cuda.Event: elapsed_time in milliseconds, on the GPU timeline
+        def __init__(self, t_ms):
+            self.t_ms = t_ms
+
+        def elapsed_time(self, later):
+            return later.t_ms - self.t_ms
+
+    a.event, b.event = Event(1000.0), Event(3500.0)
+    assert b.seconds_since(a) == pytest.approx(2.5)
+
+
+def test_moe_echo_check_names_broken_routing():
+    from types import SimpleNamespace
+
+    from components.moe_echo.layer import _check_dispatch
+
+    moe = SimpleNamespace(dispatcher=LocalDispatcher(4), num_experts=4)
+    _check_dispatch(moe, torch.tensor([[0, 3]]), torch.tensor([1, 0, 0, 1]), rows=8)  # fine
+    with pytest.raises(RuntimeError, match="ids out of range"):
+        _check_dispatch(moe, torch.tensor([[0, 4]]), torch.tensor([1, 0, 0, 1]), rows=8)
+    with pytest.raises(RuntimeError, match="bad counts_e"):
+        _check_dispatch(moe, torch.tensor([[0, 3]]), torch.tensor([1, -1, 0, 1]), rows=8)
+    with pytest.raises(RuntimeError, match="bad counts_e"):
+        _check_dispatch(moe, torch.tensor([[0, 3]]), torch.tensor([5, 0, 0, 5]), rows=8)
+
+
 def test_pinned_ring_reuses_its_buffers_and_waits_for_their_last_copy():
     class Event:
         def __init__(self, done):

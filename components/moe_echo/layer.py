@@ -19,6 +19,8 @@ be False, as in every DeepSeek and Qwen3 flavour). The sequence-level auxiliary 
 the training loss through the backward pass (``_AddAuxLossGrad``), so no loss function changes.
 """
 
+import os
+
 import torch
 import torch.utils.checkpoint
 from torch import nn
@@ -43,6 +45,27 @@ class _AddAuxLossGrad(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_y):
         return grad_y, torch.ones(ctx.aux_shape, dtype=ctx.aux_dtype, device=grad_y.device)
+
+
+_CHECK = os.environ.get("MOE_ECHO_CHECK") == "1"  # debugging aid: host-side invariant checks (syncs)
+
+
+def _check_dispatch(moe, ids_TK, counts_e, rows):
+    """MOE_ECHO_CHECK=1: after each eager dispatch, read the routing back on the host and raise on a
+    broken invariant (ids in range, 0 <= counts, sum <= rows); skipped while a CUDA graph captures."""
+    if ids_TK.is_cuda and torch.cuda.is_current_stream_capturing():
+        return
+    from .symmetric import setup_work
+
+    with setup_work():
+        ids, counts = ids_TK.cpu(), counts_e.cpu()
+    moe._check_calls = getattr(moe, "_check_calls", 0) + 1
+    X = getattr(moe.dispatcher, "num_experts", moe.num_experts)
+    where = f"MOE_ECHO_CHECK call {moe._check_calls} ({type(moe.dispatcher).__name__}, ids < {X}, {rows} rows)"
+    if int(ids.min()) < 0 or int(ids.max()) >= X:
+        raise RuntimeError(f"{where}: routed ids out of range [{int(ids.min())}, {int(ids.max())}]")
+    if int(counts.min()) < 0 or int(counts.sum()) > rows:
+        raise RuntimeError(f"{where}: bad counts_e {counts.tolist()}")
 
 
 class MoELayer(nn.Module):
@@ -104,6 +127,8 @@ class MoELayer(nn.Module):
                 ids_TK, plan = self.echo.route(ids_TK, r.counts_E)
                 self.echo_stats.copy_(echo_stats(plan))
         x_ND, counts_e, handle = self.dispatcher.dispatch(x_TD, ids_TK, r.topk_w_TK)
+        if _CHECK:
+            _check_dispatch(self, ids_TK, counts_e, x_ND.shape[0])
         if handle.dropped is not None:
             with torch.no_grad():
                 self.overflow_count.add_(handle.dropped)

@@ -15,11 +15,15 @@ Asking again with another shape (e.g. capacity grew) allocates anew. Buffers sta
 workspace of the same interface (tests/threaded_ranks.py).
 """
 
+import os
 from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+
+
+_CHECK = os.environ.get("MOE_ECHO_CHECK") == "1"  # debugging aid (see _check_same_buffer)
 
 
 @contextmanager
@@ -63,6 +67,8 @@ class SymmetricWorkspace:
         if hit is not None and hit[0] == key:
             return hit[1]
         with setup_work():
+            if _CHECK:
+                self._check_same_buffer(name, key)
             local = self.symm_mem.empty(*shape, dtype=dtype, device=device)
             local.zero_()
             handle = self.symm_mem.rendezvous(local, self.group.group_name)
@@ -74,6 +80,18 @@ class SymmetricWorkspace:
             torch.cuda.synchronize(device)  # zeroed everywhere before any peer writes into it
             dist.barrier(group=self.group)
         return buf
+
+    def _check_same_buffer(self, name: str, key: tuple) -> None:
+        """MOE_ECHO_CHECK=1: rendezvous pairs buffers by call order, not by name — check that every
+        rank is creating the same buffer now (else peers would write into unrelated memory). Off by
+        default: an object all-gather per buffer lengthens the first step."""
+        mine = f"{name} {key[0]} {key[1]}"
+        everyone = [None] * self.world
+        dist.all_gather_object(everyone, mine, group=self.group)
+        self.created = getattr(self, "created", 0) + 1
+        if any(other != mine for other in everyone):
+            raise RuntimeError(f"symmetric buffer #{self.created}: ranks create different buffers at the same "
+                               f"point ({everyone}); every rank must allocate them in the same order")
 
     def barrier(self, buf: SymmBuffer) -> None:
         buf.handle.barrier(channel=0)

@@ -7,9 +7,11 @@
 host-dependent shapes) and keep every tensor it updates in place (optimizer state, router bias,
 counters, the overflow flag). The wrapper:
 
-1. runs the first ``warmup`` calls eagerly on a side stream — real training steps, which also do
-   the lazy work that must not be captured (Triton compiles, NCCL/symmetric-memory buffers,
-   optimizer state, FSDP's lazy init);
+1. runs the first ``warmup`` calls eagerly — real training steps, which also do the lazy work that
+   must not be captured (Triton compiles, NCCL/symmetric-memory buffers, optimizer state, FSDP's
+   lazy init). They run on the current stream, like every eager step: warm-up on a side stream
+   made the v2lite_6b ECHO + nvlink step at EP=4 read corrupted grouped-GEMM offsets (cause not
+   pinned down; it passed with CUDA_LAUNCH_BLOCKING=1, and with warm-up on the current stream);
 2. then copies the batch into static input buffers and captures one call into a graph (the CUDA
    RNG's seed/offset is registered by the capture itself, so random ops advance per replay);
 3. replays the graph for every later call (copy inputs in, replay, return the static outputs).
@@ -62,21 +64,13 @@ class StepGraph:
         if self.graph is None:
             if self.eager_calls < self.warmup:
                 self.eager_calls += 1
-                return self._on_side_stream(inputs_BS, labels_BS)
+                return self.step_fn(inputs_BS, labels_BS)
             if not self._capture(inputs_BS, labels_BS):
                 return self.step_fn(inputs_BS, labels_BS)
         self.inputs.copy_(inputs_BS, non_blocking=True)
         self.labels.copy_(labels_BS, non_blocking=True)
         self.graph.replay()
         return self.outputs
-
-    def _on_side_stream(self, inputs_BS, labels_BS):
-        side = torch.cuda.Stream(self.device)
-        side.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(side):
-            out = self.step_fn(inputs_BS, labels_BS)
-        torch.cuda.current_stream(self.device).wait_stream(side)
-        return out
 
     def _capture(self, inputs_BS, labels_BS) -> bool:
         with setup_work():
@@ -181,7 +175,7 @@ class HostCopy:
         self.tree = tree_map(copy, tree)
         self.event = None
         if taken:
-            self.event = torch.cuda.Event()
+            self.event = torch.cuda.Event(enable_timing=True)  # also times the step (GPU timeline)
             self.event.record()
             for key, i in taken:
                 _ring.done(key, i, self.event)
@@ -190,3 +184,10 @@ class HostCopy:
         if self.event is not None:
             self.event.synchronize()
         return self.tree
+
+    def seconds_since(self, earlier: "HostCopy") -> float | None:
+        """GPU-timeline seconds from ``earlier``'s copy to this one (both done: call after ``get``);
+        None without CUDA events."""
+        if self.event is None or earlier is None or earlier.event is None:
+            return None
+        return earlier.event.elapsed_time(self.event) / 1000
