@@ -6,7 +6,7 @@
 # PART=b: v2lite_1b at EP=8, nvlink, capacity 1.5, 100 steps, sync_debug: natural / 8 hot experts,
 #         ECHO off / on (issue 6's EP=8 rows).
 set -uo pipefail
-source benchmarks/gpu_lib.sh
+source benchmarks/gpu/lib.sh
 N=$(nvidia-smi --query-gpu=name --format=csv,noheader | wc -l); echo "GPUs: $N"
 if [ "${PART:-a}" = a ]; then
   CUDA_VISIBLE_DEVICES=0,1 timeout 200 python3 -m pytest -x tests/test_gpu_ep.py -p no:warnings -q -s 2>&1 | tail -9

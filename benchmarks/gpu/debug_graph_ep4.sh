@@ -8,7 +8,7 @@
 # and f4 (no ECHO) pass; warm-up on the current stream passes -> StepGraph now warms up there; g1
 # checks the graphed v2lite_6b run end to end.
 set -uo pipefail
-source benchmarks/gpu_lib.sh
+source benchmarks/gpu/lib.sh
 export MOE_ECHO_CHECK=${CHECK:-1}
 d() {  # name, timeout, args
   timeout ${TMO:-$2} torchrun --nproc_per_node 4 recipes/pretrain.py --job.config_file train_configs/v2lite_1b_gpu.toml \
