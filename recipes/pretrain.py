@@ -38,6 +38,7 @@ from components.train.overflow import OverflowGate, rewind_lr
 from components.train.metrics import MetricsLogger, Progress, RunSummary, load_imbalance
 from components.train.optim import build_lr_scheduler, build_optimizer
 from components.train.tokenizer import build_tokenizer
+from components.train.watchdog import StepWatchdog
 
 
 class ModelAndOptimizer:
@@ -149,6 +150,7 @@ def train(argv: list[str]) -> None:
     tokens_per_step = t.local_batch_size * t.seq_len * world
     gate = OverflowGate(layers, optimizer, device, cfg.moe_echo.grow_capacity_after) if replay else None
     window_t0, window_steps, window_copy = time.perf_counter(), 0, None
+    watchdog = StepWatchdog(t.hang_report_s, rank)
 
     def device_step(inputs_BS, labels_BS):
         """Forward, backward, clip, optimizer and router-bias steps, all gated on overflow; returns
@@ -205,6 +207,7 @@ def train(argv: list[str]) -> None:
         not cut short by the host finishing its final launch early; host time without CUDA."""
         nonlocal window_t0, window_steps, window_copy
         (loss, grad_norm, counts_LE, echo), lr = host.get()
+        watchdog.beat(step)
         window_steps += 1
         summary.tokens += tokens_per_step
         if not (step % cfg.metrics.log_freq == 0 or step == t.steps or step == 1):
@@ -290,8 +293,10 @@ def train(argv: list[str]) -> None:
 
         if ckpt.enable and (step % ckpt.interval == 0 or step == t.steps):
             path = checkpoint.save(ckpt_dir, step, states, ckpt.keep_latest_k)
+            watchdog.beat(step)  # a long save is not a hang
             progress.write(f"checkpoint: {path}") if is_main else None
 
+    watchdog.close()
     progress.close()
     tb.close()
     if is_main:

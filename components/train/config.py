@@ -227,6 +227,7 @@ def validate(cfg) -> None:
     _require(1 <= e.echo_slots_per_rank <= 64, "[moe_echo] echo_slots_per_rank", e.echo_slots_per_rank, "in [1, 64]")
     _require(1 <= e.nvlink_sms <= 1024, "[moe_echo] nvlink_sms", e.nvlink_sms, "in [1, 1024]")
     _require(t.cuda_graph_warmup >= 1, "[training] cuda_graph_warmup", t.cuda_graph_warmup, ">= 1")
+    _require(t.hang_report_s >= 0, "[training] hang_report_s", t.hang_report_s, ">= 0 (0: off)")
     if e.dispatcher in ("nvlink", "deepep") and not torch.cuda.is_available():
         raise UserError(f"[moe_echo] dispatcher = {e.dispatcher!r} needs CUDA GPUs (peer memory over NVLink); "
                         "use 'padded' or 'auto' on this machine")

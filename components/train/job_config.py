@@ -48,6 +48,10 @@ class Training:
     sync_debug: bool = False
     """Raise on any device-to-host synchronisation inside training steps
     (torch.cuda.set_sync_debug_mode("error")); for checking the sync-free path."""
+    hang_report_s: float = 900.0
+    """When no step has finished for this many seconds, every rank prints its Python stacks (where a
+    hung collective or peer-memory barrier waits); the run goes on. 0 = off. The first step, which
+    compiles kernels and sets up buffers, counts too: keep it generous."""
 
 
 @dataclass
