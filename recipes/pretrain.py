@@ -177,6 +177,7 @@ def train(argv: list[str]) -> None:
             moe.update_expert_bias(counts_E, skip)
             moe.tokens_per_expert.zero_()
             moe.overflow_count.zero_()
+            moe.capacity_need.zero_()
         echo = [(moe.echo_stats.clone(), moe.echo.last_load.clone()) if moe.echo is not None else None
                 for _, moe in layers]
         return allreduce_sum(loss.detach()) / world, grad_norm, counts_LE, echo
@@ -274,7 +275,12 @@ def train(argv: list[str]) -> None:
                 gate.clear()
                 with gate.exact_dispatch():
                     pending = [(s, b, train_step(*b, exact=True)) for s, b, _ in pending]
-                gate.replayed(len(pending))
+                grown = gate.replayed(len(pending))
+                if grown is not None:
+                    summary.capacity_factor = grown
+                    if is_main:
+                        progress.write(f"step {pending[0][0]}: overflow replayed; capacity_factor grown to {grown:.2f} "
+                                       f"(what the step needed + 10%)")
                 if step_graph.captures and t.cuda_graph_after_replay == "recapture":
                     step_graph.invalidate()  # warm up and capture again (capacity may have grown)
                 elif step_graph.captures:

@@ -165,3 +165,6 @@ def padded_overflow(rank, world, E=8, K=2, tokens_per_rank=16):
     total = torch.tensor(dropped)
     dist.all_reduce(total)
     assert int(total) == world * (T * K - C)
+    # every slot went to rank 0's block: the capacity_factor that fits it is world (C = T*K)
+    needed = float(layer.capacity_need)
+    assert needed == world and padded_capacity(T, K, world, needed) >= T * K

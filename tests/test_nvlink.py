@@ -65,13 +65,16 @@ def _run(R: int, kind: str, capacity_factor: float):
         f_N[:used] = scale_E[rank * E_LOCAL + local_id]
         y_TD = disp.combine(x_ND * f_N[:, None], h)
         (y_TD * g).sum().backward()
-        return y_TD.detach(), x.grad, w.grad, int(h.dropped), x_ND.shape[0]
+        return y_TD.detach(), x.grad, w.grad, int(h.dropped), x_ND.shape[0], float(h.needed_factor)
 
     outs = run_ranks(R, rank_fn)
     cap = outs[0][4]
     assert cap == nvlink_capacity(T, K, capacity_factor)
     drops = _expected_dropped([inp[1] for inp in inputs], R, cap)
-    for rank, ((x, ids, w, g), (y, gx, gw, dropped, _)) in enumerate(zip(inputs, outs)):
+    received_R = torch.bincount(torch.cat([inp[1].reshape(-1) for inp in inputs]) // E_LOCAL, minlength=R)
+    assert all(o[5] == pytest.approx(float(received_R.max()) / (T * K)) for o in outs)  # same on every rank
+    _run.needed = outs[0][5]
+    for rank, ((x, ids, w, g), (y, gx, gw, dropped, *_)) in enumerate(zip(inputs, outs)):
         keep_TK = (~drops[rank]).double()
         f_TK = scale_E[ids] * keep_TK
         y_ref = ((w * f_TK)[:, :, None] * x[:, None, :]).sum(1)
@@ -97,6 +100,8 @@ def test_nvlink_all_tokens_to_one_rank():
 def test_nvlink_overflow_is_counted_never_silent():
     dropped = _run(4, "skewed", capacity_factor=1.0)
     assert dropped > 0  # the reference above checked which slots, the outputs and the gradients
+    needed = _run.needed  # the capacity_factor the fullest rank needed: the gate grows to it
+    assert needed > 1.0 and _run(4, "skewed", capacity_factor=needed) == 0
 
 
 _PEER_KERNELS = r"""

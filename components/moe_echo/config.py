@@ -28,7 +28,8 @@ class MoEEchoConfig:
     ``stop`` — end the run with a message naming capacity_factor."""
 
     grow_capacity_after: int = 3
-    """With on_overflow = "replay": every this many replays, raise capacity_factor by 25% (0: never)."""
+    """With on_overflow = "replay": every this many replays, raise capacity_factor to what the
+    overflowed steps needed + 10% (at least +25%) (0: never)."""
 
     capacity_factor: float = 1.25
     """Fixed-capacity backends. padded: rows per (source, destination) block =

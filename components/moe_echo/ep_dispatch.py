@@ -37,6 +37,7 @@ class EPHandle:
     recv_splits: list[int] | None
     out_dtype: torch.dtype
     dropped: torch.Tensor  # int64 scalar: slots not sent (padded overflow)
+    needed_factor: torch.Tensor | None = None  # fp32 scalar: capacity_factor this rank's sends need (padded)
 
 
 class _ExpertParallelDispatcher(Dispatcher):
@@ -111,8 +112,9 @@ class PaddedDispatcher(_ExpertParallelDispatcher):
         sent_Re = cum_Re - torch.nn.functional.pad(cum_Re[:, :-1], (1, 0))
         recv_counts_Re = exchange_counts(sent_Re, self.group)
         dropped = lay.counts_Re.sum() - sent_Re.sum()
+        needed = lay.counts_Re.sum(1).max().float() * R / (T * K)  # fullest block, as a capacity_factor
 
         block_start_R = torch.arange(R, device=dev) * C
         block_of_row_N = torch.arange(R * C, device=dev) // C
         x_ND, counts_e, nd, rn = self._receive(x_send, recv_counts_Re, block_start_R, block_of_row_N, None, None)
-        return x_ND, counts_e, EPHandle(row_of_slot_TK, w_TK, nd, rn, None, None, x_TD.dtype, dropped)
+        return x_ND, counts_e, EPHandle(row_of_slot_TK, w_TK, nd, rn, None, None, x_TD.dtype, dropped, needed)

@@ -103,6 +103,8 @@ class MoELayer(nn.Module):
         self.register_buffer("tokens_per_expert", torch.zeros(E, dtype=torch.float32), persistent=False)
         # (token, expert) assignments a fixed-capacity dispatcher could not send (never silent)
         self.register_buffer("overflow_count", torch.zeros((), dtype=torch.int64), persistent=False)
+        # capacity_factor this step's dispatch needed (fixed-capacity backends; the gate grows to it)
+        self.register_buffer("capacity_need", torch.zeros(()), persistent=False)
         self.register_buffer("echo_stats", torch.zeros(4), persistent=False)  # see echo.echo_stats
         self.ep_size = 1
         self.echo = None  # components.moe_echo.echo.Echo, set by parallelize() when [moe_echo] echo
@@ -132,6 +134,9 @@ class MoELayer(nn.Module):
         if handle.dropped is not None:
             with torch.no_grad():
                 self.overflow_count.add_(handle.dropped)
+        if getattr(handle, "needed_factor", None) is not None:
+            with torch.no_grad():
+                self.capacity_need.copy_(torch.maximum(self.capacity_need, handle.needed_factor))
         extend = None if self.echo is None else (lambda w, i: self.echo.local_weights(w, plan, i))
         if self.echo is not None and self.cfg.echo_recompute and torch.is_grad_enabled():
             y_ND = torch.utils.checkpoint.checkpoint(self.experts, x_ND, counts_e, extend, use_reentrant=False)
@@ -172,5 +177,6 @@ class MoELayer(nn.Module):
             self.expert_bias = torch.zeros(self.num_experts, dtype=torch.float32)
             self.tokens_per_expert = torch.zeros(self.num_experts, dtype=torch.float32)
             self.overflow_count = torch.zeros((), dtype=torch.int64)
+            self.capacity_need = torch.zeros(())
             if self.cfg.debug_hot_experts:  # benchmarking aid: a few strongly preferred experts
                 self.expert_bias[: self.cfg.debug_hot_experts] = 1.0

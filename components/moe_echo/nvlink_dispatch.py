@@ -59,7 +59,8 @@ def all_gather_rows(ws, name: str, row_X: torch.Tensor) -> torch.Tensor:
 def nvlink_layout(ids_TK: torch.Tensor, lay: SendLayout, counts_RX: torch.Tensor, rank: int, num_local: int,
                   capacity: int):
     """Where each (token, choice) slot lands: (dest rank_TK, row_TK with -1 = not sent, counts_e
-    received by this rank per local id, dropped slots of this rank). ``lay``: this rank's
+    received by this rank per local id, dropped slots of this rank, the capacity_factor the fullest
+    rank needed — the same on every rank). ``lay``: this rank's
     ``send_layout`` (its stable sort by id); ``counts_RX``: every rank's counts. Device only."""
     T, K = ids_TK.shape
     R, X = counts_RX.shape
@@ -77,7 +78,8 @@ def nvlink_layout(ids_TK: torch.Tensor, lay: SendLayout, counts_RX: torch.Tensor
     cum_e = torch.cumsum(total_Re[rank], 0).clamp(max=capacity)
     counts_e = cum_e - torch.nn.functional.pad(cum_e[:-1], (1, 0))
     dropped = (row_N < 0).sum()
-    return (flat_N // num_local).view(T, K), row_N.view(T, K), counts_e, dropped
+    needed = total_Re.sum(1).max().float() / (T * K)
+    return (flat_N // num_local).view(T, K), row_N.view(T, K), counts_e, dropped, needed
 
 
 @dataclass
@@ -87,6 +89,7 @@ class NVLinkHandle:
     w_TK: torch.Tensor
     out_dtype: torch.dtype
     dropped: torch.Tensor
+    needed_factor: torch.Tensor
     x_buf: SymmBuffer
     y_buf: SymmBuffer
     x_dtype: torch.dtype
@@ -123,9 +126,10 @@ class NVLinkDispatcher(Dispatcher):
         cap = nvlink_capacity(T, K, self.capacity_factor)
         lay = send_layout(ids_TK, X, R)  # the same sort by id as the NCCL backends
         counts_RX = all_gather_rows(self.ws, f"{self.name}/counts", lay.counts_Re.reshape(X))
-        rank_TK, row_TK, counts_e, dropped = nvlink_layout(ids_TK, lay, counts_RX, self.rank, self.num_local, cap)
+        rank_TK, row_TK, counts_e, dropped, needed = nvlink_layout(ids_TK, lay, counts_RX, self.rank, self.num_local,
+                                                                   cap)
         D = x_TD.shape[1]
-        h = NVLinkHandle(rank_TK, row_TK, w_TK, out_dtype, dropped,
+        h = NVLinkHandle(rank_TK, row_TK, w_TK, out_dtype, dropped, needed,
                          self.ws.buffer(f"{self.name}/x", (cap, D), x_TD.dtype, dev), None, x_TD.dtype)
         x_ND = _NVLinkDispatch.apply(x_TD, self, h)
         return x_ND, counts_e, h

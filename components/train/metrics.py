@@ -113,6 +113,7 @@ class RunSummary:
         self.imbalance: list[float] = []
         self.rank_imbalance: list[tuple[float, float]] = []  # (without ECHO, with ECHO)
         self.replayed_steps = 0
+        self.capacity_factor: float | None = None  # grown by overflow replays
         self.peak_mem_gib = 0.0
 
     def text(self, extra: dict[str, str]) -> str:
@@ -133,7 +134,9 @@ class RunSummary:
             b, a = sum(x for x, _ in self.rank_imbalance) / n, sum(y for _, y in self.rank_imbalance) / n
             lines.append(f"rank load      max/mean {b:.3f} without ECHO -> {a:.3f} with ECHO (mean over layers and logged steps)")
         if self.replayed_steps:
-            lines.append(f"overflow       {self.replayed_steps} steps gated and replayed on the exact path (nothing dropped)")
+            grown = f"; capacity_factor grown to {self.capacity_factor:.2f}" if self.capacity_factor else ""
+            lines.append(f"overflow       {self.replayed_steps} steps gated and replayed on the exact path (nothing dropped)"
+                         + grown)
         if self.peak_mem_gib:
             lines.append(f"peak memory    {self.peak_mem_gib:.2f} GiB")
         lines += [f"{k:<14} {v}" for k, v in extra.items()]

@@ -13,7 +13,10 @@ Such a step must never be applied:
    step s+1 has been launched; if it is set, the learning-rate schedule is rewound over the gated
    steps and their batches are re-run on the exact path (``alltoall``, variable sizes, nothing
    dropped), the flag is cleared, and training continues.
-3. ``grow_after`` replays in a run raise the capacity factor by 25% (sync-free shapes stay static
+3. every ``grow_after``-th replay grows the capacity factor to what the overflowed steps needed
+   (each dispatch reports the factor that would have fit it; the gate keeps the maximum over layers
+   and ranks on the device) plus 10% headroom, and at least by 25% — one growth instead of a ladder
+   of 25% steps, each costing replays and buffer re-allocations (sync-free shapes stay static
    between growths).
 
 The flag is one device tensor updated in place (``sticky``), so a captured graph keeps pointing at it.
@@ -39,6 +42,8 @@ class OverflowGate:
         self.grow_after = grow_after
         self.dropped_total = torch.zeros((), dtype=torch.int64, device=device)
         self.dropped_seen = 0  # dropped_total as of the last step read on the host (for logging)
+        self.need_max = torch.zeros((), device=device)  # largest capacity_factor needed since the last replay
+        self.need_seen = 0.0
 
     def gate(self) -> torch.Tensor:
         """After backward: fold this step's overflow into the sticky flag and arm the optimizer."""
@@ -46,19 +51,25 @@ class OverflowGate:
         if dist.is_initialized():
             dist.all_reduce(dropped)
         self.dropped_total.add_(dropped)
+        if self.grow_after:
+            need = torch.stack([moe.capacity_need for moe in self.layers]).max()
+            if dist.is_initialized():
+                dist.all_reduce(need, op=dist.ReduceOp.MAX)
+            self.need_max.copy_(torch.maximum(self.need_max, need))
         self.sticky.copy_(torch.maximum(self.sticky, (dropped > 0).float()))
         self.optimizer.found_inf = self.sticky
         return self.sticky
 
     def record(self, step: int) -> None:
         """Copy this step's flag and the running drop count to host memory without waiting."""
-        self.host_flags[step] = HostCopy((self.sticky, self.dropped_total))
+        self.host_flags[step] = HostCopy((self.sticky, self.dropped_total, self.need_max))
 
     def overflowed(self, step: int) -> bool:
         """Host read of step's flag: waits only for that step's copy (recorded before the next step
         was launched), never for the work queued after it."""
-        flag, dropped = self.host_flags.pop(step).get()
+        flag, dropped, need = self.host_flags.pop(step).get()
         self.dropped_seen = int(dropped)
+        self.need_seen = float(need)
         return bool(flag > 0)
 
     def clear(self) -> None:
@@ -66,12 +77,17 @@ class OverflowGate:
         self.optimizer.found_inf = self.sticky
         self.host_flags.clear()
 
-    def replayed(self, n: int) -> None:
+    def replayed(self, n: int) -> float | None:
+        """Count a replay; every ``grow_after``-th one grows the capacity (returns the new factor)."""
         self.replays += 1
+        grown = None
         if self.grow_after and self.replays % self.grow_after == 0:
             for moe in self.layers:
                 if is_fixed_capacity(moe.dispatcher):
-                    moe.dispatcher.capacity_factor *= 1.25
+                    cf = moe.dispatcher.capacity_factor
+                    moe.dispatcher.capacity_factor = grown = max(1.25 * cf, 1.1 * self.need_seen)
+        self.need_max.zero_()  # the next growth sizes for what overflows from here on
+        return grown
 
     @contextmanager
     def exact_dispatch(self):
