@@ -5,8 +5,9 @@
 #   e3 graphed without ECHO                                        e4 eager with ECHO (control)
 # Findings (warm-up then ran on a side stream): v2lite_1b e1-e4 pass; v2lite_6b e1/e2 assert in the
 # grouped GEMM (offsets decreasing), also with a non-capturable optimizer; f1 (CUDA_LAUNCH_BLOCKING=1)
-# and f4 (no ECHO) pass; warm-up on the current stream passes -> StepGraph now warms up there; g1
-# checks the graphed v2lite_6b run end to end.
+# and f4 (no ECHO) pass; warm-up on the current stream: one run stalled (no step in 120 s, not
+# explained), one finished its 5 steps -> StepGraph now warms up there; g1 (graphed v2lite_6b, 30
+# steps, sync_debug) then passed.
 set -uo pipefail
 source benchmarks/gpu/lib.sh
 export MOE_ECHO_CHECK=${CHECK:-1}
