@@ -79,3 +79,21 @@ def test_nvlink_overflow_is_replayed_to_the_exact_result(tmp_path, graph):
     for k in w_exact:
         torch.testing.assert_close(w_nvlink[k].float(), w_exact[k].float(), rtol=1e-2, atol=1e-3,
                                    msg=lambda m: f"{k}: {m}")
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+def test_nvlink_capacity_grows_to_fit_and_steps_are_timed_on_the_gpu(tmp_path):
+    """A hot expert overflows capacity 1.0: one growth, to what the step needed, and only the first
+    two steps are replayed. Every step's tokens/s comes from CUDA events: the last one is not
+    inflated (host timing read the last window far too high)."""
+    _, out = run_recipe(str(tmp_path), "grow", 2, ["--parallelism.expert_parallel_degree", "2",
+                                                    "--moe_echo.dispatcher", "nvlink", "--moe_echo.debug_hot_experts",
+                                                    "1", "--moe_echo.bias_update_rate", "0",
+                                                    "--moe_echo.capacity_factor", "1.0",
+                                                    "--moe_echo.grow_capacity_after", "1"])
+    assert "capacity_factor grown to" in out, out[-3000:]
+    with open(os.path.join(tmp_path, "grow", "metrics.jsonl")) as f:
+        rows = [json.loads(line) for line in f]
+    assert [r["step"] for r in rows if r["moe/replayed"]] == [1, 2]
+    rates = sorted(r["tokens_per_s"] for r in rows[4:-1])
+    assert rows[-1]["tokens_per_s"] < 2 * rates[len(rates) // 2], (rows[-1]["tokens_per_s"], rates)
