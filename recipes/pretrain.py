@@ -24,6 +24,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 
 from components.moe_echo.dispatcher import is_fixed_capacity
 from components.moe_echo.models import build_model, model_args_for, moe_layers
+from components.moe_echo.nvlink_dispatch import peer_memory_bytes
 from components.parallel.cuda_graph import HostCopy, StepGraph, make_capturable, to_device_async
 from components.parallel.data_parallel import allreduce_sum, init_distributed
 from components.parallel.grad_norm import clip_grad_norm_
@@ -226,6 +227,10 @@ def train(argv: list[str]) -> None:
         if device.type == "cuda":
             values["memory/peak_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
             summary.peak_mem_gib = max(summary.peak_mem_gib, values["memory/peak_gib"])
+            peer_gib = peer_memory_bytes() / 2**30  # symmetric buffers: not in torch's count above
+            if peer_gib:
+                values["memory/peer_gib"] = peer_gib
+                summary.peer_mem_gib = max(summary.peer_mem_gib, peer_gib)
         if gate is not None:
             values["moe/overflow_assignments"] = float(gate.dropped_seen)  # host copy, read one step late
             values["moe/replayed_steps"] = float(summary.replayed_steps)

@@ -229,6 +229,12 @@ def nvlink_multicast(w_eX: torch.Tensor, slot_expert_G: torch.Tensor, ws, name: 
     return _NVLinkMulticast.apply(w_eX, slot_expert_G, ws, name, rank, slots, programs)
 
 
+def peer_memory_bytes() -> int:
+    """This rank's symmetric-memory bytes over every nvlink workspace (receive, output, clone and
+    gradient buffers) — memory on top of what torch's caching allocator reports."""
+    return sum(ws.nbytes() for ws in _workspaces.values())
+
+
 def _workspace_for(group):
     from .symmetric import SymmetricWorkspace
 

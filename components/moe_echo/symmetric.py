@@ -81,6 +81,11 @@ class SymmetricWorkspace:
             dist.barrier(group=self.group)
         return buf
 
+    def nbytes(self) -> int:
+        """This rank's bytes in these buffers: symmetric memory has its own allocator, so
+        ``torch.cuda.max_memory_allocated`` does not count them."""
+        return sum(buf.local.numel() * buf.local.element_size() for _, buf in self._buffers.values())
+
     def _check_same_buffer(self, name: str, key: tuple) -> None:
         """MOE_ECHO_CHECK=1: rendezvous pairs buffers by call order, not by name — check that every
         rank is creating the same buffer now (else peers would write into unrelated memory). Off by

@@ -1,7 +1,7 @@
 """TensorBoard logging, expert-load statistics and heatmaps, console progress and run summary.
 
 TensorBoard tags:
-    loss, lr, grad_norm, tokens_per_s, mfu_pct (GPU), memory/peak_gib
+    loss, lr, grad_norm, tokens_per_s, mfu_pct (GPU), memory/peak_gib, memory/peer_gib (nvlink)
     moe/<layer>/load_max_over_mean, moe/<layer>/load_heatmap (image: rows = recent logged steps,
     columns = experts, colour = load / mean load; 1.0 is balanced; with ECHO: home experts after
     rerouting | white separator | echo slots' clone load)
@@ -115,6 +115,7 @@ class RunSummary:
         self.replayed_steps = 0
         self.capacity_factor: float | None = None  # grown by overflow replays
         self.peak_mem_gib = 0.0
+        self.peer_mem_gib = 0.0  # symmetric-memory buffers (nvlink), outside torch's allocator count
 
     def text(self, extra: dict[str, str]) -> str:
         wall = time.perf_counter() - self.t0
@@ -138,6 +139,8 @@ class RunSummary:
             lines.append(f"overflow       {self.replayed_steps} steps gated and replayed on the exact path (nothing dropped)"
                          + grown)
         if self.peak_mem_gib:
-            lines.append(f"peak memory    {self.peak_mem_gib:.2f} GiB")
+            peer = (f" + {self.peer_mem_gib:.2f} GiB of peer (symmetric) buffers, which torch does not count"
+                    if self.peer_mem_gib else "")
+            lines.append(f"peak memory    {self.peak_mem_gib:.2f} GiB{peer}")
         lines += [f"{k:<14} {v}" for k, v in extra.items()]
         return "\n".join(lines)
