@@ -95,5 +95,6 @@ def test_nvlink_capacity_grows_to_fit_and_steps_are_timed_on_the_gpu(tmp_path):
     with open(os.path.join(tmp_path, "grow", "metrics.jsonl")) as f:
         rows = [json.loads(line) for line in f]
     assert [r["step"] for r in rows if r["moe/replayed"]] == [1, 2]
+    assert rows[-1]["memory/peer_gib"] > 0 and "of peer (symmetric) buffers" in out  # reported apart from torch's
     rates = sorted(r["tokens_per_s"] for r in rows[4:-1])
     assert rows[-1]["tokens_per_s"] < 2 * rates[len(rates) // 2], (rows[-1]["tokens_per_s"], rates)
