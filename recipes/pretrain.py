@@ -263,6 +263,9 @@ def train(argv: list[str]) -> None:
     # Steps run ahead of their confirmation by one: step s's overflow flag is read on the host after
     # step s+1 is launched. A flagged step (and the one after it, gated too) is replayed exactly.
     pending = []  # (step, batch, train_step output), oldest first
+    if is_main and device.type == "cuda" and state.step < t.steps:
+        progress.write("the first step compiles the Triton kernels and sets up buffers (peer memory, optimizer "
+                       "state): minutes on a machine whose Triton cache is cold")
     while state.step < t.steps:
         state.step += 1
         step = state.step

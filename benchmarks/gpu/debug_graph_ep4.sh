@@ -5,9 +5,10 @@
 #   e3 graphed without ECHO                                        e4 eager with ECHO (control)
 # Findings (warm-up then ran on a side stream): v2lite_1b e1-e4 pass; v2lite_6b e1/e2 assert in the
 # grouped GEMM (offsets decreasing), also with a non-capturable optimizer; f1 (CUDA_LAUNCH_BLOCKING=1)
-# and f4 (no ECHO) pass; warm-up on the current stream: one run stalled (no step in 120 s, not
-# explained), one finished its 5 steps -> StepGraph now warms up there; g1 (graphed v2lite_6b, 30
-# steps, sync_debug) then passed.
+# and f4 (no ECHO) pass; warm-up on the current stream finished its 5 steps (an earlier try, the
+# first run on a fresh machine, timed out compiling) -> StepGraph now warms up there; g1 (graphed
+# v2lite_6b, 30 steps, sync_debug) then passed. A v2lite_6b step 1 on a cold Triton cache takes
+# minutes: give the first run of a call a generous limit.
 set -uo pipefail
 source benchmarks/gpu/lib.sh
 export MOE_ECHO_CHECK=${CHECK:-1}
