@@ -13,7 +13,6 @@ Speed: planner time per layer on the GPU, captured once and replayed in a CUDA g
 """
 
 import argparse
-import math
 import os
 import sys
 import time

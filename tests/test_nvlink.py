@@ -6,7 +6,6 @@ import pytest
 import torch
 
 from components.moe_echo.nvlink_dispatch import NVLinkDispatcher, nvlink_capacity
-from kernels import peer_rows
 from test_kernels import needs_cpu_interpreter, run_in_interpreter
 from threaded_ranks import run_ranks
 

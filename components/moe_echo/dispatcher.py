@@ -40,7 +40,6 @@ class LocalHandle:
     w_TK: torch.Tensor  # combine weights (fp32, differentiable)
     out_dtype: torch.dtype
     dropped: torch.Tensor | None = None  # the local backend never drops
-    needed_factor: torch.Tensor | None = None  # fixed-capacity backends: the capacity_factor that fits this step
 
 
 class LocalDispatcher(Dispatcher):

@@ -19,8 +19,6 @@ be False, as in every DeepSeek and Qwen3 flavour). The sequence-level auxiliary 
 the training loss through the backward pass (``_AddAuxLossGrad``), so no loss function changes.
 """
 
-import os
-
 import torch
 import torch.utils.checkpoint
 from torch import nn
@@ -31,6 +29,7 @@ from .dispatcher import Dispatcher, LocalDispatcher
 from .echo import echo_stats
 from .experts import GroupedExperts, SwiGLU
 from .router import TopKRouter, sequence_aux_loss, updated_expert_bias
+from .symmetric import DEBUG_CHECKS, setup_work
 
 
 class _AddAuxLossGrad(torch.autograd.Function):
@@ -47,16 +46,11 @@ class _AddAuxLossGrad(torch.autograd.Function):
         return grad_y, torch.ones(ctx.aux_shape, dtype=ctx.aux_dtype, device=grad_y.device)
 
 
-_CHECK = os.environ.get("MOE_ECHO_CHECK") == "1"  # debugging aid: host-side invariant checks (syncs)
-
-
 def _check_dispatch(moe, ids_TK, counts_e, rows):
     """MOE_ECHO_CHECK=1: after each eager dispatch, read the routing back on the host and raise on a
     broken invariant (ids in range, 0 <= counts, sum <= rows); skipped while a CUDA graph captures."""
     if ids_TK.is_cuda and torch.cuda.is_current_stream_capturing():
         return
-    from .symmetric import setup_work
-
     with setup_work():
         ids, counts = ids_TK.cpu(), counts_e.cpu()
     moe._check_calls = getattr(moe, "_check_calls", 0) + 1
@@ -129,7 +123,7 @@ class MoELayer(nn.Module):
                 ids_TK, plan = self.echo.route(ids_TK, r.counts_E)
                 self.echo_stats.copy_(echo_stats(plan))
         x_ND, counts_e, handle = self.dispatcher.dispatch(x_TD, ids_TK, r.topk_w_TK)
-        if _CHECK:
+        if DEBUG_CHECKS:
             _check_dispatch(self, ids_TK, counts_e, x_ND.shape[0])
         if handle.dropped is not None:
             with torch.no_grad():

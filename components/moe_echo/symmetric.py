@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 
-_CHECK = os.environ.get("MOE_ECHO_CHECK") == "1"  # debugging aid (see _check_same_buffer)
+DEBUG_CHECKS = os.environ.get("MOE_ECHO_CHECK") == "1"  # debugging aid: host-side checks that sync (slow)
 
 
 @contextmanager
@@ -67,7 +67,7 @@ class SymmetricWorkspace:
         if hit is not None and hit[0] == key:
             return hit[1]
         with setup_work():
-            if _CHECK:
+            if DEBUG_CHECKS:
                 self._check_same_buffer(name, key)
             local = self.symm_mem.empty(*shape, dtype=dtype, device=device)
             local.zero_()

@@ -26,7 +26,7 @@ re-capture.
 
 import torch
 import torch.distributed as dist
-from torch.utils._pytree import tree_leaves, tree_map
+from torch.utils._pytree import tree_map
 
 from components.moe_echo.symmetric import setup_work
 

@@ -12,7 +12,6 @@ everything else (HSDP when dp_replicate > 1, else 1-D FSDP).
 
 from dataclasses import dataclass
 
-import torch
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from components.train.errors import UserError

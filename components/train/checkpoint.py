@@ -15,7 +15,6 @@ import shutil
 import signal
 import warnings
 
-import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
