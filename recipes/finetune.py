@@ -27,9 +27,10 @@ from pathlib import Path
 sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parents[1])]
 
 import pretrain  # recipes/pretrain.py, next to this file
+from components.train.entry import run_recipe
 
 from components.train.config import load_config
-from components.train.errors import UserError
+from components.errors import UserError
 
 
 def finetune(argv: list[str]) -> None:
@@ -44,4 +45,4 @@ def finetune(argv: list[str]) -> None:
 
 
 if __name__ == "__main__":
-    pretrain.main(finetune)
+    run_recipe(finetune)

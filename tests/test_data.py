@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from components.train.data import TokenBatchLoader, build_token_stream
-from components.train.errors import UserError
+from components.errors import UserError
 from components.train.tokenizer import ByteTokenizer, HFTokenizer, build_tokenizer
 
 DOCS = ["hello world", "héllo ünïcode ✓", "third document\nwith two lines"]

@@ -11,7 +11,7 @@ import pytest
 import torch.multiprocessing as mp
 
 from components.parallel.mesh import parallel_dims
-from components.train.errors import UserError
+from components.errors import UserError
 from conftest import ROOT
 
 

@@ -7,13 +7,15 @@ import pytest
 import torch
 
 from components.moe_echo.config import MoEEchoConfig
-from components.moe_echo.dispatcher import LocalDispatcher, resolve_backend
+from components.moe_echo.backends import resolve_backend
+from components.moe_echo.dispatcher import LocalDispatcher
 from components.moe_echo.ep_dispatch import AllToAllDispatcher, PaddedDispatcher
 from components.moe_echo.nvlink_dispatch import NVLinkDispatcher
-from components.parallel.cuda_graph import HostCopy, PinnedRing, StepGraph, make_capturable
-from components.train.errors import UserError
+from components.parallel.cuda_graph import StepGraph, make_capturable
+from components.parallel.host_copy import HostCopy, PinnedRing
+from components.errors import UserError
 from components.train.optim import build_lr_scheduler, lr_factor
-from components.train.overflow import OverflowGate
+from components.train.overflow import StepGate
 
 
 def test_step_graph_says_why_and_runs_eagerly():
@@ -131,15 +133,16 @@ def test_overflow_flag_is_one_tensor_updated_in_place():
 
     layers = [("1", Layer()), ("2", Layer())]
     opt = Opt()
-    gate = OverflowGate(layers, opt, torch.device("cpu"))
-    flag = gate.sticky
-    assert float(gate.gate()) == 0 and opt.found_inf is flag
+    gate = StepGate(layers, opt, torch.device("cpu"))
+    flag, skip = gate.sticky, gate.skip
+    assert float(gate.gate()) == 0 and opt.found_inf is skip
     layers[1][1].overflow_count.fill_(3)
     assert float(gate.gate()) == 1 and gate.sticky is flag and int(gate.dropped_total) == 3
     layers[1][1].overflow_count.zero_()
     assert float(gate.gate()) == 1  # sticky until the host acts
     gate.clear()
-    assert gate.sticky is flag and float(flag) == 0 and opt.found_inf is flag
+    assert gate.sticky is flag and float(flag) == 0 and float(gate.gate()) == 0
+    assert gate.skip is skip and opt.found_inf is skip  # the same tensors: a captured graph keeps them
 
 
 def test_backends_declare_sync_free_and_fixed_capacity():

@@ -6,7 +6,7 @@ import time
 import pytest
 
 from components.train.config import load_config
-from components.train.errors import UserError
+from components.errors import UserError
 from components.train.watchdog import StepWatchdog
 
 

@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 from .config import MoEEchoConfig
-from .dispatcher import build_dispatcher, peers_on_one_host
+from .backends import build_dispatcher, peers_on_one_host
 
 def candidates(device: torch.device, ep: int) -> tuple[str, ...]:
     names = ["padded", "alltoall"]

@@ -27,7 +27,7 @@ def require_deep_ep():
     try:
         import deep_ep  # noqa: F401
     except ImportError:
-        from components.train.errors import UserError
+        from components.errors import UserError
 
         raise UserError("[moe_echo] dispatcher = 'deepep' needs the deep_ep package (github.com/deepseek-ai/DeepEP, "
                         "built for this GPU); install it or use dispatcher = 'nvlink'") from None

@@ -161,6 +161,14 @@ class MoELayer(nn.Module):
             new_E = torch.where(skip > 0, self.expert_bias, new_E)
         self.expert_bias.copy_(new_E)
 
+    @torch.no_grad()
+    def reset_step_stats(self) -> None:
+        """Zero the per-step counters (expert load, overflow, capacity need) in place, so a
+        captured graph keeps pointing at them."""
+        self.tokens_per_expert.zero_()
+        self.overflow_count.zero_()
+        self.capacity_need.zero_()
+
     def init_weights(self, init_std: float, buffer_device: torch.device | None = None) -> None:
         self.experts.init_weights(init_std)
         self.router.init_weights(init_std)

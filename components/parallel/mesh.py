@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from components.train.errors import UserError
+from components.errors import UserError
 
 
 @dataclass(frozen=True)

@@ -9,7 +9,8 @@ Per transformer block, in this order (torchtitan's conventions):
 3. torch.compile per block (``[compile] enable``, "model" in components);
 4. FSDP2: ``fully_shard`` of the experts over the expert-FSDP mesh (gradient divide factor =
    world size, since every rank's tokens reach every expert), then of the block over the dense
-   mesh; finally of the root (embeddings, norm, output). bf16 params with fp32 reduction on GPU.
+   mesh; finally of the root (embeddings, norm, output). bf16 params on GPU, gradients reduced in
+   ``[training] mixed_precision_reduce`` (fp32 by default).
 """
 
 import torch
@@ -18,11 +19,11 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoi
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, Shard
 
-from components.moe_echo.dispatcher import build_dispatcher, peers_on_one_host
+from components.moe_echo.backends import build_dispatcher, peers_on_one_host
 from components.moe_echo.echo import Echo
 from components.moe_echo.layer import MoELayer
 from components.moe_echo.nvlink_dispatch import NVLinkDispatcher
-from components.train.errors import UserError
+from components.errors import UserError
 
 from .mesh import Meshes, ParallelDims
 
@@ -96,7 +97,8 @@ def parallelize(model: nn.Module, mesh: Meshes | None, dims: ParallelDims, cfg, 
         return model
     mp = None
     if device.type == "cuda" and cfg.training.mixed_precision_param == "bfloat16":
-        mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        reduce = {"float32": torch.float32, "bfloat16": torch.bfloat16}[cfg.training.mixed_precision_reduce]
+        mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=reduce)
     kw = {"mp_policy": mp} if mp is not None else {}
     reshard = cfg.parallelism.fsdp_reshard_after_forward != "never"
     dmesh, emesh = mesh.dense, mesh.expert_fsdp

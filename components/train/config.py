@@ -6,6 +6,8 @@ raise ``UserError`` with one line naming the key and what is expected.
 """
 
 import dataclasses
+import difflib
+import math
 import os
 import sys
 import types
@@ -22,7 +24,9 @@ from torchtitan.config.job_config import JobConfig as TitanJobConfig
 from torchtitan.config.manager import ConfigManager
 
 from . import job_config as ours
-from .errors import UserError
+from components.errors import UserError
+
+from .supported_keys import HONOURED, check_supported
 
 
 def config_class() -> type:
@@ -99,13 +103,19 @@ def _fields(cls) -> dict[str, dataclasses.Field]:
     return {f.name: f for f in dataclasses.fields(cls)}
 
 
+def _did_you_mean(key: str, known) -> str:
+    close = difflib.get_close_matches(key, list(known), n=1, cutoff=0.6)
+    return f"did you mean {close[0]!r}? " if close else ""
+
+
 def _validate_table(cls, table: dict, where: str) -> None:
     known = _fields(cls)
     for key, value in table.items():
         name = f"{where}.{key}" if where else key
         if key not in known:
-            section = f"[{where}] " if where else ""
-            raise UserError(f"unknown key {section}{key!r}; valid keys: {', '.join(sorted(known))}")
+            section = f"[{where}] " if where else "section "
+            raise UserError(f"unknown key {section}{key!r}; {_did_you_mean(key, known)}"
+                            f"valid keys: {', '.join(sorted(known))}")
         tp = known[key].type
         if dataclasses.is_dataclass(tp):
             if not isinstance(value, dict):
@@ -126,8 +136,10 @@ def _apply_override(cls, table: dict, dotted: str, text: str | None) -> None:
         known = _fields(cls)
         if part not in known:
             where = ".".join(parts[:i])
+            guess = _did_you_mean(part, known)
             raise UserError(
-                f"unknown option --{dotted}" + (f"; valid keys of [{where}]: {', '.join(sorted(known))}" if where else "")
+                f"unknown option --{dotted}" + (f"; {guess}valid keys of [{where}]: {', '.join(sorted(known))}"
+                                                if where else f"; {guess}".rstrip("; "))
             )
         tp = known[part].type
         if i < len(parts) - 1:
@@ -185,9 +197,34 @@ def _require(ok: bool, key: str, value, expected: str) -> None:
         raise UserError(f"{key} = {value!r} is out of range; expected {expected}")
 
 
-def validate(cfg) -> None:
-    from components.moe_echo.models import FLAVORS
+_INT64 = 2**63
 
+
+def _check_numbers(cfg, where: str = "") -> None:
+    """Every int fits int64 and every float is finite (TOML and Python ints are unbounded)."""
+    for f in dataclasses.fields(cfg):
+        value, name = getattr(cfg, f.name), f"{where}.{f.name}" if where else f.name
+        if dataclasses.is_dataclass(value):
+            _check_numbers(value, name)
+        elif isinstance(value, int) and not isinstance(value, bool) and not -_INT64 <= value < _INT64:
+            raise UserError(f"{_toml_key(name)} = {value} is out of range; expected a 64-bit integer")
+        elif isinstance(value, float) and not math.isfinite(value):
+            raise UserError(f"{_toml_key(name)} = {value!r} is out of range; expected a finite number")
+
+
+def _check_dump_folder(path: str) -> None:
+    if not path.strip():
+        raise UserError("[job] dump_folder is empty; give a folder for logs and checkpoints, e.g. ./outputs/run1")
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise UserError(f"[job] dump_folder = {path!r} is an existing file, not a folder; pick another path")
+
+
+def validate(cfg) -> None:
+    from components.moe_echo.models import FLAVORS, model_args_for
+
+    _check_numbers(cfg)
+    check_supported(cfg, ours.JobConfig)
+    _check_dump_folder(cfg.job.dump_folder)
     t, o, s, m, e, p = cfg.training, cfg.optimizer, cfg.lr_scheduler, cfg.model, cfg.moe_echo, cfg.parallelism
     if m.name not in FLAVORS:
         raise UserError(f"[model] name = {m.name!r} is not known; expected one of {', '.join(FLAVORS)}")
@@ -204,6 +241,26 @@ def validate(cfg) -> None:
     _require(o.weight_decay >= 0, "[optimizer] weight_decay", o.weight_decay, ">= 0")
     _require(o.eps > 0, "[optimizer] eps", o.eps, "> 0")
     _require(o.name in ("AdamW", "Adam"), "[optimizer] name", o.name, "'AdamW' or 'Adam'")
+    _require(0 <= o.beta1 < 1, "[optimizer] beta1", o.beta1, "in [0, 1)")
+    _require(0 <= o.beta2 < 1, "[optimizer] beta2", o.beta2, "in [0, 1)")
+    _require(o.implementation in ("fused", "foreach", "for-loop"), "[optimizer] implementation", o.implementation,
+             "'fused', 'foreach' or 'for-loop'")
+    if o.implementation != "fused" and t.max_nonfinite_steps > 0:
+        raise UserError(f"[optimizer] implementation = {o.implementation!r}: the non-finite guard gates the optimizer "
+                        "step on the device, which only the fused implementation supports; use 'fused' or set "
+                        "[training] max_nonfinite_steps = 0 (guard off)")
+    _require(t.max_nonfinite_steps >= 0, "[training] max_nonfinite_steps", t.max_nonfinite_steps, ">= 0 (0: off)")
+    _require(0 <= t.seed < 2**62, "[training] seed", t.seed, "in [0, 2**62)")
+    _require(cfg.debug.seed is None or 0 <= cfg.debug.seed < 2**62, "[debug] seed", cfg.debug.seed,
+             "in [0, 2**62) or unset")
+    _require(t.gc_freq >= 1, "[training] gc_freq", t.gc_freq, ">= 1")
+    _require(t.mixed_precision_reduce in ("float32", "bfloat16"), "[training] mixed_precision_reduce",
+             t.mixed_precision_reduce, "'float32' or 'bfloat16'")
+    _require(cfg.comm.init_timeout_seconds >= 1, "[comm] init_timeout_seconds", cfg.comm.init_timeout_seconds, ">= 1")
+    _require(cfg.comm.train_timeout_seconds >= 1, "[comm] train_timeout_seconds", cfg.comm.train_timeout_seconds,
+             ">= 1")
+    _require(cfg.checkpoint.export_dtype in ("float32", "bfloat16", "float16"), "[checkpoint] export_dtype",
+             cfg.checkpoint.export_dtype, "'float32', 'bfloat16' or 'float16'")
     _require(0 <= s.warmup_steps, "[lr_scheduler] warmup_steps", s.warmup_steps, ">= 0")
     _require(0 <= s.min_lr_factor <= 1, "[lr_scheduler] min_lr_factor", s.min_lr_factor, "in [0, 1]")
     _require(s.decay_ratio is None or 0 <= s.decay_ratio <= 1, "[lr_scheduler] decay_ratio", s.decay_ratio,
@@ -216,6 +273,9 @@ def validate(cfg) -> None:
     _require(e.aux_loss_coeff >= 0, "[moe_echo] aux_loss_coeff", e.aux_loss_coeff, ">= 0")
     _require(e.bias_update_rate >= 0, "[moe_echo] bias_update_rate", e.bias_update_rate, ">= 0")
     _require(e.load_heatmap_freq >= 0, "[moe_echo] load_heatmap_freq", e.load_heatmap_freq, ">= 0")
+    n_experts = getattr(getattr(model_args_for(m.name, m.flavor), "moe_args", None), "num_experts", 0)
+    _require(0 <= e.debug_hot_experts <= n_experts, "[moe_echo] debug_hot_experts", e.debug_hot_experts,
+             f"in [0, {n_experts}] (the flavour's experts)")
     _require(e.grow_capacity_after >= 0, "[moe_echo] grow_capacity_after", e.grow_capacity_after, ">= 0 (0: never)")
     ep = p.expert_parallel_degree
     if e.dispatcher == "local" and ep != 1:
@@ -243,16 +303,75 @@ def validate(cfg) -> None:
         _require(getattr(p, key) == 1, f"[parallelism] {key}", getattr(p, key), "1 (not supported yet)")
 
 
-def help_text() -> str:
-    lines = ["usage: recipe --job.config_file FILE.toml [--section.key VALUE ...]", "", "keys (default):"]
-    cls = config_class()
-    for sec in dataclasses.fields(cls):
-        lines.append(f"  [{sec.name}]")
-        for f in dataclasses.fields(sec.type):
+def check_global_batch(cfg, world: int) -> None:
+    """[training] global_batch_size: -1, or local_batch_size x data-parallel ranks (every rank
+    reads its own data; gradient accumulation is not supported)."""
+    t = cfg.training
+    if t.global_batch_size not in (-1, t.local_batch_size * world):
+        raise UserError(f"not supported by this recipe: [training] global_batch_size = {t.global_batch_size} "
+                        f"(gradient accumulation); with {world} data-parallel ranks and local_batch_size "
+                        f"{t.local_batch_size} it must be -1 or {t.local_batch_size * world}")
+
+
+TITAN_SECTIONS = {f.name for f in dataclasses.fields(TitanJobConfig)}
+
+
+def _ours(section: str, key: str) -> bool:
+    own = {f.name: f.type for f in dataclasses.fields(ours.JobConfig)}
+    return section in own and key in {f.name for f in dataclasses.fields(own[section])}
+
+
+def _field_docs(cls) -> dict[str, str]:
+    """First line of each field's attribute docstring (the string right after it in the source)."""
+    import ast
+    import inspect
+    import textwrap
+
+    docs = {}
+    for klass in reversed(cls.__mro__):  # merged configs inherit their parts' fields
+        try:
+            tree = ast.parse(textwrap.dedent(inspect.getsource(klass)))
+        except (OSError, TypeError, SyntaxError):
+            continue
+        body = tree.body[0].body if tree.body and isinstance(tree.body[0], ast.ClassDef) else []
+        for node, nxt in zip(body, body[1:]):
+            if (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name) and isinstance(nxt, ast.Expr)
+                    and isinstance(nxt.value, ast.Constant) and isinstance(nxt.value.value, str)):
+                text = " ".join(nxt.value.value.strip().split("\n\n")[0].split())
+                docs[node.target.id] = text if len(text) <= 160 else text[:157].rsplit(" ", 1)[0] + " ..."
+    return docs
+
+
+def help_text(argv: list[str] | None = None) -> str:
+    """Every section and key with its one-line description and its value: the default, or what
+    ``--job.config_file`` (if given in ``argv``) and the other options set."""
+    cfg = None
+    try:
+        cfg = load_config([a for a in (argv or []) if a not in ("-h", "--help")])
+    except UserError as err:
+        cfg, note = None, f"(config not applied: {err})"
+    lines = ["usage: recipe --job.config_file FILE.toml [--section.key VALUE ...]", "",
+             "keys: value (type) — description" + ("; values from the given config" if cfg is not None and argv
+                                                   else "; defaults")]
+    if cfg is None:
+        lines.insert(1, note)
+
+    def walk(dc_type, value, prefix, depth):
+        docs = _field_docs(dc_type)
+        for f in dataclasses.fields(dc_type):
+            v = getattr(value, f.name) if value is not None else (
+                f.default if f.default is not dataclasses.MISSING else f.default_factory())
             if dataclasses.is_dataclass(f.type):
+                lines.append(f"{'  ' * depth}[{prefix}{f.name}]")
+                walk(f.type, v, f"{prefix}{f.name}.", depth + 1)
                 continue
-            default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
-            lines.append(f"    {f.name} = {default!r}   ({_describe(f.type)})")
+            doc = f" — {docs[f.name]}" if f.name in docs else ""
+            section = prefix.rstrip(".")
+            if section in TITAN_SECTIONS and f.name not in HONOURED.get(section, set()) and not _ours(section, f.name):
+                doc = " — [not supported by this recipe: keep the default]" + doc
+            lines.append(f"{'  ' * depth}{f.name} = {v!r} ({_describe(f.type)}){doc}")
+
+    walk(config_class(), cfg, "", 0)
     return "\n".join(lines)
 
 
@@ -262,7 +381,11 @@ def load_config(argv: list[str] | None = None):
     cls = config_class()
     overrides = _split_cli(argv)
     table: dict = {}
-    path = next((v for k, v in overrides if k == "job.config_file"), None)
+    paths = [v for k, v in overrides if k == "job.config_file"]
+    if len(paths) > 1:
+        raise UserError(f"--job.config_file is given {len(paths)} times ({', '.join(map(repr, paths))}); "
+                        "pass one file and override single keys with --section.key VALUE")
+    path = paths[0] if paths else None
     if path is not None:
         if not os.path.isfile(path):
             raise UserError(f"config file not found: {path!r} (pass --job.config_file PATH to a .toml file)")
@@ -271,6 +394,8 @@ def load_config(argv: list[str] | None = None):
                 table = tomllib.load(f)
         except tomllib.TOMLDecodeError as err:
             raise UserError(f"config file {path!r} is not valid TOML: {err}") from None
+        except UnicodeDecodeError as err:
+            raise UserError(f"config file {path!r} is not UTF-8 text (byte {err.start}); save it as UTF-8") from None
         _validate_table(cls, table, "")
     for key, value in overrides:
         _apply_override(cls, table, key, value)

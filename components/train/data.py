@@ -21,7 +21,7 @@ from collections.abc import Iterator
 import numpy as np
 import torch
 
-from .errors import UserError
+from components.errors import UserError
 
 DEFAULT_STDLIB_BYTES = 16_000_000
 _STDLIB_SKIP_DIRS = {"site-packages", "dist-packages", "test", "tests", "idlelib", "__pycache__"}

@@ -48,6 +48,11 @@ class Training:
     sync_debug: bool = False
     """Raise on any device-to-host synchronisation inside training steps
     (torch.cuda.set_sync_debug_mode("error")); for checking the sync-free path."""
+    max_nonfinite_steps: int = 3
+    """Non-finite guard: a step whose loss or gradient norm is not finite is skipped on the device
+    (the optimizer step is gated, as GradScaler does); after this many consecutive ones the run
+    stops with exit code 3, naming the step and the first module whose output or gradient went
+    non-finite. 0 = off (then [optimizer] implementation may be 'foreach' or 'for-loop')."""
     hang_report_s: float = 900.0
     """When no step has finished for this many seconds, every rank prints its Python stacks (where a
     hung collective or peer-memory barrier waits); the run goes on. 0 = off. The first step, which

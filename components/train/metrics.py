@@ -40,13 +40,15 @@ def heatmap_rgb(ratio_RC: np.ndarray, vmax: float = 3.0, cell: int = 8) -> np.nd
 class MetricsLogger:
     """Rank-0 TensorBoard writer plus per-layer load history for the heatmaps."""
 
-    def __init__(self, log_dir: str | None, history: int = 64):
+    def __init__(self, log_dir: str | None, history: int = 64, purge_step: int | None = None):
+        """``purge_step``: a resumed run's first step; TensorBoard hides events logged at or after
+        it by the interrupted run."""
         self.writer = None
         if log_dir is not None:
             from torch.utils.tensorboard import SummaryWriter
 
             os.makedirs(log_dir, exist_ok=True)
-            self.writer = SummaryWriter(log_dir=log_dir)
+            self.writer = SummaryWriter(log_dir=log_dir, purge_step=purge_step)
         self.history: dict[str, deque] = {}
         self.history_len = history
 
@@ -125,7 +127,7 @@ class RunSummary:
             first = sum(l for _, l in self.losses[:n]) / n
             last = sum(l for _, l in self.losses[-n:]) / n
             lines.append(f"steps          {self.losses[0][0]}..{self.losses[-1][0]}")
-            lines.append(f"loss           {first:.4f} (first {n}) -> {last:.4f} (last {n})")
+            lines.append(f"loss           {first:.4f} -> {last:.4f} (means of the first and last {n} logged steps)")
         lines.append(f"wall time      {wall:.1f} s")
         lines.append(f"tokens         {self.tokens:,}  ({self.tokens / max(wall, 1e-9):,.0f} tok/s)")
         if self.imbalance:

@@ -5,19 +5,23 @@ import math
 
 import torch
 
+from components.errors import UserError
+
 
 def build_optimizer(model: torch.nn.Module, opt_cfg, gated: bool = False) -> torch.optim.Optimizer:
-    """``gated``: the step must honour ``optimizer.found_inf`` (overflow gating) — only the fused
-    implementation does, so it is used whatever [optimizer] implementation says."""
+    """[optimizer] name, lr, beta1, beta2, eps, weight_decay and implementation, all honoured.
+    ``gated``: the step must honour ``optimizer.found_inf`` (the overflow and non-finite gates),
+    which only the fused implementation does."""
+    if gated and opt_cfg.implementation != "fused":
+        raise UserError(f"[optimizer] implementation = {opt_cfg.implementation!r}: the step is gated on the device "
+                        "(overflow replay or non-finite guard), which only 'fused' supports; use 'fused'")
     params = [p for p in model.parameters() if p.requires_grad]
-    on_cuda = all(p.is_cuda for p in params)
-    kwargs = dict(lr=opt_cfg.lr, betas=(0.9, 0.95), eps=opt_cfg.eps, weight_decay=opt_cfg.weight_decay)
-    if gated or (opt_cfg.implementation == "fused" and on_cuda):
+    kwargs = dict(lr=opt_cfg.lr, betas=(opt_cfg.beta1, opt_cfg.beta2), eps=opt_cfg.eps,
+                  weight_decay=opt_cfg.weight_decay)
+    if opt_cfg.implementation == "fused":
         kwargs["fused"] = True
-    elif opt_cfg.implementation == "foreach":
-        kwargs["foreach"] = True
     else:
-        kwargs["foreach"] = False
+        kwargs["foreach"] = opt_cfg.implementation == "foreach"
     cls = torch.optim.AdamW if opt_cfg.name == "AdamW" else torch.optim.Adam
     return cls(params, **kwargs)
 

@@ -21,7 +21,7 @@ from collections.abc import Iterable, Sequence
 
 import numpy as np
 
-from .errors import UserError
+from components.errors import UserError
 
 _EXPECTED = 'expected a directory with tokenizer.json, a tokenizer .json file, or "bytes"'
 

@@ -26,11 +26,17 @@ class StepWatchdog:
             self._thread = threading.Thread(target=self._watch, name="moe-echo-watchdog", daemon=True)
             self._thread.start()
 
+    def limit(self, timeout_s: float) -> None:
+        """Report after ``timeout_s`` from now on (at most the limit given at construction; e.g. a
+        share of the collective timeout, so the report comes before the run is ended)."""
+        if self._thread is not None:
+            self.timeout_s = min(self.timeout_s, timeout_s)
+
     def beat(self, step: int) -> None:
         self.last, self.step, self.reported = time.monotonic(), step, False
 
     def _watch(self) -> None:
-        while not self._stop.wait(min(self.timeout_s / 4, 10.0)):
+        while not self._stop.wait(min(self.timeout_s / 4, 2.0)):
             idle = time.monotonic() - self.last
             if idle >= self.timeout_s and not self.reported:
                 self.reported = True

@@ -1,0 +1,44 @@
+"""Pick and build a token dispatcher from ``[moe_echo] dispatcher`` (the factory sits above the
+backends, which import only the interface in dispatcher.py).
+
+    d = build_dispatcher(cfg, num_experts, ep_group, ep_size, on_cuda)
+"""
+
+import torch
+
+from .config import MoEEchoConfig
+from .deepep_dispatch import DeepEPDispatcher
+from .dispatcher import Dispatcher, LocalDispatcher
+from .ep_dispatch import AllToAllDispatcher, PaddedDispatcher
+from .nvlink_dispatch import NVLinkDispatcher
+
+
+def resolve_backend(cfg: MoEEchoConfig, ep_size: int, on_cuda: bool = False) -> str:
+    """The backend ``cfg.dispatcher`` means at this EP degree (``auto``: local at EP=1, else nvlink
+    on CUDA and padded elsewhere)."""
+    if cfg.dispatcher in ("auto", "fastest"):  # "fastest" is resolved by autotune before this
+        return "local" if ep_size == 1 else ("nvlink" if on_cuda else "padded")
+    if (cfg.dispatcher == "local") != (ep_size == 1):
+        need = "expert_parallel_degree = 1" if cfg.dispatcher == "local" else "expert_parallel_degree > 1"
+        raise ValueError(f"[moe_echo] dispatcher = {cfg.dispatcher!r} needs {need} (got {ep_size}); "
+                         "use dispatcher = 'auto'")
+    return cfg.dispatcher
+
+
+def build_dispatcher(cfg: MoEEchoConfig, num_experts: int, ep_group=None, ep_size: int = 1,
+                     on_cuda: bool = False) -> Dispatcher:
+    backend = resolve_backend(cfg, ep_size, on_cuda)
+    if backend == "local":
+        return LocalDispatcher(num_experts)
+    if backend == "nvlink":
+        return NVLinkDispatcher(num_experts, ep_group, ep_size, cfg.capacity_factor, cfg.nvlink_sms)
+    if backend == "deepep":
+        return DeepEPDispatcher(num_experts, ep_group, ep_size)
+    if backend == "alltoall":
+        return AllToAllDispatcher(num_experts, ep_group, ep_size)
+    return PaddedDispatcher(num_experts, ep_group, ep_size, cfg.capacity_factor)
+
+
+def peers_on_one_host(device_type: str, ep_size: int) -> bool:
+    """Whether the EP ranks can be CUDA GPUs of this one host (what ``nvlink`` needs: peer memory)."""
+    return device_type == "cuda" and ep_size <= torch.cuda.device_count()

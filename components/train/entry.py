@@ -1,0 +1,57 @@
+"""The recipes' ``main``: run the training function, turn known failures into one line and an exit
+code, and shut the process group down.
+
+    error: <message>      exit 2  bad input (UserError: config, data, tokenizer, checkpoint)
+    error: <message>      exit 3  too many consecutive non-finite steps (NonFiniteError)
+    error: <message>      exit 4  a collective timed out: a peer rank is hung or dead
+
+Bad input and non-finite stops are the same on every rank, so only rank 0 prints them; a timeout
+is seen by the ranks still running, so each of them prints its own line.
+"""
+
+import os
+import sys
+
+import torch.distributed as dist
+
+from components.errors import NonFiniteError, PeerTimeoutError, UserError
+
+from .config import help_text
+
+
+def _is_timeout(err: BaseException) -> bool:
+    text = str(err).lower()
+    return isinstance(err, (RuntimeError, dist.DistBackendError)) and ("timed out" in text or "timeout" in text)
+
+
+def run_recipe(train_fn, argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    if "-h" in argv or "--help" in argv:
+        print(help_text(argv))
+        return
+    rank = int(os.environ.get("RANK", "0"))
+    try:
+        train_fn(argv)
+    except (UserError, NonFiniteError) as err:
+        if rank == 0:
+            print(f"error: {err}", file=sys.stderr, flush=True)
+        _shutdown()
+        sys.exit(err.exit_code)
+    except PeerTimeoutError as err:
+        print(f"error: [rank {rank}] {err}", file=sys.stderr, flush=True)
+        sys.stdout.flush()
+        os._exit(err.exit_code)  # the process group cannot be shut down cleanly without the peer
+    except Exception as err:
+        if not _is_timeout(err):
+            raise
+        first = str(err).strip().splitlines()[0][:160] if str(err).strip() else type(err).__name__
+        print(f"error: [rank {rank}] a collective timed out ({first}): a peer rank is hung or dead; "
+              "[comm] train_timeout_seconds sets the limit", file=sys.stderr, flush=True)
+        sys.stdout.flush()
+        os._exit(PeerTimeoutError.exit_code)
+    _shutdown()
+
+
+def _shutdown() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()

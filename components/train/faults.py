@@ -1,0 +1,28 @@
+"""Fault injection for the end-to-end tests, driven by environment variables (off unless set).
+
+    MOE_ECHO_FAULT_NAN_AT_STEP=N    before step N, one weight of the first MoE layer's experts
+                                    becomes NaN (the non-finite guard must stop the run and name it)
+    MOE_ECHO_FAULT_STOP_AT_STEP=N   before step N, the last rank stops itself (SIGSTOP), as a hung
+                                    peer would (the collective timeout must end the run)
+
+(``MOE_ECHO_FAULT_KILL_AT_CHECKPOINT`` lives in checkpoint.py.)
+"""
+
+import os
+import signal
+
+import torch
+
+
+def _at(name: str, step: int) -> bool:
+    return os.environ.get(name) == str(step)
+
+
+def inject(step: int, model: torch.nn.Module, layers, rank: int, world: int) -> None:
+    if _at("MOE_ECHO_FAULT_NAN_AT_STEP", step) and layers:
+        w1 = layers[0][1].experts.w1
+        with torch.no_grad():
+            local = w1.to_local() if hasattr(w1, "to_local") else w1
+            local.view(-1)[0] = float("nan")
+    if _at("MOE_ECHO_FAULT_STOP_AT_STEP", step) and rank == world - 1 and world > 1:
+        os.kill(os.getpid(), signal.SIGSTOP)

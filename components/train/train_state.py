@@ -1,0 +1,55 @@
+"""What a checkpoint holds besides the lr scheduler: model + optimizer (DCP Stateful, FQN-keyed,
+so a checkpoint saved at one EP / FSDP layout loads at another) and the train state (step, data
+position, RNG)."""
+
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+from .data import TokenBatchLoader
+
+
+class ModelAndOptimizer:
+    """DCP Stateful view of model + optimizer."""
+
+    def __init__(self, model, optimizer):
+        self.model, self.optimizer = model, optimizer
+
+    def state_dict(self):
+        model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
+        return {"model": model_sd, "optim": optim_sd}
+
+    def load_state_dict(self, sd):
+        set_state_dict(self.model, self.optimizer, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
+
+
+class TrainState:
+    """Step counter, data position and RNG state."""
+
+    def __init__(self, loader: TokenBatchLoader):
+        self.step = 0
+        self.loader = loader
+
+    def state_dict(self):
+        sd = {"step": self.step, "data": self.loader.state_dict(), "rng_cpu": torch.get_rng_state()}
+        if torch.cuda.is_available():
+            sd["rng_cuda"] = torch.cuda.get_rng_state()
+        return sd
+
+    def load_state_dict(self, sd):
+        self.step = int(sd["step"])
+        self.loader.load_state_dict(sd["data"])
+        torch.set_rng_state(sd["rng_cpu"])
+        if torch.cuda.is_available() and "rng_cuda" in sd:
+            torch.cuda.set_rng_state(sd["rng_cuda"])
+
+
+def params_finite(model: torch.nn.Module) -> bool:
+    """Every parameter finite on every rank (one host read; for checkpoint saves, not per step)."""
+    bad = torch.zeros((), dtype=torch.float32, device=next(model.parameters()).device)
+    for p in model.parameters():
+        local = p.to_local() if hasattr(p, "to_local") else p
+        bad = bad + (~torch.isfinite(local.detach())).any().float()
+    if dist.is_initialized():
+        dist.all_reduce(bad)
+    return float(bad) == 0

@@ -1,0 +1,208 @@
+"""Runs a user can trust: the step gate skips non-finite steps on the device, the guard stops a
+diverging run (exit 3) naming where it went non-finite and never saving non-finite weights, every
+torchtitan key is honoured or refused, and metrics never mix runs."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from components.train.optim import build_optimizer
+from components.train.overflow import StepGate, StepPipeline
+from conftest import ROOT
+from test_recipe import CONFIG, RECIPE, SMALL, _bad, losses, run
+
+
+class _Opt:
+    name, lr, beta1, beta2, eps, weight_decay, implementation = "AdamW", 1e-2, 0.9, 0.95, 1e-8, 0.1, "fused"
+
+
+def _model_and_grads(seed=0):
+    torch.manual_seed(seed)
+    model = torch.nn.Linear(8, 4)
+    model(torch.randn(16, 8)).square().mean().backward()
+    return model
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_gate_skips_a_nonfinite_step_on_the_device(bad):
+    model = _model_and_grads()
+    opt = build_optimizer(model, _Opt(), gated=True)
+    gate = StepGate([], opt, torch.device("cpu"))
+    before = [p.detach().clone() for p in model.parameters()]
+    gate.gate(torch.tensor(bad), torch.tensor(1.0))  # loss not finite
+    opt.step()
+    assert all(torch.equal(a, p) for a, p in zip(before, model.parameters()))
+    assert all(float(s["step"]) == 0 for s in opt.state.values())  # not even the step count moved
+    gate.gate(torch.tensor(1.0), torch.tensor(bad))  # gradient norm not finite
+    opt.step()
+    assert all(torch.equal(a, p) for a, p in zip(before, model.parameters()))
+    gate.gate(torch.tensor(1.0), torch.tensor(1.0))  # finite: applied
+    opt.step()
+    assert not torch.equal(before[0], model.weight)
+    assert int(gate.nonfinite_total) == 2
+
+
+def test_pipeline_counts_consecutive_nonfinite_steps_one_step_late():
+    model = _model_and_grads()
+    opt = build_optimizer(model, _Opt(), gated=True)
+    gate = StepGate([], opt, torch.device("cpu"))
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
+    pattern = {1: 1.0, 2: float("nan"), 3: float("nan"), 4: 1.0, 5: float("inf")}
+
+    def run_step(batch, exact):
+        from components.parallel.host_copy import HostCopy
+
+        gate.gate(torch.tensor(pattern[batch[0]]), torch.tensor(1.0))
+        return HostCopy(torch.tensor(batch[0]))
+
+    pipe = StepPipeline(run_step, gate, sched)
+    seen = []
+    for step in range(1, 6):
+        done = pipe.submit(step, (step,), settle=step == 5)
+        assert all(c.step < step for c in done) or step == 5  # confirmed one step late
+        seen += [(c.step, c.nonfinite, pipe.nonfinite_streak) for c in done]
+    assert [s for s, _, _ in seen] == [1, 2, 3, 4, 5]
+    assert [n for _, n, _ in seen] == [False, True, True, False, True]
+
+
+def test_beta2_changes_the_update():
+    outs = []
+    for beta2 in (0.95, 0.5):
+        model = _model_and_grads()
+        opt_cfg = _Opt()
+        opt_cfg.beta2 = beta2
+        opt = build_optimizer(model, opt_cfg)
+        assert opt.param_groups[0]["betas"] == (0.9, beta2)
+        for _ in range(3):
+            opt.step()
+        outs.append(model.weight.detach().clone())
+    assert not torch.equal(*outs)
+
+
+def test_diverging_run_stops_with_exit_3_and_saves_no_nonfinite_checkpoint(tmp_path):
+    p = run(tmp_path, "--optimizer.lr", "1e30", "--lr_scheduler.warmup_steps", "0", "--training.steps", "12",
+            "--checkpoint.interval", "5", "--checkpoint.keep_latest_k", "2", "--metrics.log_freq", "1", check=False)
+    lines = [l for l in p.stderr.splitlines() if l.startswith("error:")]
+    assert p.returncode == 3, p.stderr[-2000:]
+    assert "Traceback" not in p.stderr and len(lines) == 1, p.stderr[-2000:]
+    assert "consecutive non-finite steps" in lines[0] and "first non-finite: " in lines[0]
+    rows = [json.loads(l) for l in open(os.path.join(tmp_path, "metrics.jsonl"))]
+    stop = rows[-1]["step"]
+    assert stop < 12 and rows[-1]["nonfinite_skipped_steps"] >= 3
+    ckpt = os.path.join(tmp_path, "checkpoint")
+    for name in os.listdir(ckpt) if os.path.isdir(ckpt) else []:
+        assert int(name.split("-")[1]) < stop - 2  # only from before the non-finite streak
+
+
+def test_nonfinite_weights_are_named_and_the_last_good_checkpoint_is_kept(tmp_path):
+    p = run(tmp_path, "--training.steps", "12", "--checkpoint.interval", "5", "--checkpoint.keep_latest_k", "1",
+            "--metrics.log_freq", "1", env={"MOE_ECHO_FAULT_NAN_AT_STEP": "7"}, check=False)
+    lines = [l for l in p.stderr.splitlines() if l.startswith("error:")]
+    assert p.returncode == 3 and len(lines) == 1, p.stderr[-2000:]
+    assert "step 9: 3 consecutive" in lines[0], lines[0]
+    assert "layers.1.moe.experts" in lines[0], lines[0]  # where the NaN weight sits (first MoE layer)
+    assert "weights themselves are not finite" in lines[0]
+    assert sorted(os.listdir(os.path.join(tmp_path, "checkpoint"))) == ["step-5"]
+    rows = {r["step"]: r for r in map(json.loads, open(os.path.join(tmp_path, "metrics.jsonl")))}
+    assert rows[6]["nonfinite_skipped_steps"] == 0 and rows[9]["nonfinite_skipped_steps"] == 3
+
+
+def test_fresh_run_moves_old_metrics_aside_and_resume_logs_each_step_once(tmp_path):
+    args = ["--training.steps", "6", "--metrics.log_freq", "1", "--checkpoint.interval", "3"]
+    run(tmp_path, *args, "--checkpoint.enable", "false")
+    first = losses(tmp_path)
+    run(tmp_path, *args)  # fresh again (no checkpoint to resume): the old log moves aside
+    assert sorted(os.listdir(tmp_path)).count("metrics.jsonl.prev-1") == 1
+    assert list(losses(tmp_path)) == [1, 2, 3, 4, 5, 6]
+    assert os.path.isdir(os.path.join(tmp_path, "tb.prev-1"))
+    # resume from step-3 of a run whose log already reached step 6: steps 4..6 logged once
+    import shutil
+
+    shutil.rmtree(os.path.join(tmp_path, "checkpoint", "step-6"))
+    run(tmp_path, *args)
+    steps = [json.loads(l)["step"] for l in open(os.path.join(tmp_path, "metrics.jsonl"))]
+    assert steps == [1, 2, 3, 4, 5, 6]
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(os.path.join(tmp_path, "tb"), size_guidance={"scalars": 0})
+    acc.Reload()
+    assert [e.step for e in acc.Scalars("loss")] == [1, 2, 3, 4, 5, 6]
+    assert first[1] == losses(tmp_path)[1]
+
+
+def test_nothing_to_do_prints_one_line_and_writes_nothing(tmp_path):
+    run(tmp_path, "--training.steps", "2", "--checkpoint.interval", "2")
+    before = sorted(os.listdir(tmp_path))
+    p = run(tmp_path, "--training.steps", "2", "--checkpoint.interval", "2")
+    assert p.stdout.strip().count("\n") == 0 and "nothing to do" in p.stdout
+    assert sorted(os.listdir(tmp_path)) == before
+
+
+@pytest.mark.parametrize(
+    "args, toml_extra, expect",
+    [
+        (("--optimizer.lr", "inf"), None, "finite"),
+        (("--optimizer.beta1", "2.0"), None, "beta1"),
+        (("--training.seed", "100000000000000000000000"), None, "seed"),
+        (("--training.steps", "100000000000000000000"), None, "64-bit"),
+        ((), "[validation]\nsteps = 100000000000000000000\n", "64-bit"),
+        (("--moe_echo.debug_hot_experts", "-3"), None, "debug_hot_experts"),
+        (("--job.dump_folder", ""), None, "dump_folder"),
+        (("--job.config_file", CONFIG), None, "given 2 times"),
+        (("--training.stepss", "3"), None, "did you mean 'steps'"),
+        (("--checkpoint.async_mode", "async"), None, "not supported by this recipe: [checkpoint] async_mode"),
+        (("--validation.enable",), None, "not supported by this recipe: [validation] enable"),
+        (("--metrics.enable_wandb",), None, "not supported by this recipe: [metrics] enable_wandb"),
+        (("--model.converters", "float8"), None, "not supported by this recipe: [model] converters"),
+        (("--training.global_batch_size", "64"), None, "global_batch_size"),
+        (("--optimizer.implementation", "foreach"), None, "fused"),
+    ],
+    ids=["lr_inf", "beta1", "seed_int64", "steps_int64", "toml_int64", "hot_experts_negative", "dump_empty",
+         "second_config", "did_you_mean", "async_checkpoint", "validation", "wandb", "converters",
+         "grad_accumulation", "foreach_with_guard"],
+)
+def test_more_bad_input_is_one_line_exit_2(tmp_path, args, toml_extra, expect):
+    assert expect in _bad(tmp_path, *args, toml_extra=toml_extra)
+
+
+def test_bad_bytes_in_toml_and_dump_folder_that_is_a_file(tmp_path):
+    bad = tmp_path / "bad.toml"
+    bad.write_bytes(b"[training]\nsteps = 2\n# \xff\xfe\n")
+    p = subprocess.run([sys.executable, RECIPE, "--job.config_file", str(bad)], capture_output=True, text=True)
+    assert p.returncode == 2 and "UTF-8" in p.stderr and "Traceback" not in p.stderr
+    f = tmp_path / "a_file"
+    f.write_text("x")
+    assert "existing file" in _bad(tmp_path, "--job.dump_folder", str(f))
+
+
+def _torchrun(tmp_path, *args, env=None, timeout=300):
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", RECIPE, "--job.config_file",
+           CONFIG, "--job.dump_folder", str(tmp_path / "out"), *SMALL, "--parallelism.expert_parallel_degree", "2",
+           *args]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout,
+                          env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})})
+
+
+def test_bad_key_under_torchrun_is_one_error_line_and_every_rank_exits_2(tmp_path):
+    p = _torchrun(tmp_path, "--training.stepz", "3")
+    errors = [l for l in p.stderr.splitlines() if l.startswith("error:")]
+    assert len(errors) == 1 and "did you mean 'steps'" in errors[0], p.stderr[-3000:]
+    assert p.stderr.count("exitcode  : 2 (pid") == 2, p.stderr[-3000:]  # torchrun's report of both ranks
+
+
+def test_a_hung_peer_ends_the_run_within_the_timeout_after_a_hang_report(tmp_path):
+    import time
+
+    t0 = time.monotonic()
+    p = _torchrun(tmp_path, "--training.steps", "30", "--checkpoint.enable", "false", "--comm.train_timeout_seconds",
+                  "15", env={"MOE_ECHO_FAULT_STOP_AT_STEP": "4"})
+    elapsed = time.monotonic() - t0
+    assert p.returncode != 0 and elapsed < 240, (elapsed, p.stderr[-3000:])
+    report = p.stderr.find("no training step has finished")
+    error = p.stderr.find("error: [rank 0] a collective timed out")
+    assert 0 <= report < error, p.stderr[-3000:]
+    assert "Traceback" not in p.stderr[error:].split("\n")[0]
