@@ -14,6 +14,8 @@ from components.parallel.mesh import parallel_dims
 from components.errors import UserError
 from conftest import ROOT
 
+pytestmark = pytest.mark.slow  # end-to-end runs in subprocesses
+
 
 def spawn(world, fn_name, tmp_path, **kwargs):
     """Run ep_worker.<fn_name> on ``world`` gloo processes. A worker that dies without a Python error

@@ -22,6 +22,8 @@ from components.train.data import TokenBatchLoader, build_token_stream
 from components.train.hf_weights import load_initial_weights
 from components.train.tokenizer import build_tokenizer
 
+pytestmark = pytest.mark.slow  # end-to-end runs in subprocesses
+
 FINETUNE = os.path.join(ROOT, "recipes", "finetune.py")
 QUIET = ["--metrics.enable_tensorboard", "false", "--metrics.log_freq", "1"]
 FAMILIES = {"deepseek_v3": "tiny", "qwen3": "tiny_moe"}

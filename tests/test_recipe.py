@@ -11,6 +11,8 @@ import pytest
 
 from conftest import ROOT
 
+pytestmark = pytest.mark.slow  # end-to-end runs in subprocesses
+
 RECIPE = os.path.join(ROOT, "recipes", "pretrain.py")
 CONFIG = os.path.join(ROOT, "train_configs", "debug_cpu.toml")
 SMALL = ["--training.max_corpus_mb", "1", "--training.seq_len", "64", "--training.local_batch_size", "8"]

@@ -83,6 +83,7 @@ def test_beta2_changes_the_update():
     assert not torch.equal(*outs)
 
 
+@pytest.mark.slow
 def test_diverging_run_stops_with_exit_3_and_saves_no_nonfinite_checkpoint(tmp_path):
     p = run(tmp_path, "--optimizer.lr", "1e30", "--lr_scheduler.warmup_steps", "0", "--training.steps", "12",
             "--checkpoint.interval", "5", "--checkpoint.keep_latest_k", "2", "--metrics.log_freq", "1", check=False)
@@ -98,6 +99,7 @@ def test_diverging_run_stops_with_exit_3_and_saves_no_nonfinite_checkpoint(tmp_p
         assert int(name.split("-")[1]) < stop - 2  # only from before the non-finite streak
 
 
+@pytest.mark.slow
 def test_nonfinite_weights_are_named_and_the_last_good_checkpoint_is_kept(tmp_path):
     p = run(tmp_path, "--training.steps", "12", "--checkpoint.interval", "5", "--checkpoint.keep_latest_k", "1",
             "--metrics.log_freq", "1", env={"MOE_ECHO_FAULT_NAN_AT_STEP": "7"}, check=False)
@@ -111,6 +113,7 @@ def test_nonfinite_weights_are_named_and_the_last_good_checkpoint_is_kept(tmp_pa
     assert rows[6]["nonfinite_skipped_steps"] == 0 and rows[9]["nonfinite_skipped_steps"] == 3
 
 
+@pytest.mark.slow
 def test_fresh_run_moves_old_metrics_aside_and_resume_logs_each_step_once(tmp_path):
     args = ["--training.steps", "6", "--metrics.log_freq", "1", "--checkpoint.interval", "3"]
     run(tmp_path, *args, "--checkpoint.enable", "false")
@@ -134,6 +137,7 @@ def test_fresh_run_moves_old_metrics_aside_and_resume_logs_each_step_once(tmp_pa
     assert first[1] == losses(tmp_path)[1]
 
 
+@pytest.mark.slow
 def test_nothing_to_do_prints_one_line_and_writes_nothing(tmp_path):
     run(tmp_path, "--training.steps", "2", "--checkpoint.interval", "2")
     before = sorted(os.listdir(tmp_path))
@@ -142,6 +146,7 @@ def test_nothing_to_do_prints_one_line_and_writes_nothing(tmp_path):
     assert sorted(os.listdir(tmp_path)) == before
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "args, toml_extra, expect",
     [
@@ -169,6 +174,7 @@ def test_more_bad_input_is_one_line_exit_2(tmp_path, args, toml_extra, expect):
     assert expect in _bad(tmp_path, *args, toml_extra=toml_extra)
 
 
+@pytest.mark.slow
 def test_bad_bytes_in_toml_and_dump_folder_that_is_a_file(tmp_path):
     bad = tmp_path / "bad.toml"
     bad.write_bytes(b"[training]\nsteps = 2\n# \xff\xfe\n")
@@ -187,6 +193,8 @@ def _torchrun(tmp_path, *args, env=None, timeout=300):
                           env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})})
 
 
+@pytest.mark.slow
+@pytest.mark.skipif(torch.cuda.is_available() and torch.cuda.device_count() < 2, reason="needs 2 ranks")
 def test_bad_key_under_torchrun_is_one_error_line_and_every_rank_exits_2(tmp_path):
     p = _torchrun(tmp_path, "--training.stepz", "3")
     errors = [l for l in p.stderr.splitlines() if l.startswith("error:")]
@@ -194,6 +202,8 @@ def test_bad_key_under_torchrun_is_one_error_line_and_every_rank_exits_2(tmp_pat
     assert p.stderr.count("exitcode  : 2 (pid") == 2, p.stderr[-3000:]  # torchrun's report of both ranks
 
 
+@pytest.mark.slow
+@pytest.mark.skipif(torch.cuda.is_available(), reason="gloo on CPU; under NCCL the watchdog aborts the process")
 def test_a_hung_peer_ends_the_run_within_the_timeout_after_a_hang_report(tmp_path):
     import time
 
