@@ -216,3 +216,27 @@ def test_a_hung_peer_ends_the_run_within_the_timeout_after_a_hang_report(tmp_pat
     error = p.stderr.find("error: [rank 0] a collective timed out")
     assert 0 <= report < error, p.stderr[-3000:]
     assert "Traceback" not in p.stderr[error:].split("\n")[0]
+
+
+@pytest.mark.slow
+def test_profiling_and_hf_export_keys_are_honoured(tmp_path):
+    from components.moe_echo.config import MoEEchoConfig
+    from components.moe_echo.models import build_model
+    from components.train.hf_weights import load_initial_weights
+
+    p = run(tmp_path, "--training.steps", "4", "--checkpoint.interval", "4", "--checkpoint.last_save_in_hf",
+            "--profiling.enable_profiling", "--profiling.profile_freq", "2", "--profiling.profiler_warmup", "0",
+            "--metrics.enable_tensorboard", "false")
+    traces = sorted(os.listdir(os.path.join(tmp_path, "profile_traces")))
+    assert traces == ["iteration_2", "iteration_4"], traces
+    with open(os.path.join(tmp_path, "profile_traces", "iteration_4", "rank0_trace.json")) as f:
+        assert json.load(f)["traceEvents"]
+    assert "HF export:" in p.stdout
+    ckpt = os.path.join(tmp_path, "checkpoint")
+    dcp_model, hf_model = (build_model("deepseek_v3", "tiny", MoEEchoConfig(), seq_len=64, seed=s) for s in (1, 2))
+    load_initial_weights(dcp_model, os.path.join(ckpt, "step-4"), False, "deepseek_v3")
+    load_initial_weights(hf_model, os.path.join(ckpt, "step-4-hf"), True, "deepseek_v3")
+    a, b = dcp_model.state_dict(), hf_model.state_dict()
+    assert a.keys() == b.keys()
+    for k in a:
+        assert torch.equal(a[k], b[k]), k  # the export holds exactly the final weights
