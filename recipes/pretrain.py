@@ -56,7 +56,8 @@ def train(argv: list[str]) -> None:
     check_global_batch(cfg, world)
     mesh = build_mesh(dims, device.type)
     is_main, dump = rank == 0, cfg.job.dump_folder
-    if cfg.debug.deterministic:
+    if cfg.debug.deterministic:  # cuBLAS needs a fixed workspace for deterministic GEMMs
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
         torch.use_deterministic_algorithms(True, warn_only=cfg.debug.deterministic_warn_only)
     if is_main and cfg.job.print_config:
         print(cfg)

@@ -54,7 +54,7 @@ def test_disabled_keeps_torchtitan_moe():
 def test_train_spec_registration_builds_swapped_models():
     from torchtitan.protocols.train_spec import get_train_spec
 
-    import components.moe_echo.torchtitan_spec as spec_mod
+    import components.train.torchtitan_spec as spec_mod
 
     assert spec_mod.TRAIN_SPECS == ["moe_echo_deepseek_v3", "moe_echo_qwen3"]
     for spec_name, flavor in [("moe_echo_deepseek_v3", "tiny"), ("moe_echo_qwen3", "tiny_moe")]:

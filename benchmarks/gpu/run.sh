@@ -1,12 +1,36 @@
 #!/usr/bin/env bash
-# One runner for the GPU machine: `bash benchmarks/gpu/run.sh SUITE` from the repository root,
-# with the pure-Python wheels carried in .whl/ (bash ../shared/offline-wheels.sh fills it).
-# Logs and tables go to $OUT (./gpu_out elsewhere).
-#   tests      every GPU test (1 GPU: single-GPU ones; 2 GPUs: EP and training ones too) + the CPU
-#              tests of the step gate, profiler and checkpoints on this machine's torch
+# One runner for the GPU machine: `bash benchmarks/gpu/run.sh SUITE` from the repository root, with
+# the pure-Python wheels carried in .whl/ (bash ../shared/offline-wheels.sh fills it). Logs and
+# tables go to $OUT (./gpu_out elsewhere). Each suite is sized for one 10-minute call; the suites below are
+# the commands that produced the tables in benchmarks/results/ (README.md in this folder: suite ->
+# GPUs -> results file). PART picks a part where a suite has several; TMO overrides a run's limit.
+# The first v2lite_6b step on a cold Triton cache compiles every kernel (minutes): give the first
+# run on a fresh machine a generous limit.
+#
+#   tests       1-2  every GPU test + the CPU tests of the step gate, profiler and checkpoints on this torch
+#   graph       4    two GPU pairs at once: graph == eager tests, overflow replay with re-capture (0,1);
+#                    pinned-staging probe, EP tests, v2lite_1b EP=2 graphed with re-capture (2,3)
+#   layer       1    MoE layer fwd+bwd vs torchtitan and a dense SwiGLU (+ the layer/kernel tests)
+#   configs     1    40 steps of each GPU config (RECIPES="debug_gpu ..." to pick)
+#   dispatch    2/4+ dispatch + combine at EP=2 on GPUs 0,1, then EP=all GPUs (VDEV=1 adds NVSHMEM vdev)
+#   throughput  1-2  training tokens/s vs torchtitan's trainer, eager and graphed (PART=1gpu | ep2)
+#   dp_vs_ep    2    v2lite_1b: plain data parallel vs EP=2 (padded, alltoall)
+#   planner     1    ECHO planner time in a CUDA graph; simulated EP=8/16 straggler time
+#   echo        2    ECHO on/off with 8 hot experts (padded, capacity 2.0 / 1.25); echo_recompute memory
+#   echo_e2e    2    sync-free EP checks; ECHO on/off, dropless replay, the `fastest` dispatcher choice
+#   ep4         4    dispatch at EP=4; v2lite_1b EP=4 nvlink, 100 steps, sync_debug, ECHO off/on x routing
+#   ep4_padded  4    v2lite_1b EP=4 padded, 60 steps, ECHO off/on x routing
+#   ep4_6b      4    v2lite_6b EP=4 nvlink: PART=a natural routing ECHO off/on; b 8 hot experts; c graphed
+#   scaling     1/2/4 v2lite_1b tokens/s per GPU at 1, 2, 4 GPUs (EP = GPUs, padded, ECHO on)
+#   guard       1    cost of the non-finite guard: v2lite_1b (CONFIGS=...), eager and graphed, on vs off
+#   titan       2    torchtitan's own trainer with our TrainSpec (EP=2, ECHO) vs the recipe: per-step losses
+#   ep8         8    not run yet (needs an 8-GPU host): PART=a dispatch EP=2/8; b v2lite_1b EP=8; c scaling
+#                    row + v2lite_6b graphed at EP=8
 set -uo pipefail
 source benchmarks/gpu/lib.sh
-suite=${1:?usage: run.sh SUITE (tests)}
+suite=${1:?usage: run.sh SUITE (see the header of benchmarks/gpu/run.sh)}
+noise() { grep -Ev '^\{|^W[0-9]{4} |[Ww]arn'; }   # drop the JSON rows and torch warnings from benchmark output
+tp() { timeout "$1" python3 benchmarks/trainer_throughput.py --out "$OUT" "${@:2}" 2>&1 | tail -7; }
 case $suite in
   tests)
     nvidia-smi --query-gpu=name --format=csv,noheader | tee "$OUT/gpus.txt"
@@ -19,5 +43,198 @@ case $suite in
 import json,sys; r=[json.loads(l) for l in open(sys.argv[1])]
 print('grow-to-fit replayed steps', [x['step'] for x in r if x.get('moe/replayed')])" "$f" | tee -a "$OUT/gpu_tests.log"
     done ;;
-  *) echo "unknown suite $suite" >&2; exit 2 ;;
+
+  graph)  # -> benchmarks/results/gpu_tests_4xH200.md
+    nvidia-smi --query-gpu=name --format=csv,noheader | head -4
+    grep -c "was_allocated_during_stream_capture" $(python3 -c "import torch,os;print(os.path.dirname(torch.__file__))")/include/ATen/core/CachingHostAllocator.h
+    (
+      export CUDA_VISIBLE_DEVICES=0,1 PET_MASTER_PORT=29510
+      timeout 330 python3 -m pytest tests/test_gpu_train.py -p no:warnings -q -s > "$OUT/gpu_train.log" 2>&1
+      echo "gpu_train rc=$?" >> "$OUT/gpu_train.log"
+      timeout 150 python3 -m pytest tests/test_gpu_train.py -k "overflow and recapture" \
+        -p no:warnings -q -s > "$OUT/recapture_test.log" 2>&1
+      echo "recapture_test rc=$?" >> "$OUT/recapture_test.log"
+    ) &
+    (
+      export CUDA_VISIBLE_DEVICES=2,3 PET_MASTER_PORT=29520
+      timeout 60 python3 benchmarks/probe_graph_pinned.py > "$OUT/probe.log" 2>&1
+      timeout 240 python3 -m pytest -x tests/test_gpu_ep.py -p no:warnings -q -s > "$OUT/gpu_ep.log" 2>&1
+      echo "gpu_ep rc=$?" >> "$OUT/gpu_ep.log"
+      timeout 180 torchrun --nproc_per_node 2 --master_port 29530 recipes/pretrain.py \
+        --job.config_file train_configs/v2lite_1b_gpu.toml --training.steps 40 --metrics.log_freq 1 \
+        --metrics.enable_tensorboard false --checkpoint.enable false --parallelism.expert_parallel_degree 2 \
+        --moe_echo.dispatcher nvlink --moe_echo.capacity_factor 1.5 --training.cuda_graph true \
+        --training.cuda_graph_after_replay recapture --job.dump_folder /tmp/v2_recap > "$OUT/recapture_v2lite.log" 2>&1
+      echo "recapture_v2lite rc=$?" >> "$OUT/recapture_v2lite.log"
+      cp /tmp/v2_recap/metrics.jsonl "$OUT/recapture_v2lite_metrics.jsonl" 2>/dev/null
+    ) &
+    wait
+    cat "$OUT/probe.log"
+    for f in gpu_train gpu_ep recapture_test; do echo "== $f"; tail -8 "$OUT/$f.log"; done
+    echo "== recapture_v2lite"; grep -E "cuda graph|rc=|rror|misaligned|overflow " "$OUT/recapture_v2lite.log" | grep -v "^\[rank1\]" | head -20
+    python3 -c "
+import json
+for l in open('$OUT/recapture_v2lite_metrics.jsonl'):
+    r=json.loads(l); print(r['step'], round(r['loss'],4), r.get('moe/overflow_assignments'), r.get('moe/replayed_steps'))" 2>&1 | tail -8 ;;
+
+  layer)  # -> moe_layer_<GPU>.md
+    nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv | tee "$OUT/gpu.txt"
+    python3 -m pytest tests/test_gpu.py tests/test_kernels.py tests/test_layer.py tests/test_models.py -p no:warnings 2>&1 \
+      | tee "$OUT/layer_tests.log" | tail -15
+    CUDA_VISIBLE_DEVICES=0 python3 benchmarks/moe_layer.py --out "$OUT" ${BENCH_ARGS:-} 2>&1 | tee "$OUT/moe_layer.log" | tail -40 ;;
+
+  configs)
+    for cfg in ${RECIPES-debug_gpu v2lite_1b_gpu qwen3_30b_a3b_small_gpu}; do
+      CUDA_VISIBLE_DEVICES=0 python3 recipes/pretrain.py --job.config_file train_configs/$cfg.toml --training.steps 40 \
+        --metrics.log_freq 10 --checkpoint.enable false --job.dump_folder /tmp/run_$cfg > "$OUT/recipe_$cfg.log" 2>&1
+      echo "== $cfg rc=$?"; grep -v "step/s\]$" "$OUT/recipe_$cfg.log" | tail -14
+      tail -3 /tmp/run_$cfg/metrics.jsonl | cut -c1-400
+    done ;;
+
+  dispatch)  # -> dispatch_ep2_<GPU>.md, dispatch_ep<N>_<GPU>.md
+    N=$(ngpus); vdev=--no-vdev; [ -n "${VDEV:-}" ] && vdev=
+    CUDA_VISIBLE_DEVICES=0,1 timeout 170 torchrun --nproc_per_node 2 benchmarks/dispatch.py $vdev --out "$OUT" 2>&1 \
+      | tee "$OUT/dispatch_ep2.log" | noise | tail -32
+    if [ "$N" -ge 4 ]; then
+      timeout 130 torchrun --nproc_per_node $N benchmarks/dispatch.py --tokens 16384 $vdev --sweep 32,64,132 --out "$OUT" 2>&1 \
+        | tee "$OUT/dispatch_ep$N.log" | noise | tail -14
+    fi ;;
+
+  throughput)  # -> throughput_<config>_<n>gpu[_label]_<GPU>.md
+    nvidia-smi --query-gpu=name --format=csv,noheader | head -4
+    if [ "${PART:-1gpu}" = 1gpu ]; then
+      CUDA_VISIBLE_DEVICES=0 tp 150 --nproc 1 --config train_configs/debug_gpu.toml --steps 60
+      CUDA_VISIBLE_DEVICES=0 tp 150 --nproc 1 --config train_configs/v2lite_1b_gpu.toml --steps 40
+    else
+      tp 300 --nproc 2 --config train_configs/v2lite_1b_gpu.toml --steps 40 --label _ep2 \
+         --ours "--parallelism.expert_parallel_degree 2 --moe_echo.dispatcher nvlink --moe_echo.capacity_factor 1.5" \
+         --titan "--parallelism.expert_parallel_degree 2"
+      tp 150 --nproc 2 --config train_configs/v2lite_1b_gpu.toml --steps 40 --label _ep2_echo --runs ours_eager,ours_graph \
+         --ours "--parallelism.expert_parallel_degree 2 --moe_echo.dispatcher nvlink --moe_echo.capacity_factor 1.25 --moe_echo.echo true"
+    fi
+    tar czf "$OUT/logs.tgz" -C /tmp/moe_echo_throughput --exclude assets . 2>/dev/null ;;
+
+  dp_vs_ep)  # -> docs/performance.md (plain data parallel vs EP=2)
+    export FROM=30
+    recipe dp2 2 --training.steps 30 --parallelism.expert_parallel_degree 1
+    recipe ep2_padded 2 --training.steps 30 --parallelism.expert_parallel_degree 2 --moe_echo.dispatcher padded --moe_echo.capacity_factor 2.0
+    recipe ep2_alltoall 2 --training.steps 30 --parallelism.expert_parallel_degree 2 --moe_echo.dispatcher alltoall ;;
+
+  planner)  # -> planner_time_<GPU>.md, echo_sim_<GPU>.md
+    python3 -m pytest tests/test_kernels.py -p no:warnings -k planner 2>&1 | tail -2
+    python3 benchmarks/planner.py --skip-quality --time --out "$OUT" 2>&1 | tail -8
+    python3 benchmarks/echo_sim.py --out "$OUT" 2>&1 | tail -11 ;;
+
+  echo)  # -> echo_e2e_2xH200.md (first table), echo_recompute_<GPU>.md
+    python3 -m pytest tests/test_gpu_ep.py -p no:warnings -k two_gpu 2>&1 | tail -2
+    export FROM=20
+    hot() { recipe "$1" 2 --training.steps 40 --parallelism.expert_parallel_degree 2 --moe_echo.dispatcher padded \
+      --moe_echo.bias_update_rate 0 --moe_echo.debug_hot_experts 8 "${@:2}"; }
+    hot off_cf2 --moe_echo.capacity_factor 2.0
+    hot on_cf2 --moe_echo.capacity_factor 2.0 --moe_echo.echo true --moe_echo.echo_slots_per_rank 4
+    hot on_cf1.25 --moe_echo.capacity_factor 1.25 --moe_echo.echo true --moe_echo.echo_slots_per_rank 4
+    hot off_cf1.25 --moe_echo.capacity_factor 1.25 --moe_echo.on_overflow stop; grep -m1 "^error" "$OUT/off_cf1.25.log"
+    timeout 150 torchrun --nproc_per_node 2 benchmarks/echo_recompute.py --out "$OUT" 2>&1 | noise | tail -6 ;;
+
+  echo_e2e)  # -> echo_e2e_2xH200.md (second table)
+    python3 -m pytest tests/test_gpu_ep.py -p no:warnings -s 2>&1 | grep -E "echo=|passed|failed|Error" | head
+    export FROM=20
+    hot() { recipe "$1" 2 --training.steps 40 --parallelism.expert_parallel_degree 2 \
+      --moe_echo.bias_update_rate 0 --moe_echo.debug_hot_experts 8 "${@:2}"; }
+    hot off_padded_cf2 --moe_echo.dispatcher padded --moe_echo.capacity_factor 2.0
+    hot on_padded_cf1.25 --moe_echo.dispatcher padded --moe_echo.capacity_factor 1.25 --moe_echo.echo true --moe_echo.echo_slots_per_rank 4
+    hot off_replay_cf1 --moe_echo.dispatcher padded --moe_echo.capacity_factor 1.0 --moe_echo.grow_capacity_after 1
+    hot off_alltoall --moe_echo.dispatcher alltoall
+    hot on_fastest --moe_echo.dispatcher fastest --moe_echo.capacity_factor 1.25 --moe_echo.echo true --moe_echo.echo_slots_per_rank 4 ;;
+
+  ep4)  # -> ep4_nvlink_training_4xH200.md
+    N=$(ngpus); echo "GPUs: $N"; export TMO=${TMO:-110}
+    timeout 150 torchrun --nproc_per_node $N benchmarks/dispatch.py --tokens 16384 --hidden 2048,7168 --sweep 32 --no-vdev \
+      --out "$OUT" 2>&1 | noise | tail -9
+    train natural_off $N
+    train natural_on $N --moe_echo.echo true
+    train skewed_off $N --moe_echo.bias_update_rate 0 --moe_echo.debug_hot_experts 8
+    train skewed_on $N --moe_echo.bias_update_rate 0 --moe_echo.debug_hot_experts 8 --moe_echo.echo true --moe_echo.echo_slots_per_rank 4 ;;
+
+  ep4_padded)  # -> ep4_training_4xH200.md
+    export FROM=30 TMO=${TMO:-100}
+    pad() { recipe "$1" 4 --training.steps 60 --parallelism.expert_parallel_degree 4 --moe_echo.dispatcher padded \
+      --moe_echo.capacity_factor 1.5 "${@:2}"; }
+    pad natural_off
+    pad natural_on --moe_echo.echo true
+    pad skewed_off --moe_echo.bias_update_rate 0 --moe_echo.debug_hot_experts 8
+    pad skewed_on --moe_echo.bias_update_rate 0 --moe_echo.debug_hot_experts 8 --moe_echo.echo true --moe_echo.echo_slots_per_rank 4 ;;
+
+  ep4_6b)  # -> ep4_v2lite_6b_4xH200.md
+    case ${PART:-a} in
+      a) train v6_natural_off 4 --model.flavor v2lite_6b
+         train v6_natural_on 4 --model.flavor v2lite_6b --moe_echo.echo true ;;
+      b) train v6_skewed_off 4 --model.flavor v2lite_6b --moe_echo.bias_update_rate 0 --moe_echo.debug_hot_experts 8
+         train v6_skewed_on 4 --model.flavor v2lite_6b --moe_echo.bias_update_rate 0 --moe_echo.debug_hot_experts 8 \
+           --moe_echo.echo true --moe_echo.echo_slots_per_rank 4 ;;
+      c) # the graphed row: 30 steps, every step logged; the published run had MOE_ECHO_CHECK=1 (CHECK=0 turns it off)
+         MOE_ECHO_CHECK=${CHECK:-1} FROM=4 TMO=${TMO:-300} train v6_natural_on_graph 4 --model.flavor v2lite_6b \
+           --moe_echo.echo true --training.cuda_graph true --training.steps 30 --metrics.log_freq 1 ;;
+    esac ;;
+
+  scaling)  # -> scaling_H200.md (padded was then the EP>1 default; it is named here)
+    export FROM=60 TMO=${TMO:-80}
+    recipe g1 1 --training.steps 100 --metrics.log_freq 20
+    recipe g2_ep2_echo 2 --training.steps 100 --metrics.log_freq 20 --parallelism.expert_parallel_degree 2 \
+      --moe_echo.dispatcher padded --moe_echo.echo true --moe_echo.capacity_factor 1.5
+    recipe g4_ep4_echo 4 --training.steps 100 --metrics.log_freq 20 --parallelism.expert_parallel_degree 4 \
+      --moe_echo.dispatcher padded --moe_echo.echo true --moe_echo.capacity_factor 1.5 ;;
+
+  ep8)  # not run yet; PART=a: on the nvlink-push branch test_gpu_ep also checks fp32 nvlink push == alltoall
+    N=$(ngpus); echo "GPUs: $N"
+    case ${PART:-a} in
+      a) CUDA_VISIBLE_DEVICES=0,1 timeout 200 python3 -m pytest -x tests/test_gpu_ep.py -p no:warnings -q -s 2>&1 | tail -9
+         CUDA_VISIBLE_DEVICES=0,1 timeout 170 torchrun --nproc_per_node 2 benchmarks/dispatch.py --no-vdev --sweep 64 \
+           --block-t 1 --out "$OUT" 2>&1 | noise | tail -14
+         timeout 170 torchrun --nproc_per_node $N benchmarks/dispatch.py --tokens 16384 --no-vdev --sweep 64 --block-t 1 \
+           --out "$OUT" 2>&1 | noise | tail -10 ;;
+      b) train e8_natural_off $N
+         train e8_natural_on $N --moe_echo.echo true
+         TMO=300 train e8_skewed_off $N --moe_echo.bias_update_rate 0 --moe_echo.debug_hot_experts 8
+         train e8_skewed_on $N --moe_echo.bias_update_rate 0 --moe_echo.debug_hot_experts 8 --moe_echo.echo true \
+           --moe_echo.echo_slots_per_rank 4 ;;
+      c) # the 8-GPU row of scaling_H200.md (padded, ECHO on), then v2lite_6b at EP=8, ECHO on, graphed, 30 steps
+         train g8_ep8_echo $N --moe_echo.echo true --moe_echo.dispatcher padded --metrics.log_freq 20
+         FROM=4 TMO=240 train e8_v6_graph $N --model.flavor v2lite_6b --moe_echo.echo true --training.cuda_graph true \
+           --training.steps 30 --metrics.log_freq 1 ;;
+    esac ;;
+
+  guard)  # -> docs/performance.md: cost of the non-finite guard (on by default) on 1 GPU, eager and graphed,
+          # guard on (max_nonfinite_steps 3) and off (0) interleaved, each run in a fresh folder
+    for cfg in ${CONFIGS:-v2lite_1b_gpu}; do for graph in false true; do for g in 3 0 3 0; do
+      CFG=train_configs/$cfg.toml FROM=${FROM:-30} recipe "guard_${cfg}_graph${graph}_n${g}_$RANDOM" 1 \
+        --training.steps ${STEPS:-60} --training.max_nonfinite_steps $g --training.cuda_graph $graph | grep -E "^tok/s|rc=[^0]"
+    done; done; done ;;
+
+  titan)  # 2 GPUs: torchtitan's own trainer with our TrainSpec (EP=2, ECHO, alltoall) vs recipes/pretrain.py
+    common=(--job.config_file train_configs/debug_gpu.toml --training.steps ${STEPS:-20} --metrics.log_freq 1
+            --lr_scheduler.warmup_steps 10 --parallelism.expert_parallel_degree 2 --moe_echo.dispatcher alltoall
+            --debug.seed 0)
+    rm -rf /tmp/run_titan /tmp/run_titan_ours
+    timeout ${TMO:-300} torchrun --nproc_per_node 2 -m torchtitan.train "${common[@]}" --job.dump_folder /tmp/run_titan \
+      --job.custom_config_module components.train.job_config \
+      --experimental.custom_import components.train.torchtitan_spec \
+      --model.name moe_echo_deepseek_v3 --moe_echo.echo --metrics.disable_color_printing > "$OUT/titan.log" 2>&1
+    echo "== torchtitan rc=$? $(grep -m1 '^moe_echo parallelize_fn' "$OUT/titan.log")"
+    timeout ${TMO:-300} torchrun --nproc_per_node 2 recipes/pretrain.py "${common[@]}" --job.dump_folder /tmp/run_titan_ours \
+      --moe_echo.echo true > "$OUT/titan_ours.log" 2>&1
+    echo "== ours rc=$? $(grep -E '^dispatcher ' "$OUT/titan_ours.log")"
+    cp /tmp/run_titan_ours/metrics.jsonl "$OUT/titan_ours.jsonl" 2>/dev/null
+    python3 - "$OUT/titan.log" /tmp/run_titan_ours/metrics.jsonl <<'EOF'
+import json, re, sys
+titan = {int(m[1]): float(m[2]) for m in re.finditer(r"step:\s+(\d+)\s+loss:\s+([-\d.naif]+)", open(sys.argv[1]).read())}
+ours = {r["step"]: r["loss"] for r in map(json.loads, open(sys.argv[2]))}
+steps = sorted(set(titan) & set(ours))
+print("torchtitan", [round(titan[s], 5) for s in steps])
+print("ours      ", [round(ours[s], 5) for s in steps])
+print("max |diff|", max((abs(titan[s] - ours[s]) for s in steps), default=None), "over", len(steps), "steps")
+EOF
+    ;;
+
+  *) echo "unknown suite $suite (see the header of benchmarks/gpu/run.sh)" >&2; exit 2 ;;
 esac

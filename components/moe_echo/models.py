@@ -6,8 +6,9 @@
 - ``FLAVORS`` adds moe-echo's own flavours next to torchtitan's (tiny CPU model, ~1B one-GPU
   model, small Qwen3-30B-A3B-shaped model).
 - ``build_model`` builds (optionally on the meta device) and swaps.
-- ``register_train_specs`` registers ``moe_echo_deepseek_v3`` / ``moe_echo_qwen3`` TrainSpecs,
-  so torchtitan's own trainer runs a model with our layer (``--model.name moe_echo_qwen3``).
+
+The TrainSpecs that run these models in torchtitan's own trainer (with our expert parallelism)
+live in components/train/torchtitan_spec.py: they need components/parallel, a floor above this one.
 """
 
 import copy
@@ -120,38 +121,3 @@ def build_model(name: str, flavor: str, cfg: MoEEchoConfig, seq_len: int | None 
     with torch.no_grad():
         model.init_weights(buffer_device=torch.device(device))
     return model
-
-
-# --- torchtitan TrainSpec registration ---------------------------------------------------------
-
-def _swapped_model_cls(base: type) -> type:
-    class Swapped(base):
-        def __init__(self, model_args):
-            super().__init__(model_args)
-            swap_moe(self, getattr(model_args, "moe_echo", None))
-
-    Swapped.__name__ = f"MoEEcho{base.__name__}"
-    return Swapped
-
-
-def register_train_specs() -> list[str]:
-    """Register ``moe_echo_<name>`` TrainSpecs with torchtitan (idempotent); returns their names."""
-    from torchtitan.protocols.train_spec import _extra_train_specs, register_train_spec, get_train_spec
-    from torchtitan.components.optimizer import build_optimizers_with_moe_load_balancing
-
-    names = []
-    for name, cls in MODEL_CLASSES.items():
-        spec_name = f"moe_echo_{name}"
-        names.append(spec_name)
-        if spec_name in _extra_train_specs:
-            continue
-        base = get_train_spec(name)
-        args = {k: copy.deepcopy(v) for k, v in FLAVORS[name].items()}
-        spec = dataclasses.replace(
-            base,
-            model_cls=_swapped_model_cls(cls),
-            model_args=args,
-            build_optimizers_fn=build_optimizers_with_moe_load_balancing,
-        )
-        register_train_spec(spec_name, spec)
-    return names

@@ -356,8 +356,15 @@ def help_text(argv: list[str] | None = None) -> str:
     if cfg is None:
         lines.insert(1, note)
 
+    parts = {}  # section -> the dataclasses merged into it (torchtitan's and ours): their docstrings
+    for whole in (TitanJobConfig, ours.JobConfig):
+        for f in dataclasses.fields(whole):
+            parts.setdefault(f.name, []).append(f.type)
+
     def walk(dc_type, value, prefix, depth):
         docs = _field_docs(dc_type)
+        for part in parts.get(prefix.rstrip("."), []) if depth == 1 else []:
+            docs.update(_field_docs(part))
         for f in dataclasses.fields(dc_type):
             v = getattr(value, f.name) if value is not None else (
                 f.default if f.default is not dataclasses.MISSING else f.default_factory())

@@ -43,8 +43,9 @@ class Training:
     cuda_graph_after_replay: Literal["eager", "recapture"] = "eager"
     """After an overflow was replayed eagerly on the exact path: "eager" runs eagerly from then on
     (safe); "recapture" warms up and captures the step again (capacity may have grown meanwhile).
-    "recapture" ran correctly at EP=2 (debug model; v2lite_1b with one re-capture), but a session
-    before it the same v2lite_1b case crashed ("misaligned address"), cause not found — hence off."""
+    "recapture" ran correctly at EP=2 (debug model; v2lite_1b with one re-capture), but a graphed
+    v2lite_1b EP=2 run once crashed ("misaligned address") after eager replays; not reproduced
+    since, cause not found — hence off."""
     sync_debug: bool = False
     """Raise on any device-to-host synchronisation inside training steps
     (torch.cuda.set_sync_debug_mode("error")); for checking the sync-free path."""
