@@ -2,7 +2,7 @@
 started from a DCP checkpoint of this repo or from HF safetensors.
 
     python recipes/finetune.py --job.config_file train_configs/debug_cpu.toml \\
-        --checkpoint.initial_load_path outputs/debug_cpu/checkpoint/step-300 --job.dump_folder outputs/ft
+        --checkpoint.initial_load_path outputs/debug_cpu/checkpoint/step-200 --job.dump_folder outputs/ft
     python recipes/finetune.py --job.config_file my.toml --checkpoint.initial_load_in_hf true \\
         --checkpoint.initial_load_path /models/DeepSeek-V2-Lite
 
