@@ -20,8 +20,13 @@ from .config import help_text
 
 
 def _is_timeout(err: BaseException) -> bool:
+    """A collective's timeout (gloo raises it as a RuntimeError, NCCL with blocking wait as a
+    DistBackendError); other errors that merely mention a timeout are not mislabelled."""
     text = str(err).lower()
-    return isinstance(err, (RuntimeError, dist.DistBackendError)) and ("timed out" in text or "timeout" in text)
+    if isinstance(err, dist.DistBackendError):
+        return "timeout" in text or "timed out" in text
+    return isinstance(err, RuntimeError) and "timed out" in text and ("gloo" in text or "collective" in text
+                                                                       or "wait" in text)
 
 
 def run_recipe(train_fn, argv: list[str] | None = None) -> None:
