@@ -17,6 +17,7 @@ and the layer accumulates it in ``overflow_count``, which the training loop chec
 never silent.
 """
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -81,7 +82,7 @@ class AllToAllDispatcher(_ExpertParallelDispatcher):
 
 def padded_capacity(num_tokens: int, top_k: int, ep_size: int, capacity_factor: float) -> int:
     """Rows per (source, destination) block: round_up(ceil(cf · T · K / R), 8)."""
-    rows = -(-int(capacity_factor * num_tokens * top_k) // ep_size)
+    rows = math.ceil(round(capacity_factor * num_tokens * top_k / ep_size, 6))  # round: 1.1 * 10 is 11.000000000000002
     return max(8, -(-rows // 8) * 8)
 
 
