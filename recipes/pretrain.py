@@ -35,6 +35,7 @@ from components.train.config import check_global_batch, load_config
 from components.train.data import TokenBatchLoader, build_token_stream
 from components.train.entry import run_recipe
 from components.train.hf_weights import export_hf, load_initial_weights
+from components.train.master_adamw import masters_in_model
 from components.train.nonfinite import first_nonfinite
 from components.train.optim import build_lr_scheduler, build_optimizer
 from components.train.overflow import StepGate, StepPipeline
@@ -81,13 +82,16 @@ def train(argv: list[str]) -> None:
         print(model)
     layers = moe_layers(model)
     use_bf16 = device.type == "cuda" and t.mixed_precision_param == "bfloat16" and not dims.fsdp  # FSDP casts
-    autocast = ((lambda: torch.autocast("cuda", dtype=torch.bfloat16, cache_enabled=not t.cuda_graph)) if use_bf16
-                else nullcontext)
+    master = (use_bf16 and t.master_weights and cfg.optimizer.name == "AdamW"  # bf16 params, fp32 masters
+              and not any(hasattr(p, "to_local") for p in model.parameters()))
+    autocast = ((lambda: torch.autocast("cuda", dtype=torch.bfloat16, cache_enabled=not t.cuda_graph))
+                if use_bf16 and not master else nullcontext)
 
     fixed = any(is_fixed_capacity(moe.dispatcher) for _, moe in layers)
     replay = fixed and cfg.moe_echo.on_overflow == "replay"
     gated = replay or t.max_nonfinite_steps > 0
-    optimizer = build_optimizer(model, cfg.optimizer, gated=gated)
+    optimizer = build_optimizer(model, cfg.optimizer, gated=gated, master_dtype=torch.bfloat16 if master else None)
+    scale_into = optimizer if device.type == "cuda" and (master or cfg.optimizer.implementation == "fused") else None
     scheduler = build_lr_scheduler(optimizer, cfg.lr_scheduler, t.steps)
     state = TrainState(loader)
     states = {"app": ModelAndOptimizer(model, optimizer), "lr_scheduler": scheduler, "train": state}
@@ -100,7 +104,10 @@ def train(argv: list[str]) -> None:
     if found is not None:  # the run's own checkpoint always wins over initial_load_path
         checkpoint.load(found[1], states)
     elif ckpt.initial_load_path:  # model weights only (DCP step-N folder or HF safetensors)
-        loaded = load_initial_weights(model, ckpt.initial_load_path, ckpt.initial_load_in_hf, m.name)
+        with masters_in_model(optimizer):  # into the fp32 masters, when the optimizer keeps them
+            loaded = load_initial_weights(model, ckpt.initial_load_path, ckpt.initial_load_in_hf, m.name)
+        if master:
+            optimizer.sync_params()
         if is_main:
             print(f"initial weights: {loaded}", flush=True)
     if state.step >= t.steps:
@@ -120,7 +127,7 @@ def train(argv: list[str]) -> None:
             logits_BSV = model(inputs_BS)
         loss = F.cross_entropy(logits_BSV.flatten(0, 1).float(), labels_BS.flatten())
         loss.backward()
-        grad_norm = clip_grad_norm_(list(model.parameters()), t.max_norm)
+        grad_norm = clip_grad_norm_(list(model.parameters()), t.max_norm, scale_into)  # clipped in the step
         skip = gate.gate(loss, grad_norm) if gate is not None else None  # device flags, read one step late
         if fixed and not replay:  # on_overflow = "stop": host read every step
             _stop_on_overflow(layers, state.step, cfg.moe_echo.capacity_factor)
@@ -208,7 +215,8 @@ def train(argv: list[str]) -> None:
                 watchdog.beat(step)  # a long save is not a hang
         if ckpt.last_save_in_hf:
             hf_dir = os.path.join(ckpt_dir, f"step-{step}-hf")
-            logs.write(f"HF export: {export_hf(model, hf_dir, m.name, ckpt.export_dtype)}")
+            with masters_in_model(optimizer):  # the fp32 weights, not their bf16 copies
+                logs.write(f"HF export: {export_hf(model, hf_dir, m.name, ckpt.export_dtype)}")
     finally:
         gc.enable()
         profiler.close()

@@ -105,3 +105,30 @@ def test_nvlink_capacity_grows_to_fit_and_steps_are_timed_on_the_gpu(tmp_path):
     assert rows[-1]["memory/peer_gib"] > 0 and "of peer (symmetric) buffers" in out  # reported apart from torch's
     rates = sorted(r["tokens_per_s"] for r in rows[4:-1])
     assert rows[-1]["tokens_per_s"] < 2 * rates[len(rates) // 2], (rows[-1]["tokens_per_s"], rates)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_bf16_params_with_fp32_masters_track_autocast_and_checkpoint_fp32(tmp_path):
+    """One GPU: bf16 parameters + fp32 masters in the optimizer (the default) follow the fp32-parameter
+    autocast run's losses within bf16 noise, and the checkpoint holds the fp32 masters (values that
+    bf16 cannot represent), not the bf16 copies; a run resumed from it continues the loss curve."""
+    from test_expert_parallel import _final_weights
+
+    ck = ["--checkpoint.enable", "true", "--checkpoint.interval", "10"]
+    master, _ = run_recipe(str(tmp_path), "master", 1, ck)
+    autocast, _ = run_recipe(str(tmp_path), "autocast", 1, ck + ["--training.master_weights", "false"])
+    for s, (a, b) in enumerate(zip(autocast, master), 1):
+        assert abs(a - b) <= 3e-2 * abs(a), f"step {s}: autocast {a} vs master weights {b}"
+    assert master[-1] < 0.8 * master[0]
+    w = _final_weights(tmp_path / "master")
+    big = [t for k, t in w.items() if k.endswith("weight") and t.numel() > 1000]
+    assert big and all(t.dtype == torch.float32 for t in big)
+    assert all((t != t.bfloat16().float()).float().mean() > 0.5 for t in big)  # not bf16 values
+    # resume from step 10 into a fresh folder: steps 11..20 match the uninterrupted run
+    os.makedirs(tmp_path / "resumed")
+    import shutil
+    shutil.copytree(tmp_path / "master" / "checkpoint" / "step-10", tmp_path / "resumed" / "checkpoint" / "step-10")
+    resumed, out = run_recipe(str(tmp_path), "resumed", 1, ck)
+    assert "resumed from" in out and len(resumed) == STEPS - 10
+    for s, (a, b) in enumerate(zip(master[10:], resumed), 11):
+        assert abs(a - b) <= 2e-3 * abs(a), f"step {s}: uninterrupted {a} vs resumed {b}"

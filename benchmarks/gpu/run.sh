@@ -17,6 +17,8 @@
 #                    eager and graphed (CONFIGS="debug_gpu ...", RUNS=..., PART=1gpu | ep2) -> e2e_<GPU>.md
 #   profile     1    an eager run with [profiling] traces, then the per-step GPU time by category
 #                    (CONFIGS=..., LABEL=before|after, ARGS=extra recipe args) -> step_breakdown_<config>.md
+#   sync        1    debug_gpu: 4 eager steps under sync_debug (the traceback of a host sync, if any), then 6
+#                    graphed steps (whether the capture succeeds, and its error if not)
 #   dp_vs_ep    2    v2lite_1b: plain data parallel vs EP=2 (padded, alltoall)
 #   planner     1    ECHO planner time in a CUDA graph; simulated EP=8/16 straggler time
 #   echo        2    ECHO on/off with 8 hot experts (padded, capacity 2.0 / 1.25); echo_recompute memory
@@ -126,6 +128,14 @@ for l in open('$OUT/recapture_v2lite_metrics.jsonl'):
       trace=$(ls /tmp/run_prof_${cfg}_${LABEL:-now}/profile_traces/iteration_*/rank0_trace.json | tail -1)
       python3 benchmarks/step_breakdown.py "${LABEL:-now}=$trace" --name "${cfg}_${LABEL:-now}" --out "$OUT"
     done ;;
+
+  sync)
+    python3 recipes/pretrain.py --job.config_file train_configs/debug_gpu.toml --training.steps 4 --training.sync_debug true \
+      --metrics.log_freq 1 --job.dump_folder /tmp/sync_eager ${ARGS:-} > "$OUT/sync_eager.log" 2>&1
+    echo "== eager under sync_debug rc=$?"; grep -v "[Ww]arn" "$OUT/sync_eager.log" | grep -A14 "Traceback" | tail -30
+    python3 recipes/pretrain.py --job.config_file train_configs/debug_gpu.toml --training.steps 6 --training.cuda_graph true \
+      --metrics.log_freq 1 --job.dump_folder /tmp/sync_graph ${ARGS:-} > "$OUT/sync_graph.log" 2>&1
+    echo "== graphed rc=$?"; grep -i "cuda graph\|capture\|error" "$OUT/sync_graph.log" | head -8 ;;
 
   dp_vs_ep)  # -> docs/performance.md (plain data parallel vs EP=2)
     export FROM=30

@@ -21,19 +21,33 @@ def _copies(t: torch.Tensor, world: int) -> int:
     return (world // mesh.size()) * reps
 
 
-def clip_grad_norm_(params, max_norm: float) -> torch.Tensor:
-    """Clip in place to ``max_norm`` (0 or inf: no clipping); returns the total norm (device, fp32)."""
+def clip_grad_norm_(params, max_norm: float, scale_into=None) -> torch.Tensor:
+    """Clip to ``max_norm`` (0 or inf: no clipping); returns the total norm (device; fp32, fp64 for fp64 grads).
+
+    The norm takes one fused pass per group of tensors (``_foreach_norm``, fp32 accumulation). With
+    ``scale_into`` (an optimizer that divides gradients by its ``grad_scale`` inside its step: torch's
+    fused AdamW, MasterAdamW) the clipping factor goes there instead of a pass over the gradients."""
     grads = [p.grad for p in params if p.grad is not None]
     world = dist.get_world_size() if dist.is_initialized() else 1
-    locals_ = [g.to_local() if isinstance(g, DTensor) else g for g in grads]
-    total = torch.zeros((), dtype=torch.float32, device=locals_[0].device if locals_ else "cpu")
-    for g, local in zip(grads, locals_):
-        total = total + local.float().pow(2).sum() / _copies(g, world)
+    groups: dict[tuple, list] = {}  # (copies, device, accumulation dtype) -> local gradients
+    for g in grads:
+        local = g.to_local() if isinstance(g, DTensor) else g
+        acc = torch.promote_types(local.dtype, torch.float32)
+        groups.setdefault((_copies(g, world), local.device, acc), []).append(local)
+    device = next(iter(groups))[1] if groups else "cpu"
+    acc = torch.float64 if any(k[2] == torch.float64 for k in groups) else torch.float32
+    total = torch.zeros((), dtype=acc, device=device)
+    for (copies, _, dtype), locals_ in groups.items():
+        norms = torch._foreach_norm(locals_, 2, dtype=dtype)
+        total = total + torch.stack(norms).to(acc).pow(2).sum() / copies
     if world > 1:
         dist.all_reduce(total)
     norm = total.sqrt()
     if max_norm and max_norm != float("inf"):
-        coef = (max_norm / (norm + 1e-6)).clamp(max=1.0)
-        for local in locals_:
-            local.mul_(coef.to(local.dtype))
+        if scale_into is not None:
+            scale_into.grad_scale = ((norm + 1e-6) / max_norm).clamp(min=1.0)  # gradients / this = clipped
+        else:
+            coef = (max_norm / (norm + 1e-6)).clamp(max=1.0)
+            for locals_ in groups.values():
+                torch._foreach_mul_(locals_, coef)
     return norm

@@ -54,6 +54,11 @@ class Training:
     (the optimizer step is gated, as GradScaler does); after this many consecutive ones the run
     stops with exit code 3, naming the step and the first module whose output or gradient went
     non-finite. 0 = off (then [optimizer] implementation may be 'foreach' or 'for-loop')."""
+    master_weights: bool = True
+    """With mixed_precision_param = "bfloat16" on a GPU and no FSDP: the model's parameters are bf16
+    and the optimizer keeps fp32 master weights and moments, writing the bf16 copy after each update
+    (no weight casts per step, bf16 gradients). false: fp32 parameters under bf16 autocast. Checkpoints
+    hold fp32 weights either way. (With FSDP, its MixedPrecisionPolicy casts in the all-gather.)"""
     hang_report_s: float = 900.0
     """When no step has finished for this many seconds, every rank prints its Python stacks (where a
     hung collective or peer-memory barrier waits); the run goes on. 0 = off. The first step, which

@@ -7,15 +7,22 @@ import torch
 
 from components.errors import UserError
 
+from .master_adamw import MasterAdamW
 
-def build_optimizer(model: torch.nn.Module, opt_cfg, gated: bool = False) -> torch.optim.Optimizer:
+
+def build_optimizer(model: torch.nn.Module, opt_cfg, gated: bool = False,
+                    master_dtype: torch.dtype | None = None) -> torch.optim.Optimizer:
     """[optimizer] name, lr, beta1, beta2, eps, weight_decay and implementation, all honoured.
     ``gated``: the step must honour ``optimizer.found_inf`` (the overflow and non-finite gates),
-    which only the fused implementation does."""
+    which only the fused implementation does. ``master_dtype`` (AdamW only): convert the parameters
+    to it and keep fp32 masters in the optimizer (MasterAdamW, its own fused step)."""
     if gated and opt_cfg.implementation != "fused":
         raise UserError(f"[optimizer] implementation = {opt_cfg.implementation!r}: the step is gated on the device "
                         "(overflow replay or non-finite guard), which only 'fused' supports; use 'fused'")
     params = [p for p in model.parameters() if p.requires_grad]
+    if master_dtype is not None:
+        return MasterAdamW(params, lr=opt_cfg.lr, betas=(opt_cfg.beta1, opt_cfg.beta2), eps=opt_cfg.eps,
+                           weight_decay=opt_cfg.weight_decay, dtype=master_dtype)
     kwargs = dict(lr=opt_cfg.lr, betas=(opt_cfg.beta1, opt_cfg.beta2), eps=opt_cfg.eps,
                   weight_decay=opt_cfg.weight_decay)
     if opt_cfg.implementation == "fused":

@@ -7,17 +7,20 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from .data import TokenBatchLoader
+from .master_adamw import with_masters
 
 
 class ModelAndOptimizer:
-    """DCP Stateful view of model + optimizer."""
+    """DCP Stateful view of model + optimizer. With fp32 master weights (MasterAdamW) the model's
+    entries are the masters: checkpoints hold fp32 weights on every path, and DCP loads into them in
+    place before ``load_state_dict`` copies them into the bf16 parameters."""
 
     def __init__(self, model, optimizer):
         self.model, self.optimizer = model, optimizer
 
     def state_dict(self):
         model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
-        return {"model": model_sd, "optim": optim_sd}
+        return {"model": with_masters(self.optimizer, model_sd), "optim": optim_sd}
 
     def load_state_dict(self, sd):
         set_state_dict(self.model, self.optimizer, model_state_dict=sd["model"], optim_state_dict=sd["optim"])

@@ -1,0 +1,120 @@
+"""AdamW over bf16 parameters with fp32 master weights: the model computes in bf16 with no per-step casts.
+
+With ``mixed_precision_param = "bfloat16"`` and no FSDP (FSDP2's ``MixedPrecisionPolicy`` casts in its
+all-gather instead), the model's parameters are converted to bf16 once, at construction here; the
+forward and backward run on them directly (no autocast: no weight casts per step, bf16 gradients, and
+RMSNorm's fused kernel since input and weight agree). This optimizer keeps, per parameter, the fp32
+master ``w`` and AdamW's fp32 moments, and after each update writes ``bf16(w)`` into the parameter
+(kernels/adamw.py: one pass per tensor).
+
+Interchangeable with torch.optim.AdamW(fused=True) where the recipe relies on it:
+- state per parameter is AdamW's (``step``, ``exp_avg``, ``exp_avg_sq``; fp32, step a device scalar);
+- ``found_inf`` (device flag: the gated step changes nothing, step counts included) and ``grad_scale``
+  (device scalar the gradients are divided by: clipping without a pass over the gradients);
+- ``lr`` a float or a device tensor the scheduler fills in place (CUDA-graph capturable);
+- checkpoints: ``ModelAndOptimizer`` saves the masters as the model's weights (fp32, as the autocast
+  path saves), so checkpoints load across the two paths and layouts; ``masters_in_model`` swaps them in
+  for code that reads the model's full-precision weights (the HF export).
+"""
+
+from contextlib import contextmanager
+
+import torch
+
+from kernels.adamw import adamw_master_
+
+
+class MasterAdamW(torch.optim.Optimizer):
+    def __init__(self, params, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8, weight_decay: float = 1e-2,
+                 dtype: torch.dtype = torch.bfloat16):
+        params = list(params)
+        for p in params:
+            if hasattr(p, "to_local") or p.dtype != torch.float32:
+                raise ValueError("MasterAdamW takes plain fp32 parameters (it converts them to the compute dtype)")
+        # AdamW's own param-group keys (amsgrad, maximize, ...), so optimizer checkpoints load across the paths
+        defaults = dict(torch.optim.AdamW([torch.zeros(1)], lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
+                                          fused=True).defaults)
+        super().__init__(params, defaults)
+        self.masters: dict[torch.Tensor, torch.Tensor] = {}
+        for p in params:
+            self.masters[p] = p.detach().clone()
+            p.data = p.data.to(dtype)
+
+    def _state(self, p: torch.Tensor) -> dict:
+        state = self.state[p]
+        if not state:
+            state["step"] = torch.zeros((), dtype=torch.float32, device=p.device)
+            state["exp_avg"] = torch.zeros_like(self.masters[p])
+            state["exp_avg_sq"] = torch.zeros_like(self.masters[p])
+        return state
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = closure() if closure is not None else None
+        skip = getattr(self, "found_inf", None)
+        scale = getattr(self, "grad_scale", None)
+        grad_mul = None if scale is None else torch.reciprocal(scale.float())
+        for group in self.param_groups:
+            params = [p for p in group["params"] if p.grad is not None]
+            if not params:
+                continue
+            states = [self._state(p) for p in params]
+            steps = [s["step"] for s in states]
+            torch._foreach_add_(steps, 1.0)
+            if skip is not None:  # a gated step leaves the counts where they are (as torch's fused AdamW)
+                torch._foreach_sub_(steps, [skip] * len(steps))
+            lr = group["lr"]
+            if isinstance(lr, torch.Tensor) and lr.device != params[0].device:  # a host tensor (DCP's state init)
+                lr = float(lr)
+            beta1, beta2 = group["betas"]
+            for p, s in zip(params, states):
+                grad = p.grad if p.grad.is_contiguous() else p.grad.contiguous()
+                adamw_master_(p.data, grad, self.masters[p], s["exp_avg"], s["exp_avg_sq"], lr, s["step"], beta1,
+                              beta2, group["eps"], group["weight_decay"], skip, grad_mul)
+        return loss
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """torch casts loaded moments to the parameter's dtype (bf16 here): keep them fp32; steps on
+        the device (fp32, as capturable AdamW keeps them)."""
+        super().load_state_dict(state_dict)
+        saved = [i for g in state_dict["param_groups"] for i in g["params"]]
+        ours = [p for g in self.param_groups for p in g["params"]]
+        for i, p in zip(saved, ours):
+            for key in ("exp_avg", "exp_avg_sq", "step"):  # own copies: torch may share the given tensors
+                if key in state_dict["state"].get(i, {}):
+                    self.state[p][key] = state_dict["state"][i][key].to(dtype=torch.float32, device=p.device,
+                                                                         copy=True)
+
+    def sync_params(self) -> None:
+        """Write the masters into the (bf16) parameters, e.g. after the masters were loaded."""
+        with torch.no_grad():
+            for p, w in self.masters.items():
+                p.data.copy_(w)
+
+
+def has_masters(optimizer) -> bool:
+    return isinstance(optimizer, MasterAdamW)
+
+
+def with_masters(optimizer, model_sd: dict) -> dict:
+    """``model_sd`` with each parameter's entry replaced by its fp32 master (same key, same shape)."""
+    if not has_masters(optimizer):
+        return model_sd
+    by_ptr = {p.data_ptr(): w for p, w in optimizer.masters.items()}
+    return {k: by_ptr.get(v.data_ptr(), v) if isinstance(v, torch.Tensor) else v for k, v in model_sd.items()}
+
+
+@contextmanager
+def masters_in_model(optimizer):
+    """Within the block the model's parameters hold the fp32 masters (no copy); restored after."""
+    if not has_masters(optimizer):
+        yield
+        return
+    low = {p: p.data for p in optimizer.masters}
+    try:
+        for p, w in optimizer.masters.items():
+            p.data = w
+        yield
+    finally:
+        for p, data in low.items():
+            p.data = data

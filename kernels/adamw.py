@@ -1,0 +1,92 @@
+"""AdamW on fp32 master weights that also writes the low-precision copy the model computes with.
+
+For one tensor of n elements, in one pass (fp32 math):
+
+    if skip: nothing changes (the gated step: overflow replay or non-finite guard)
+    g  = grad · grad_mul                               (grad in the model's dtype; grad_mul: clipping)
+    w  = w · (1 − lr·wd)                               (decoupled weight decay, torch.optim.AdamW)
+    m  = β1·m + (1 − β1)·g,   v = β2·v + (1 − β2)·g²
+    w  = w − lr/(1 − β1^t) · m / (√v / √(1 − β2^t) + ε)
+    param = w (rounded to the parameter's dtype)
+
+``lr``, ``step`` (t, already advanced), ``skip`` and ``grad_mul`` are device scalars (read by the
+kernel: nothing on the host, capturable in a CUDA graph); ``lr`` may also be a Python float.
+Bytes per element: read grad (2) + w, m, v (12), write w, m, v (12) + param (2).
+Triton on CUDA; the same formulas in torch elsewhere (the reference the kernel is tested against).
+"""
+
+import torch
+
+from .moe_rows import _use_triton, triton
+
+if triton is not None:
+    import triton.language as tl
+
+    @triton.jit
+    def _adamw_kernel(grad_ptr, w_ptr, m_ptr, v_ptr, param_ptr, n, lr_ptr, lr_value, step_ptr, skip_ptr,
+                      mul_ptr, beta1, beta2, eps, weight_decay, LR_PTR: tl.constexpr, HAS_SKIP: tl.constexpr,
+                      HAS_MUL: tl.constexpr, BLOCK: tl.constexpr):
+        if HAS_SKIP:
+            if tl.load(skip_ptr) > 0:
+                return
+        offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        mask = offs < n
+        lr = tl.load(lr_ptr).to(tl.float32) if LR_PTR else lr_value
+        t = tl.load(step_ptr).to(tl.float32)
+        g = tl.load(grad_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        if HAS_MUL:
+            g = g * tl.load(mul_ptr).to(tl.float32)
+        w = tl.load(w_ptr + offs, mask=mask, other=0.0)
+        m = tl.load(m_ptr + offs, mask=mask, other=0.0)
+        v = tl.load(v_ptr + offs, mask=mask, other=0.0)
+        w = w * (1.0 - lr * weight_decay)
+        m = beta1 * m + (1.0 - beta1) * g
+        v = beta2 * v + (1.0 - beta2) * g * g
+        bc1 = 1.0 - tl.exp(t * tl.log(beta1))
+        bc2_sqrt = tl.sqrt(1.0 - tl.exp(t * tl.log(beta2)))
+        w = w - (lr / bc1) * m / (tl.sqrt(v) / bc2_sqrt + eps)
+        tl.store(w_ptr + offs, w, mask=mask)
+        tl.store(m_ptr + offs, m, mask=mask)
+        tl.store(v_ptr + offs, v, mask=mask)
+        tl.store(param_ptr + offs, w.to(param_ptr.dtype.element_ty), mask=mask)
+
+_BLOCK = 2048
+
+
+def adamw_master_(param: torch.Tensor, grad: torch.Tensor, w: torch.Tensor, m: torch.Tensor, v: torch.Tensor,
+                  lr: float | torch.Tensor, step: torch.Tensor, beta1: float, beta2: float, eps: float,
+                  weight_decay: float, skip: torch.Tensor | None = None, grad_mul: torch.Tensor | None = None) -> None:
+    """One AdamW step of fp32 master ``w`` (moments ``m``, ``v``), written back to ``param`` in its dtype.
+    All tensors contiguous and of one shape; ``step`` is the step count after this step (device)."""
+    if _use_triton(param):
+        n = param.numel()
+        lr_is_ptr = isinstance(lr, torch.Tensor)
+        _adamw_kernel[(triton.cdiv(n, _BLOCK),)](
+            grad, w, m, v, param, n, lr if lr_is_ptr else step, 0.0 if lr_is_ptr else float(lr), step,
+            skip if skip is not None else step, grad_mul if grad_mul is not None else step,
+            beta1, beta2, eps, weight_decay, LR_PTR=lr_is_ptr, HAS_SKIP=skip is not None,
+            HAS_MUL=grad_mul is not None, BLOCK=_BLOCK)
+        return
+    adamw_master_reference_(param, grad, w, m, v, lr, step, beta1, beta2, eps, weight_decay, skip, grad_mul)
+
+
+def adamw_master_reference_(param, grad, w, m, v, lr, step, beta1, beta2, eps, weight_decay, skip=None,
+                            grad_mul=None) -> None:
+    """The kernel's formulas in torch (any device; also the CPU path)."""
+    g = grad.to(w.dtype)
+    if grad_mul is not None:
+        g = g * grad_mul.to(w.dtype)
+    lr = torch.as_tensor(lr, dtype=w.dtype, device=w.device)
+    t = step.to(w.dtype)
+    new_w = w * (1 - lr * weight_decay)
+    new_m = beta1 * m + (1 - beta1) * g
+    new_v = beta2 * v + (1 - beta2) * g * g
+    bc1, bc2_sqrt = 1 - beta1 ** t, (1 - beta2 ** t).sqrt()
+    new_w = new_w - (lr / bc1) * new_m / (new_v.sqrt() / bc2_sqrt + eps)
+    if skip is not None:
+        keep = skip > 0
+        new_w, new_m, new_v = (torch.where(keep, old, new) for old, new in ((w, new_w), (m, new_m), (v, new_v)))
+    w.copy_(new_w)
+    m.copy_(new_m)
+    v.copy_(new_v)
+    param.copy_(w)
