@@ -1,5 +1,6 @@
-"""What TensorBoard shows of a run: the expert-load heatmaps (components.train.metrics.heatmap_rgb
-and the logger that feeds it)."""
+"""What TensorBoard and the console show of a run: the expert-load heatmaps
+(components.train.metrics.heatmap_rgb and the logger that feeds it), the progress bar's final line
+and the run summary's loss line."""
 
 import io
 import types
@@ -9,7 +10,7 @@ import pytest
 import torch
 
 from components.train import metrics
-from components.train.metrics import MetricsLogger, RunSummary, heatmap_rgb, heatmap_size
+from components.train.metrics import MetricsLogger, Progress, RunSummary, heatmap_rgb, heatmap_size
 from components.train.step_log import StepLogger
 
 RENDERERS = ["numpy", pytest.param("matplotlib", marks=pytest.mark.skipif(
@@ -100,6 +101,18 @@ def test_logger_keeps_echo_slots_and_writes_readable_images(tmp_path, monkeypatc
     assert _red(echo_img[..., :3]).any()  # expert 0's clone is marked
 
 
+def test_progress_bar_draws_its_final_line_once(capsys):
+    bar = Progress(total=3, initial=0, enabled=True)
+    bar.bar.mininterval = 0  # draw on every update
+    for step in (1, 2, 3):
+        bar.update({"loss": f"{4 - step:.3f}"})
+    bar.write("checkpoint: step-3")  # a message after the last step (the recipe's final checkpoint)
+    bar.close()
+    out = capsys.readouterr()
+    assert out.err.count("3/3") == 1, out.err
+    assert "checkpoint: step-3" in out.out
+
+
 def test_a_failing_matplotlib_gives_the_plain_image_and_says_why_once(monkeypatch):
     def broken(*args):
         raise AttributeError("no such API in this matplotlib")
@@ -121,3 +134,8 @@ def test_a_failing_matplotlib_gives_the_plain_image_and_says_why_once(monkeypatc
     log.close()
     assert len(told) == 1 and "failed (AttributeError: no such API" in told[0], told
 
+
+def test_summary_loss_line_says_what_it_averages():
+    summary = RunSummary()
+    summary.losses = [(step, 100.0 - step) for step in range(1, 21)]  # 20 logged steps: means of 2
+    assert "loss           98.5000 -> 80.5000 (means of the first and last 2 logged steps)" in summary.text({})

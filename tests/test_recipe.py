@@ -62,6 +62,7 @@ def test_trains_loss_falls_and_tensorboard_holds_scalars_and_heatmaps(tmp_path):
         png = Image.open(io.BytesIO(img.encoded_image_string))
         assert png.size == (img.width, img.height) == heatmap_size(8)[::-1], (png.size, img.width, img.height)
         assert min(png.size) >= 200
+    assert p.stderr.count("60/60") == 1, p.stderr[-1000:]  # the progress bar's final line, once
 
 
 RESUME = ["--training.steps", "12", "--lr_scheduler.total_steps", "12", "--lr_scheduler.warmup_steps", "3",

@@ -271,10 +271,12 @@ class MetricsLogger:
 
 
 class Progress:
-    """A console progress bar (tqdm) on rank 0; silent elsewhere."""
+    """A console progress bar (tqdm) on rank 0; silent elsewhere. Its final line is drawn once: the
+    last step closes the bar (tqdm draws it on that update, on a later ``write`` and again on close,
+    so a captured log held it two or three times); ``write`` then prints plainly."""
 
     def __init__(self, total: int, initial: int, enabled: bool):
-        self.bar = None
+        self.bar, self.enabled = None, enabled
         if enabled:
             from tqdm import tqdm
 
@@ -283,15 +285,22 @@ class Progress:
     def update(self, postfix: dict) -> None:
         if self.bar is not None:
             self.bar.set_postfix(postfix, refresh=False)
-            self.bar.update(1)
+            if self.bar.n + 1 < self.bar.total:
+                self.bar.update(1)
+            else:  # the last step: counted without drawing; close() draws the final line
+                self.bar.n += 1
+                self.close()
 
     def write(self, text: str) -> None:
         if self.bar is not None:
             self.bar.write(text)
+        elif self.enabled:
+            print(text, flush=True)
 
     def close(self) -> None:
         if self.bar is not None:
             self.bar.close()
+            self.bar = None
 
 
 class RunSummary:
