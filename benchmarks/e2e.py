@@ -15,9 +15,10 @@ activation checkpointing.
 tokens/s per GPU is the median of the logged windows after the first half of the run (the
 steady state). MFU uses one formula for every run, torchtitan's:
 
-    flops_per_token = 6 · (active parameters − embedding) + 12 · layers · heads · head_dim · seq_len
-                      (``model_args.get_nparams_and_flops``: the attention term counts QK^T and AV,
-                      forward and backward, full causal square)
+    flops_per_token = 6 · (active parameters − embedding) + 6 · layers · heads · (d_qk + d_v) · seq_len
+                      (torchtitan's ``get_moe_model_nparams_and_flops``: active = dense + router + shared
+                      experts + routed experts · top_k / num_experts; the attention term counts QKᵀ and
+                      AV forward and backward over the full square, not the causal half)
     mfu = tokens_per_s_per_gpu · flops_per_token / peak   (peak: torchtitan's dense bf16 table,
                       989 TFLOP/s on H100 / H200 SXM)
 
