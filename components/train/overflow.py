@@ -30,8 +30,10 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from components.errors import UserError
 from components.moe_echo.dispatcher import is_fixed_capacity
 from components.moe_echo.ep_dispatch import AllToAllDispatcher
+from components.parallel.data_parallel import allreduce_sum
 from components.parallel.host_copy import HostCopy
 
 
@@ -212,3 +214,13 @@ class StepPipeline:
         self.nonfinite_streak = self.nonfinite_streak + 1 if c.nonfinite else 0
         c.streak = self.nonfinite_streak
         return c
+
+
+def stop_on_overflow(layers, step: int, capacity_factor: float) -> None:
+    """on_overflow = "stop": one host read of this step's dropped assignments; raise if any."""
+    dropped = int(allreduce_sum(torch.stack([moe.overflow_count for _, moe in layers]).sum()))
+    if dropped:
+        raise UserError(
+            f"expert-parallel buffer overflow at step {step}: {dropped} (token, expert) assignments did not fit the "
+            f"dispatcher's fixed capacity; the step was not applied — raise [moe_echo] capacity_factor (now "
+            f"{capacity_factor}), use dispatcher = 'alltoall' or on_overflow = 'replay'")

@@ -1,0 +1,173 @@
+"""What a training recipe builds before its first step, from the config (recipes/pretrain.py and
+recipes/finetune.py compose these):
+
+    run = start(argv)                                   # config, processes, device meshes, seed
+    tokenizer, loader = build_data(run)                 # tokenizer, this rank's token batches
+    model, n_params, flops_per_token = build_parallel_model(run, tokenizer)   # EP-sharded, FSDP-wrapped
+    tr = build_training(run, model, loader)             # precision, optimizer, lr schedule, step gate, states
+    if not resume(run, tr, model): return               # own checkpoint, else initial weights
+
+Every bad value ends as a ``UserError`` (one line, exit code 2) before any step runs.
+"""
+
+import os
+from contextlib import nullcontext
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from components.errors import UserError
+from components.moe_echo.dispatcher import is_fixed_capacity
+from components.moe_echo.models import build_model, model_args_for, moe_layers
+from components.parallel.cuda_graph import make_capturable
+from components.parallel.data_parallel import init_distributed
+from components.parallel.mesh import Meshes, ParallelDims, build_mesh, parallel_dims
+from components.parallel.parallelize import parallelize
+
+from . import checkpoint
+from .config import check_global_batch, load_config
+from .data import TokenBatchLoader, build_token_stream
+from .hf_weights import load_initial_weights
+from .master_adamw import masters_in_model
+from .optim import build_lr_scheduler, build_optimizer
+from .overflow import StepGate
+from .tokenizer import build_tokenizer
+from .train_state import ModelAndOptimizer, TrainState
+
+
+@dataclass
+class Run:
+    """The parsed config and this process's place in the job."""
+
+    cfg: object
+    rank: int
+    world: int
+    device: torch.device
+    dims: ParallelDims
+    mesh: Meshes | None
+    seed: int
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    def say(self, text: str) -> None:
+        """Print on rank 0 only."""
+        if self.is_main:
+            print(text, flush=True)
+
+
+@dataclass
+class Training:
+    """What the training step uses besides the model: its MoE layers, the optimizer (fp32 masters
+    when ``master``), lr schedule, device step gate (overflow replay, non-finite guard), the
+    precision context and the checkpointed states."""
+
+    layers: list
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LambdaLR
+    gate: StepGate | None
+    state: TrainState
+    states: dict
+    autocast: Callable
+    master: bool
+    scale_into: torch.optim.Optimizer | None  # where clipping goes (the optimizer divides by its grad_scale)
+    fixed: bool  # a fixed-capacity dispatcher (nvlink, padded) runs the step
+    replay: bool  # its overflowed steps are replayed exactly (else: the run stops)
+    ckpt_dir: str
+
+
+def start(argv: list[str]) -> Run:
+    """Parse the config, start the process group, build the device meshes."""
+    cfg = load_config(argv)
+    m = cfg.model
+    moe_args = getattr(model_args_for(m.name, m.flavor), "moe_args", None)
+    rank, world, device = init_distributed(cfg.comm.init_timeout_seconds)
+    dims = parallel_dims(cfg.parallelism, world, moe_args.num_experts if moe_args else None)
+    check_global_batch(cfg, world)
+    mesh = build_mesh(dims, device.type)
+    if cfg.debug.deterministic:  # cuBLAS needs a fixed workspace for deterministic GEMMs
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        torch.use_deterministic_algorithms(True, warn_only=cfg.debug.deterministic_warn_only)
+    run = Run(cfg, rank, world, device, dims, mesh, cfg.training.seed if cfg.debug.seed is None else cfg.debug.seed)
+    if cfg.job.print_config:
+        run.say(str(cfg))
+    return run
+
+
+def build_data(run: Run):
+    """(tokenizer, loader): this rank's batches of ``local_batch_size`` × ``seq_len`` tokens."""
+    t, m = run.cfg.training, run.cfg.model
+    tokenizer = build_tokenizer(m.hf_assets_path)
+    tokens = build_token_stream(t.dataset, t.dataset_path, tokenizer, text_field=t.text_field,
+                                max_bytes=t.max_corpus_mb * 1_000_000)
+    loader = TokenBatchLoader(tokens, t.local_batch_size, t.seq_len, rank=run.rank, world_size=run.world,
+                              seed=run.seed)
+    return tokenizer, loader
+
+
+def build_parallel_model(run: Run, tokenizer):
+    """(model, n_params, flops_per_token): built whole on every rank (same seed), then EP-sharded
+    and FSDP-wrapped (components/parallel/parallelize.py)."""
+    cfg, m, t = run.cfg, run.cfg.model, run.cfg.training
+    model = build_model(m.name, m.flavor, cfg.moe_echo, seq_len=t.seq_len, device=run.device, seed=run.seed)
+    vocab = model.model_args.vocab_size
+    if tokenizer.get_vocab_size() > vocab:
+        raise UserError(f"tokenizer at [model] hf_assets_path = {m.hf_assets_path!r} has "
+                        f"{tokenizer.get_vocab_size()} ids but flavour {m.flavor!r} has vocab_size {vocab}; "
+                        "pick a flavour with a larger vocabulary or a smaller tokenizer")
+    n_params, flops_per_token = model.model_args.get_nparams_and_flops(model, t.seq_len)
+    model = parallelize(model, run.mesh, run.dims, cfg, run.device)
+    if m.print_after_conversion:
+        run.say(str(model))
+    return model, n_params, flops_per_token
+
+
+def build_training(run: Run, model: torch.nn.Module, loader: TokenBatchLoader) -> Training:
+    """Precision (bf16 parameters + fp32 masters on one GPU without FSDP, else autocast or FSDP's
+    policy), optimizer, lr schedule, the step gate and the states a checkpoint holds."""
+    cfg, t, device = run.cfg, run.cfg.training, run.device
+    layers = moe_layers(model)
+    use_bf16 = device.type == "cuda" and t.mixed_precision_param == "bfloat16" and not run.dims.fsdp  # FSDP casts
+    master = (use_bf16 and t.master_weights and cfg.optimizer.name == "AdamW"
+              and not any(hasattr(p, "to_local") for p in model.parameters()))
+    autocast = ((lambda: torch.autocast("cuda", dtype=torch.bfloat16, cache_enabled=not t.cuda_graph))
+                if use_bf16 and not master else nullcontext)
+    fixed = any(is_fixed_capacity(moe.dispatcher) for _, moe in layers)
+    replay = fixed and cfg.moe_echo.on_overflow == "replay"
+    gated = replay or t.max_nonfinite_steps > 0
+    optimizer = build_optimizer(model, cfg.optimizer, gated=gated, master_dtype=torch.bfloat16 if master else None)
+    scale_into = optimizer if device.type == "cuda" and (master or cfg.optimizer.implementation == "fused") else None
+    scheduler = build_lr_scheduler(optimizer, cfg.lr_scheduler, t.steps)
+    state = TrainState(loader)
+    states = {"app": ModelAndOptimizer(model, optimizer), "lr_scheduler": scheduler, "train": state}
+    gate = (StepGate(layers if replay else [], optimizer, device, cfg.moe_echo.grow_capacity_after,
+                     check_finite=t.max_nonfinite_steps > 0) if gated else None)
+    ckpt_dir = os.path.join(cfg.job.dump_folder, cfg.checkpoint.folder)
+    return Training(layers, optimizer, scheduler, gate, state, states, autocast, master, scale_into, fixed, replay,
+                    ckpt_dir)
+
+
+def resume(run: Run, tr: Training, model: torch.nn.Module) -> bool:
+    """Load the run's own newest verified checkpoint, or on a fresh run the initial weights
+    (``[checkpoint] initial_load_path``: weights only). False: nothing left to do."""
+    cfg, t, ckpt = run.cfg, run.cfg.training, run.cfg.checkpoint
+    found = checkpoint.find_resumable(tr.ckpt_dir, ckpt.load_step) if ckpt.enable else None
+    if found is not None:  # the run's own checkpoint always wins over initial_load_path
+        checkpoint.load(found[1], tr.states)
+    elif ckpt.initial_load_path:  # model weights only (DCP step-N folder or HF safetensors)
+        with masters_in_model(tr.optimizer):  # into the fp32 masters, when the optimizer keeps them
+            loaded = load_initial_weights(model, ckpt.initial_load_path, ckpt.initial_load_in_hf, cfg.model.name)
+        if tr.master:
+            tr.optimizer.sync_params()
+        run.say(f"initial weights: {loaded}")
+    if tr.state.step >= t.steps:
+        run.say(f"nothing to do: {found[1] if found else cfg.job.dump_folder} is at step {tr.state.step}, "
+                f"[training] steps = {t.steps}; raise --training.steps to train further")
+        return False
+    if found is not None:
+        run.say(f"resumed from {found[1]} (step {tr.state.step})")
+    if t.cuda_graph and run.device.type == "cuda":
+        make_capturable(tr.optimizer, run.device)  # tensor lr filled by the scheduler, device step counters
+    return True
