@@ -131,7 +131,8 @@ def train(argv: list[str]) -> None:
         for (_, moe), counts_E in zip(layers, counts_LE if layers else []):
             moe.update_expert_bias(counts_E, skip)
             moe.reset_step_stats()
-        echo = [(moe.echo_stats.clone(), moe.echo.last_load.clone()) if moe.echo is not None else None
+        echo = [(moe.echo_stats.clone(), moe.echo.last_load.clone(), moe.echo.last_plan.slot_expert_G.clone())
+                if moe.echo is not None else None
                 for _, moe in layers]
         return allreduce_sum(loss.detach()) / world, grad_norm, counts_LE, echo
 

@@ -1,6 +1,7 @@
 """The pretrain recipe end to end on CPU: loss falls, TensorBoard readback, exact resume,
 SIGKILL during a checkpoint write, and one-line errors for bad input."""
 
+import io
 import json
 import os
 import signal
@@ -53,7 +54,15 @@ def test_trains_loss_falls_and_tensorboard_holds_scalars_and_heatmaps(tmp_path):
     assert all(e.value >= 1.0 for e in acc.Scalars("moe/layer1/load_max_over_mean"))
     imgs = acc.Images("moe/layer1/load_heatmap")
     assert [i.step for i in imgs] == [20, 40, 60]
-    assert imgs[-1].width == 8 * 8 and imgs[-1].height > imgs[0].height  # 8 experts, more history rows
+    from PIL import Image
+
+    from components.train.metrics import heatmap_size
+
+    for img in imgs:  # the documented size (8 experts), the same however many steps it shows
+        png = Image.open(io.BytesIO(img.encoded_image_string))
+        assert png.size == (img.width, img.height) == heatmap_size(8)[::-1], (png.size, img.width, img.height)
+        assert min(png.size) >= 200
+    assert p.stderr.count("60/60") == 1, p.stderr[-1000:]  # the progress bar's final line, once
 
 
 RESUME = ["--training.steps", "12", "--lr_scheduler.total_steps", "12", "--lr_scheduler.warmup_steps", "3",

@@ -139,11 +139,22 @@ def test_fresh_run_moves_old_metrics_aside_and_resume_logs_each_step_once(tmp_pa
 
 @pytest.mark.slow
 def test_nothing_to_do_prints_one_line_and_writes_nothing(tmp_path):
-    run(tmp_path, "--training.steps", "2", "--checkpoint.interval", "2")
-    before = sorted(os.listdir(tmp_path))
+    first = run(tmp_path, "--training.steps", "2", "--checkpoint.interval", "2")
+    assert first.stderr.count("2/2") == 1, first.stderr  # final bar line once, also after the checkpoint line
+
+    def snapshot():
+        return sorted((os.path.relpath(os.path.join(d, f), tmp_path), os.path.getsize(os.path.join(d, f)))
+                      for d, _, files in os.walk(tmp_path) for f in files)
+
+    before = snapshot()
+    with open(os.path.join(tmp_path, "metrics.jsonl")) as f:
+        metrics_before = f.read()
     p = run(tmp_path, "--training.steps", "2", "--checkpoint.interval", "2")
     assert p.stdout.strip().count("\n") == 0 and "nothing to do" in p.stdout
-    assert sorted(os.listdir(tmp_path)) == before
+    assert "step/s" not in p.stderr  # no progress bar
+    assert snapshot() == before  # no new event file, nothing moved aside to *.prev-N
+    with open(os.path.join(tmp_path, "metrics.jsonl")) as f:
+        assert f.read() == metrics_before
 
 
 @pytest.mark.parametrize(

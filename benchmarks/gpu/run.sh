@@ -13,7 +13,10 @@
 #   layer       1    MoE layer fwd+bwd vs torchtitan and a dense SwiGLU (+ the layer/kernel tests)
 #   configs     1    40 steps of each GPU config (RECIPES="debug_gpu ..." to pick)
 #   dispatch    2/4+ dispatch + combine at EP=2 on GPUs 0,1, then EP=all GPUs (VDEV=1 adds NVSHMEM vdev)
-#   throughput  1-2  training tokens/s vs torchtitan's trainer, eager and graphed (PART=1gpu | ep2)
+#   e2e         1-2  whole-run tokens/s, step ms and MFU vs torchtitan's trainer (no compile / compile), ours
+#                    eager and graphed (CONFIGS="debug_gpu ...", RUNS=..., PART=1gpu | ep2) -> e2e_<GPU>.md
+#   profile     1    an eager run with [profiling] traces, then the per-step GPU time by category
+#                    (CONFIGS=..., LABEL=before|after, ARGS=extra recipe args) -> step_breakdown_<config>.md
 #   dp_vs_ep    2    v2lite_1b: plain data parallel vs EP=2 (padded, alltoall)
 #   planner     1    ECHO planner time in a CUDA graph; simulated EP=8/16 straggler time
 #   echo        2    ECHO on/off with 8 hot experts (padded, capacity 2.0 / 1.25); echo_recompute memory
@@ -30,7 +33,6 @@ set -uo pipefail
 source benchmarks/gpu/lib.sh
 suite=${1:?usage: run.sh SUITE (see the header of benchmarks/gpu/run.sh)}
 noise() { grep -Ev '^\{|^W[0-9]{4} |[Ww]arn'; }   # drop the JSON rows and torch warnings from benchmark output
-tp() { timeout "$1" python3 benchmarks/trainer_throughput.py --out "$OUT" "${@:2}" 2>&1 | tail -7; }
 case $suite in
   tests)
     nvidia-smi --query-gpu=name --format=csv,noheader | tee "$OUT/gpus.txt"
@@ -100,19 +102,30 @@ for l in open('$OUT/recapture_v2lite_metrics.jsonl'):
         | tee "$OUT/dispatch_ep$N.log" | noise | tail -14
     fi ;;
 
-  throughput)  # -> throughput_<config>_<n>gpu[_label]_<GPU>.md
+  e2e)  # -> e2e_<GPU>.md (rows merged into one table per GPU)
     nvidia-smi --query-gpu=name --format=csv,noheader | head -4
+    runs=${RUNS:-torchtitan,torchtitan_compile,ours_eager,ours_graph}
     if [ "${PART:-1gpu}" = 1gpu ]; then
-      CUDA_VISIBLE_DEVICES=0 tp 150 --nproc 1 --config train_configs/debug_gpu.toml --steps 60
-      CUDA_VISIBLE_DEVICES=0 tp 150 --nproc 1 --config train_configs/v2lite_1b_gpu.toml --steps 40
+      for cfg in ${CONFIGS:-debug_gpu v2lite_1b_gpu qwen3_30b_a3b_small_gpu}; do
+        CUDA_VISIBLE_DEVICES=0 timeout ${TMO:-560} python3 benchmarks/e2e.py --configs $cfg --nproc 1 --runs $runs \
+          --steps ${STEPS:-40} --out "$OUT" --work /tmp/e2e ${ARGS:+--ours "$ARGS"} ${LABEL:+--label "$LABEL"} 2>&1 | grep -v '^{' | tail -12
+      done
     else
-      tp 300 --nproc 2 --config train_configs/v2lite_1b_gpu.toml --steps 40 --label _ep2 \
-         --ours "--parallelism.expert_parallel_degree 2 --moe_echo.dispatcher nvlink --moe_echo.capacity_factor 1.5" \
-         --titan "--parallelism.expert_parallel_degree 2"
-      tp 150 --nproc 2 --config train_configs/v2lite_1b_gpu.toml --steps 40 --label _ep2_echo --runs ours_eager,ours_graph \
-         --ours "--parallelism.expert_parallel_degree 2 --moe_echo.dispatcher nvlink --moe_echo.capacity_factor 1.25 --moe_echo.echo true"
+      timeout ${TMO:-560} python3 benchmarks/e2e.py --configs v2lite_1b_gpu --nproc 2 --runs $runs --label ep2 \
+        --steps ${STEPS:-40} --out "$OUT" --work /tmp/e2e --titan "--parallelism.expert_parallel_degree 2" \
+        --ours "--parallelism.expert_parallel_degree 2 --moe_echo.dispatcher nvlink --moe_echo.capacity_factor 1.5 ${ARGS:-}" \
+        2>&1 | grep -v '^{' | tail -12
     fi
-    tar czf "$OUT/logs.tgz" -C /tmp/moe_echo_throughput --exclude assets . 2>/dev/null ;;
+    tar czf "$OUT/e2e_logs.tgz" --exclude assets -C /tmp/e2e . 2>/dev/null ;;
+
+  profile)  # -> step_breakdown_<config>.md: the eager step's GPU time by category
+    for cfg in ${CONFIGS:-v2lite_1b_gpu}; do
+      CFG=train_configs/$cfg.toml FROM=0 recipe "prof_${cfg}_${LABEL:-now}" 1 --training.steps 14 --metrics.log_freq 2 \
+        --profiling.enable_profiling true --profiling.profile_freq 12 --profiling.profiler_warmup 8 \
+        --profiling.profiler_active 4 ${ARGS:-} | tail -2
+      trace=$(ls /tmp/run_prof_${cfg}_${LABEL:-now}/profile_traces/iteration_*/rank0_trace.json | tail -1)
+      python3 benchmarks/step_breakdown.py "${LABEL:-now}=$trace" --name "${cfg}_${LABEL:-now}" --out "$OUT"
+    done ;;
 
   dp_vs_ep)  # -> docs/performance.md (plain data parallel vs EP=2)
     export FROM=30

@@ -31,6 +31,8 @@ class Echo:
         self.E, self.group, self.R, self.rank, self.S, self.rule = num_experts, group, ep_size, ep_rank, slots_per_rank, rule
         self.e = num_experts // ep_size
         self.nvlink = nvlink
+        # the last route()'s plan (and last_load, its echo_load_columns): the recipe logs last_load and
+        # last_plan.slot_expert_G every step for the expert-load heatmaps
         self.last_plan: EchoPlan | None = None
 
     def gather_counts(self, counts_E: torch.Tensor) -> torch.Tensor:

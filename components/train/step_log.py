@@ -73,7 +73,8 @@ class StepLogger:
         self.flops_per_token, self.peak = flops_per_token, peak_flops(device)
         self.path = os.path.join(dump, METRICS_FILE)
         tb_dir = os.path.join(dump, cfg.metrics.save_tb_folder)
-        self.tb = MetricsLogger(tb_dir if is_main and cfg.metrics.enable_tensorboard else None, purge_step=purge_step)
+        self.tb = MetricsLogger(tb_dir if is_main and cfg.metrics.enable_tensorboard else None, purge_step=purge_step,
+                                log=self.write)
         self.summary = RunSummary()
         self.progress = Progress(t.steps, start_step, enabled=is_main)
         self.window_t0, self.window_steps, self.window_copy = time.perf_counter(), 0, None
@@ -114,7 +115,7 @@ class StepLogger:
                 values["moe/overflow_assignments"] = float(self.gate.dropped_seen)  # read one step late
                 values["moe/replayed_steps"] = float(s.replayed_steps)
                 values["moe/replayed"] = float(c.replayed)
-        values.update(self._moe_values(counts_LE, echo))
+        values.update(self._moe_values(step, counts_LE, echo))
         if not c.nonfinite:
             s.losses.append((step, loss_val))
         if self.is_main:
@@ -128,11 +129,13 @@ class StepLogger:
         self.progress.update(shown)
         return values
 
-    def _moe_values(self, counts_LE, echo) -> dict:
+    def _moe_values(self, step, counts_LE, echo) -> dict:
+        """``echo``: per layer None, or (echo_stats, echo_load_columns, slot_expert_G) (see echo.py)."""
         values, s = {}, self.summary
         for (name, _), counts_E, ech in zip(self.layers, counts_LE if self.layers else [], echo):
-            values[f"moe/layer{name}/load_max_over_mean"] = self.tb.record_load(f"layer{name}", counts_E,
-                                                                               ech[1] if ech else None)
+            load, slots = (ech[1], ech[2]) if ech else (None, None)
+            values[f"moe/layer{name}/load_max_over_mean"] = self.tb.record_load(f"layer{name}", step, counts_E,
+                                                                               load, slots)
             s.imbalance.append(load_imbalance(counts_E))
             if ech is not None:
                 before, after, clones, moved = ech[0].tolist()

@@ -1,0 +1,279 @@
+"""End-to-end training throughput: moe-echo's recipe vs torchtitan 0.2.2's own trainer, same run.
+
+Runs, each a fresh process tree in a fresh folder (``<work>/<config>_<gpus>gpu_<run>_<random>``):
+
+    torchtitan          torchtitan's trainer (benchmarks/torchtitan_main.py), its own MoE, no compile
+    torchtitan_compile  the same with ``--compile.enable`` (components model + loss)
+    ours_eager          recipes/pretrain.py
+    ours_graph          recipes/pretrain.py --training.cuda_graph true (the whole step one CUDA graph)
+
+"torchtitan best" is the faster of its two runs. Every run trains the same model flavour on the same
+text (Python stdlib source as .jsonl) with the same byte-level HF tokenizer, batch, sequence length,
+AdamW (fused, same lr / warmup) and bf16 compute with fp32 master weights; no checkpoints, no
+activation checkpointing.
+
+tokens/s per GPU is the median of the logged windows after the first half of the run (the
+steady state). MFU uses one formula for every run, torchtitan's:
+
+    flops_per_token = 6 · (active parameters − embedding) + 6 · layers · heads · (d_qk + d_v) · seq_len
+                      (torchtitan's ``get_moe_model_nparams_and_flops``: active = dense + router + shared
+                      experts + routed experts · top_k / num_experts; the attention term counts QKᵀ and
+                      AV forward and backward over the full square, not the causal half)
+    mfu = tokens_per_s_per_gpu · flops_per_token / peak   (peak: torchtitan's dense bf16 table,
+                      989 TFLOP/s on H100 / H200 SXM)
+
+    python benchmarks/e2e.py --configs debug_gpu,v2lite_1b_gpu --nproc 1 [--runs ...] [--out DIR]
+    python benchmarks/e2e.py --configs v2lite_1b_gpu --nproc 2 --ours "--parallelism.expert_parallel_degree 2" \
+        --titan "--parallelism.expert_parallel_degree 2" --label ep2
+
+Writes ``e2e_<gpu>.json`` / ``.md`` (rows {config, gpus, run, tokens_per_s_per_gpu, step_ms, mfu_pct,
+vs_torchtitan_best}); a file already there gets the new rows merged in (same config/gpus/label/run
+replaced), so several calls build one table.
+"""
+
+import argparse
+import json
+import os
+import re
+import shlex
+import statistics
+import subprocess
+import sys
+import tempfile
+import tomllib
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+from benchmarks.common import environment  # noqa: E402
+
+RUNS = ("torchtitan", "torchtitan_compile", "ours_eager", "ours_graph")
+
+
+def make_assets(folder: str, mb: int = 16) -> tuple[str, str]:
+    """(tokenizer dir, data .jsonl): byte-level BPE without merges (256 bytes + BOS/EOS)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    from components.train.data import stdlib_documents
+
+    os.makedirs(os.path.join(folder, "data"), exist_ok=True)  # its own folder: load_dataset reads all files
+    data = os.path.join(folder, "data", "stdlib.jsonl")
+    if not os.path.exists(data):
+        with open(data + ".tmp", "w") as f:
+            for doc in stdlib_documents(mb * 1_000_000):
+                f.write(json.dumps({"text": doc}) + "\n")
+        os.replace(data + ".tmp", data)
+    tok_dir = os.path.join(folder, "tokenizer")
+    if not os.path.exists(os.path.join(tok_dir, "tokenizer.json")):
+        os.makedirs(tok_dir, exist_ok=True)
+        vocab = {c: i for i, c in enumerate(sorted(pre_tokenizers.ByteLevel.alphabet()))}
+        tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+        tok.decoder = decoders.ByteLevel()
+        tok.add_special_tokens(["<|begin_of_text|>", "<|end_of_text|>"])
+        tok.save(os.path.join(tok_dir, "tokenizer.json"))
+        with open(os.path.join(tok_dir, "tokenizer_config.json"), "w") as f:
+            json.dump({"bos_token": "<|begin_of_text|>", "eos_token": "<|end_of_text|>"}, f)
+    return tok_dir, data
+
+
+def titan_toml(cfg: dict, steps: int, dump: str, tok_dir: str, data_dir: str, compile: bool) -> str:
+    """torchtitan's config for the recipe config ``cfg`` (same model, data, batch, optimizer)."""
+    t, m, o = cfg["training"], cfg["model"], cfg["optimizer"]
+    text = f"""[job]
+dump_folder = "{dump}"
+[model]
+name = "{m['name']}"
+flavor = "{m['flavor']}"
+hf_assets_path = "{tok_dir}"
+[optimizer]
+name = "AdamW"
+lr = {o['lr']}
+weight_decay = {o.get('weight_decay', 0.1)}
+implementation = "fused"
+[lr_scheduler]
+warmup_steps = {cfg.get('lr_scheduler', {}).get('warmup_steps', 10)}
+[training]
+dataset = "c4_test"
+dataset_path = "{data_dir}"
+local_batch_size = {t['local_batch_size']}
+seq_len = {t['seq_len']}
+steps = {steps}
+max_norm = {t.get('max_norm', 1.0)}
+mixed_precision_param = "bfloat16"
+[metrics]
+log_freq = 5
+enable_tensorboard = false
+[checkpoint]
+enable = false
+[activation_checkpoint]
+mode = "none"
+[compile]
+enable = {str(compile).lower()}
+components = ["model", "loss"]
+"""
+    path = os.path.join(dump, "titan.toml")
+    with open(path, "w") as f:
+        f.write(text)
+    return path
+
+
+def flops_per_token(cfg: dict) -> float:
+    """torchtitan's FLOPs per token of the config's model at its sequence length."""
+    import torch
+
+    from components.moe_echo.models import MODEL_CLASSES, model_args_for
+
+    args = model_args_for(cfg["model"]["name"], cfg["model"]["flavor"])
+    with torch.device("meta"):
+        model = MODEL_CLASSES[cfg["model"]["name"]](args)
+    return float(args.get_nparams_and_flops(model, cfg["training"]["seq_len"])[1])
+
+
+def steady(values: list[tuple[int, float]], steps: int) -> float | None:
+    """Median of the windows logged after the first half of the run."""
+    late = [v for s, v in values if s > steps // 2]
+    return statistics.median(late) if late else None
+
+
+def command(run: str, a, cfg_path: str, cfg: dict, dump: str, tok_dir: str, data: str) -> list[str]:
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(a.nproc),
+                "--master_port", str(29500 + os.getpid() % 1000)]
+    if run.startswith("torchtitan"):
+        toml = titan_toml(cfg, a.steps, dump, tok_dir, os.path.dirname(data), run == "torchtitan_compile")
+        return launcher + [os.path.join(ROOT, "benchmarks", "torchtitan_main.py"), "--job.config_file", toml,
+                           "--metrics.disable_color_printing"] + shlex.split(a.titan)
+    cmd = launcher + [os.path.join(ROOT, "recipes", "pretrain.py"), "--job.config_file", cfg_path,
+                      "--job.dump_folder", dump, "--training.steps", str(a.steps), "--metrics.log_freq", "5",
+                      "--metrics.enable_tensorboard", "false", "--checkpoint.enable", "false",
+                      "--training.dataset", "local", "--training.dataset_path", data,
+                      "--model.hf_assets_path", tok_dir, "--training.cuda_graph", str(run == "ours_graph").lower()]
+    return cmd + shlex.split(a.ours)
+
+
+def measure(run: str, a, cfg_path: str, cfg: dict, tok_dir: str, data: str, work: str) -> dict:
+    name = os.path.basename(cfg_path).split(".")[0]
+    dump = tempfile.mkdtemp(prefix=f"{name}_{a.nproc}gpu{a.label}_{run}_", dir=work)  # always a fresh folder
+    cmd = command(run, a, cfg_path, cfg, dump, tok_dir, data)
+    try:
+        p = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=a.timeout)
+        log, rc = p.stdout + p.stderr, p.returncode
+    except subprocess.TimeoutExpired as e:
+        log, rc = (e.stdout or b"").decode() + (e.stderr or b"").decode(), "timeout"
+    with open(os.path.join(dump, "run.log"), "w") as f:
+        f.write(" ".join(map(shlex.quote, cmd)) + "\n" + log)
+    if rc != 0:
+        lines = [ln for ln in log.splitlines() if ln.strip() and not ln.startswith(("W1", "I1", "  warnings"))]
+        print(f"--- {run} failed (rc {rc}); last lines:\n" + "\n".join(lines[-25:]), flush=True)
+        return {"run": run, "error": f"rc {rc}: " + (lines[-1][:160] if lines else ""), "folder": dump}
+    if run.startswith("torchtitan"):  # "step: 25  loss: ...  tps: 12,345 ..." per device
+        vals = [(int(s), float(v.replace(",", ""))) for s, v in re.findall(r"step:\s*(\d+).*?tps:\s*([\d,]+)", log)]
+    else:
+        rows = [json.loads(line) for line in open(os.path.join(dump, "metrics.jsonl"))]
+        vals = [(r["step"], r["tokens_per_s"] / a.nproc) for r in rows if "tokens_per_s" in r]  # untimed: replayed
+    tps = steady(vals, a.steps)
+    if tps is None:
+        return {"run": run, "error": "no logged window in the steady state", "folder": dump}
+    graph = re.search(r"cuda graph\s+(.*)", log)
+    return {"run": run, "tokens_per_s_per_gpu": tps, "windows": len([s for s, _ in vals if s > a.steps // 2]),
+            "graph": graph.group(1).strip() if graph else "", "folder": dump}
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--configs", default="debug_gpu,v2lite_1b_gpu,qwen3_30b_a3b_small_gpu",
+                    help="train_configs/<name>.toml, comma-separated")
+    ap.add_argument("--nproc", type=int, default=1)
+    ap.add_argument("--steps", type=int, default=40)
+    ap.add_argument("--runs", default=",".join(RUNS))
+    ap.add_argument("--ours", default="", help="extra recipe arguments")
+    ap.add_argument("--titan", default="", help="extra torchtitan arguments")
+    ap.add_argument("--label", default="", help="suffix naming a variant (e.g. ep2)")
+    ap.add_argument("--timeout", type=int, default=600, help="seconds per run")
+    ap.add_argument("--work", default=None, help="parent of the run folders (default: a new temp folder)")
+    ap.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results"))
+    ap.add_argument("--render", default=None, metavar="JSON", help="only rewrite the markdown table of this file")
+    a = ap.parse_args()
+    if a.render:
+        print(render(a.render))
+        return
+    a.label = f"_{a.label}" if a.label and not a.label.startswith("_") else a.label
+    for run in a.runs.split(","):
+        if run not in RUNS:
+            ap.error(f"--runs: unknown run {run!r}; expected some of {','.join(RUNS)}")
+    work = a.work or tempfile.mkdtemp(prefix="moe_echo_e2e_")
+    os.makedirs(work, exist_ok=True)
+    tok_dir, data = make_assets(os.path.join(work, "assets"))
+    env = environment()
+    from torchtitan.tools.utils import get_peak_flops
+
+    peak = float(get_peak_flops(env["gpu"]))
+    rows = []
+    for name in a.configs.split(","):
+        cfg_path = os.path.join(ROOT, "train_configs", f"{name}.toml")
+        with open(cfg_path, "rb") as f:
+            cfg = tomllib.load(f)
+        fpt, tokens = flops_per_token(cfg), cfg["training"]["local_batch_size"] * cfg["training"]["seq_len"]
+        group = []
+        for run in a.runs.split(","):
+            r = measure(run, a, cfg_path, cfg, tok_dir, data, work)
+            r.update({"config": name, "gpus": a.nproc, "label": a.label.lstrip("_")})
+            if r.get("tokens_per_s_per_gpu"):
+                r["step_ms"] = 1e3 * tokens / r["tokens_per_s_per_gpu"]
+                r["mfu_pct"] = 100 * r["tokens_per_s_per_gpu"] * fpt / peak
+            group.append(r)
+            print(json.dumps(r), flush=True)
+        best = max((r.get("tokens_per_s_per_gpu") or 0 for r in group if r["run"].startswith("torchtitan")), default=0)
+        eager = next((r.get("tokens_per_s_per_gpu") for r in group if r["run"] == "ours_eager"), None)
+        for r in group:
+            if r.get("tokens_per_s_per_gpu") and best:
+                r["vs_torchtitan_best"] = r["tokens_per_s_per_gpu"] / best
+            if r["run"] == "ours_graph" and eager and r.get("tokens_per_s_per_gpu"):
+                r["graph_vs_eager"] = r["tokens_per_s_per_gpu"] / eager
+        rows += group
+    write(rows, env, peak, a.out)
+
+
+def write(rows: list[dict], env: dict, peak: float, out: str) -> None:
+    """Merge ``rows`` into ``<out>/e2e_<gpu>.json`` and rewrite its markdown table."""
+    os.makedirs(out, exist_ok=True)
+    stem = os.path.join(out, "e2e_" + env["gpu"].replace(" ", "_"))
+    old = []
+    if os.path.exists(stem + ".json"):
+        with open(stem + ".json") as f:
+            old = json.load(f)["rows"]
+    key = lambda r: (r["config"], r["gpus"], r.get("label", ""), r["run"])  # noqa: E731
+    new = {key(r) for r in rows}
+    merged = [r for r in old if key(r) not in new] + [dict(r, date=env["date"], torch=env["torch"]) for r in rows]
+    with open(stem + ".json", "w") as f:
+        json.dump({"env": env, "peak_tflops": peak / 1e12, "script": "benchmarks/e2e.py", "rows": merged}, f, indent=1)
+    print(render(stem + ".json"), flush=True)
+
+
+def render(path: str) -> str:
+    """Write the markdown table of an e2e JSON file beside it; returns the table."""
+    with open(path) as f:
+        d = json.load(f)
+
+    def cell(r, c):
+        v = r.get(c, "")
+        if c == "tokens_per_s_per_gpu" and v != "":
+            return f"{v:,.0f}"
+        if c in ("vs_torchtitan_best", "graph_vs_eager") and v != "":
+            return f"{v:.2f}x"
+        return f"{v:.1f}" if isinstance(v, float) else str(v)
+
+    cols = ["config", "gpus", "label", "run", "tokens_per_s_per_gpu", "step_ms", "mfu_pct", "vs_torchtitan_best",
+            "graph_vs_eager", "graph", "error"]
+    lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+    lines += ["| " + " | ".join(cell(r, c) for c in cols) + " |" for r in d["rows"]]
+    text = (f"End-to-end training throughput on {d['env']['gpu']} (benchmarks/e2e.py; torch {d['env']['torch']}; "
+            f"MFU against {d['peak_tflops']:.0f} TFLOP/s dense bf16; steady-state median of each run)\n\n"
+            + "\n".join(lines) + "\n")
+    with open(path[: -len(".json")] + ".md", "w") as f:
+        f.write(text)
+    return text
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,179 @@
+"""Where a training step's GPU time goes, from a torch.profiler Chrome trace.
+
+    python benchmarks/step_breakdown.py TRACE.json [--label before] [--out DIR]
+
+The recipe writes the traces with ``[profiling] enable_profiling`` (eager steps: a CUDA-graphed
+step shows as one graph launch). Each GPU kernel is attributed to the CPU ops that launched it
+(the launch's correlation id, then the ops enclosing the launch on its thread) and put in the first
+category whose rule matches, innermost op first:
+
+    optimizer       inside ``Optimizer.step`` (fused AdamW) or ``zero_grad``
+    routed experts  grouped GEMMs (``aten::_grouped_mm``) and the expert SwiGLU between them
+    dense GEMMs     ``mm`` / ``addmm`` / ``bmm`` / ``linear`` / ``matmul``
+    attention       scaled-dot-product / flash / efficient attention kernels
+    dispatch        token permutation, gather / scatter of rows, histogram, sort (the MoE data movement)
+    router          scores, top-k, bias, normalisation of the gate
+    norms           RMSNorm (fused or composite)
+    loss            cross-entropy / log-softmax / NLL
+    casts/copies    ``_to_copy``, ``copy_``, ``cat``, ``stack``, contiguous copies
+    other           the rest (elementwise, reductions, ...)
+
+Per category: milliseconds per step (kernel time summed, streams included) and the share of the
+summed kernel time; ``busy_ms`` is the union of kernel intervals per step (what overlap hides).
+"""
+
+import argparse
+import json
+import os
+import re
+import sys
+from collections import defaultdict
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+CATEGORIES = ("optimizer", "routed experts", "dense GEMMs", "attention", "dispatch", "router", "norms", "loss",
+              "casts/copies", "other")
+# (category, pattern on an op name); tried innermost op first, then outwards
+RULES = [
+    ("optimizer", re.compile(r"Optimizer\.(step|zero_grad)|_fused_adamw|_foreach_")),
+    ("routed experts", re.compile(r"_grouped_mm|GroupedMm|grouped_swiglu|experts", re.I)),
+    ("attention", re.compile(r"attention|flash|sdpa|_efficient_attention|_cudnn_attention", re.I)),
+    ("dense GEMMs", re.compile(r"aten::(mm|addmm|bmm|linear|matmul|baddbmm)$|MmBackward|AddmmBackward")),
+    ("norms", re.compile(r"rms_norm|RmsNorm|layer_norm", re.I)),
+    ("loss", re.compile(r"cross_entropy|log_softmax|nll_loss|LogSoftmax|NllLoss", re.I)),
+    ("router", re.compile(r"topk|router|sigmoid|softmax|TopkBackward|gate", re.I)),
+    ("dispatch", re.compile(r"dispatch|combine|permute_rows|gather_rows|scatter_rows|moe_rows|histc|bincount|"
+                            r"argsort|aten::sort|index_select|index_add|scatter_add|repeat_interleave", re.I)),
+    ("casts/copies", re.compile(r"aten::(_to_copy|copy_|cat|stack|contiguous|clone|to)$|ToCopyBackward|CatBackward")),
+]
+KERNEL_RULES = [  # kernel names that say it all (no launching op found, e.g. Triton kernels launched from Python)
+    ("optimizer", re.compile(r"adam", re.I)),
+    ("routed experts", re.compile(r"grouped|swiglu", re.I)),
+    ("attention", re.compile(r"flash|fmha|attention", re.I)),
+    ("dense GEMMs", re.compile(r"gemm|sm90_xmma|cutlass|nvjet", re.I)),
+    ("dispatch", re.compile(r"rows|permute|scatter|gather|histogram|radix|sort", re.I)),
+    ("norms", re.compile(r"rms|norm", re.I)),
+    ("casts/copies", re.compile(r"copy|cat", re.I)),
+]
+
+
+def classify(stack: list[str], kernel: str) -> str:
+    for name in reversed(stack):  # innermost first
+        for cat, rule in RULES:
+            if rule.search(name):
+                return cat
+    for cat, rule in KERNEL_RULES:
+        if rule.search(kernel):
+            return cat
+    return "other"
+
+
+def _stacks_at(ops_by_tid: dict, launches: dict) -> dict:
+    """correlation id -> names of the ops enclosing its launch, outermost first (one sweep per thread)."""
+    queries = defaultdict(list)
+    for corr, (tid, ts) in launches.items():
+        queries[tid].append((ts, corr))
+    out = {}
+    for tid, qs in queries.items():
+        ops = sorted(ops_by_tid.get(tid, []), key=lambda o: (o[0], -o[1]))
+        stack, i = [], 0
+        for ts, corr in sorted(qs):
+            while i < len(ops) and ops[i][0] <= ts:
+                while stack and stack[-1][1] < ops[i][0]:
+                    stack.pop()
+                stack.append(ops[i])
+                i += 1
+            while stack and stack[-1][1] < ts:
+                stack.pop()
+            out[corr] = [name for start, end, name in stack if end >= ts]
+        del stack
+    return out
+
+
+def breakdown(trace_path: str) -> dict:
+    """Per-step milliseconds by category, plus steps, kernel_ms and busy_ms per step."""
+    with open(trace_path) as f:
+        events = json.load(f)["traceEvents"]
+    ops_by_tid = defaultdict(list)  # tid -> [(ts, end, name)]
+    launches = {}  # correlation id -> (tid, ts)
+    kernels, steps = [], []
+    for e in events:
+        if e.get("ph") != "X":
+            continue
+        cat, name = e.get("cat", ""), e.get("name", "")
+        if cat in ("cpu_op", "user_annotation", "python_function"):
+            ops_by_tid[e["tid"]].append((e["ts"], e["ts"] + e.get("dur", 0), name))
+            if name.startswith("ProfilerStep#"):
+                steps.append(name)
+        elif cat == "cuda_runtime" or cat == "cuda_driver":
+            corr = e.get("args", {}).get("correlation")
+            if corr is not None:
+                launches[corr] = (e["tid"], e["ts"])
+        elif cat in ("kernel", "gpu_memcpy", "gpu_memset"):
+            kernels.append(e)
+    stacks = _stacks_at(ops_by_tid, launches)
+
+    ms, top = defaultdict(float), defaultdict(float)
+    intervals = []
+    for k in kernels:
+        corr = k.get("args", {}).get("correlation")
+        stack = stacks.get(corr, [])
+        cat = classify(stack, k.get("name", ""))
+        ms[cat] += k.get("dur", 0) / 1e3
+        ops = [n for n in stack if not n.startswith("ProfilerStep")]
+        top[(cat, " < ".join(ops[-2:][::-1]), k.get("name", "")[:70])] += k.get("dur", 0) / 1e3
+        intervals.append((k["ts"], k["ts"] + k.get("dur", 0)))
+    intervals.sort()
+    busy, end = 0.0, -1.0
+    for s, e in intervals:
+        if e > end:
+            busy += e - max(s, end)
+            end = e
+    n = max(1, len(set(steps)))
+    total = sum(ms.values())
+    return {"steps": n, "kernel_ms": total / n, "busy_ms": busy / 1e3 / n,
+            "ms": {c: ms.get(c, 0.0) / n for c in CATEGORIES},
+            "pct": {c: 100 * ms.get(c, 0.0) / total if total else 0.0 for c in CATEGORIES},
+            "top": [{"category": c, "ops": o, "kernel": k, "ms": v / n}
+                    for (c, o, k), v in sorted(top.items(), key=lambda kv: -kv[1])[:30]]}
+
+
+def table(rows: list[dict]) -> str:
+    head = "| category | " + " | ".join(f"{r['label']} ms/step | %" for r in rows) + " |"
+    lines = [head, "|---|" + "---|---|" * len(rows)]
+    for c in CATEGORIES:
+        lines.append(f"| {c} | " + " | ".join(f"{r['ms'][c]:.2f} | {r['pct'][c]:.1f}" for r in rows) + " |")
+    lines.append("| **kernel time** | " + " | ".join(f"{r['kernel_ms']:.2f} | 100" for r in rows) + " |")
+    lines.append("| GPU busy (union) | " + " | ".join(f"{r['busy_ms']:.2f} | " for r in rows) + " |")
+    return "\n".join(lines)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("traces", nargs="+", help="Chrome trace JSON files (label=path to name a column)")
+    ap.add_argument("--out", default=None, help="write step_breakdown_<name>.md/.json here")
+    ap.add_argument("--name", default="v2lite_1b")
+    a = ap.parse_args()
+    rows = []
+    for spec in a.traces:
+        label, _, path = spec.rpartition("=")
+        r = breakdown(path)
+        r["label"], r["trace"] = label or os.path.basename(os.path.dirname(path)), path
+        rows.append(r)
+    text = table(rows)
+    for r in rows:
+        text += f"\n\nLargest kernels of {r['label']} (ms per step; innermost op < its parent):\n\n"
+        text += "| ms | category | ops | kernel |\n|---|---|---|---|\n"
+        text += "\n".join(f"| {t['ms']:.2f} | {t['category']} | {t['ops']} | {t['kernel']} |" for t in r["top"][:20])
+    print(text)
+    if a.out:
+        os.makedirs(a.out, exist_ok=True)
+        stem = os.path.join(a.out, f"step_breakdown_{a.name}")
+        with open(stem + ".json", "w") as f:
+            json.dump(rows, f, indent=1)
+        with open(stem + ".md", "w") as f:
+            f.write(f"GPU time per training step by category (benchmarks/step_breakdown.py)\n\n{text}\n")
+
+
+if __name__ == "__main__":
+    main()

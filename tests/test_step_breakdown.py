@@ -1,0 +1,48 @@
+"""benchmarks/step_breakdown.py attributes each GPU kernel to the ops that launched it."""
+
+import json
+
+from benchmarks.step_breakdown import breakdown
+
+
+def _trace(tmp_path, events):
+    path = tmp_path / "trace.json"
+    path.write_text(json.dumps({"traceEvents": events}))
+    return str(path)
+
+
+def _op(name, ts, dur, tid=1):
+    return {"ph": "X", "cat": "cpu_op", "name": name, "ts": ts, "dur": dur, "tid": tid}
+
+
+def _launch(corr, ts, tid=1):
+    return {"ph": "X", "cat": "cuda_runtime", "name": "cudaLaunchKernel", "ts": ts, "dur": 1, "tid": tid,
+            "args": {"correlation": corr}}
+
+
+def _kernel(corr, ts, dur, name="k"):
+    return {"ph": "X", "cat": "kernel", "name": name, "ts": ts, "dur": dur, "tid": 7, "args": {"correlation": corr}}
+
+
+def test_kernels_go_to_the_innermost_matching_op_and_steps_divide(tmp_path):
+    events = [
+        {"ph": "X", "cat": "user_annotation", "name": "ProfilerStep#3", "ts": 0, "dur": 1000, "tid": 1},
+        {"ph": "X", "cat": "user_annotation", "name": "ProfilerStep#4", "ts": 1000, "dur": 1000, "tid": 1},
+        _op("aten::linear", 10, 50), _op("aten::mm", 12, 40), _launch(1, 20), _kernel(1, 100, 400, "sm90_gemm"),
+        _op("aten::_grouped_mm", 200, 30), _launch(2, 210), _kernel(2, 500, 300),
+        _op("Optimizer.step#AdamW.step", 1100, 200), _op("aten::_fused_adamw_", 1110, 50), _launch(3, 1120),
+        _kernel(3, 1200, 200),
+        _op("aten::_to_copy", 1400, 20), _op("aten::copy_", 1405, 10), _launch(4, 1407), _kernel(4, 1500, 100),
+        _launch(5, 1600), _kernel(5, 1700, 100, "elementwise_kernel"),  # launched outside any op: by name
+        _op("aten::mul", 60, 5, tid=2), _launch(6, 61, tid=2), _kernel(6, 150, 300),  # a second stream, overlapped
+    ]
+    r = breakdown(_trace(tmp_path, events))
+    assert r["steps"] == 2
+    assert r["ms"]["dense GEMMs"] == 0.4 / 2
+    assert r["ms"]["routed experts"] == 0.3 / 2
+    assert r["ms"]["optimizer"] == 0.2 / 2
+    assert r["ms"]["casts/copies"] == 0.1 / 2
+    assert r["ms"]["other"] == (0.1 + 0.3) / 2
+    assert abs(sum(r["pct"].values()) - 100) < 1e-9
+    # kernel intervals 100-500, 500-800, 1200-1400, 1500-1600, 1700-1800 and one overlapping 150-450: 1100 us
+    assert abs(r["busy_ms"] - 1.1 / 2) < 1e-12
