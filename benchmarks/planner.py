@@ -1,15 +1,19 @@
 """ECHO planner quality (CPU) and speed (GPU, replayed in a CUDA graph), in one run.
 
-Quality: max/mean per-rank load before and after, for EP ∈ {2, 8, 16, 64}, E ∈ {64, 256}, K=8,
-slots per rank S ∈ {1, 2, 4}, routing uniform / Zipf(0.8) / Zipf(1.2) / one dominant expert,
-compared on the same loads with
+Quality, on drifting multi-step routing: expert popularity starts as Zipf(1.2) over the E experts
+(hot experts on random ranks) and drifts log-normally from step to step (log p ← log p + 0.3·N(0, 1),
+renormalised); each of T = 4096 tokens per rank picks K = 8 distinct experts by popularity (Gumbel
+top-K). For EP ∈ {8, 16, 64}, E ∈ {64, 256}, S ∈ {1, 2} slots per rank and every step: rank load
+max/mean before and after planning, for ECHO's rules (fill, the default; greedy; bestfit), for
   (a) EPLB: DeepSeek's published replication + balanced packing (our implementation), given the
       same R·S extra replicas, re-placing every expert (a freer layout than ECHO's fixed homes);
   (b) the optimum of ECHO's own problem (fixed homes, ≤ S clones per rank, splittable loads) as a
-      mixed-integer program (scipy.optimize.milp), where it solves within the time limit.
+      mixed-integer program (scipy.optimize.milp) where it solves within the time limit, else the
+      bound of its LP relaxation (a lower bound on the optimum; EP=64, E=256 is too large).
+Reported per configuration: the mean over steps and the worst step.
 Speed: planner time per layer on the GPU, captured once and replayed in a CUDA graph.
 
-    python benchmarks/planner.py [--time] [--out DIR]
+    python benchmarks/planner.py [--skip-quality] [--time] [--out DIR] [--steps N] [--ilp-time-limit S]
 """
 
 import argparse
@@ -26,10 +30,35 @@ from benchmarks.common import environment, markdown_table, write_results
 from components.moe_echo.planner import plan_echo
 
 K, TOKENS_PER_RANK = 8, 4096
+ZIPF, DRIFT = 1.2, 0.3
+CONFIGS = [(8, 64), (16, 64), (64, 256)]  # (EP, E), each with S = 1, 2
+RULES = ("fill", "greedy", "bestfit")
+
+
+def drifting_counts(R: int, E: int, steps: int, seed: int, tokens: int = TOKENS_PER_RANK, k: int = K,
+                    zipf: float = ZIPF, drift: float = DRIFT) -> list[torch.Tensor]:
+    """counts_RE per step: popularity p starts Zipf(zipf) on a random permutation of the experts,
+    log p drifts by drift·N(0, 1) per step (renormalised); every rank's tokens pick k distinct
+    experts by p (Gumbel top-k: sampling without replacement)."""
+    g = torch.Generator().manual_seed(seed)
+    logp = -zipf * torch.log(torch.arange(1, E + 1, dtype=torch.float64))
+    logp = logp[torch.randperm(E, generator=g)]
+    out = []
+    for t in range(steps):
+        if t:
+            logp = logp + drift * torch.randn(E, generator=g, dtype=torch.float64)
+        logp = logp - torch.logsumexp(logp, 0)
+        counts = torch.zeros(R, E, dtype=torch.int64)
+        for r in range(R):
+            gumbel = -torch.log(-torch.log(torch.rand(tokens, E, generator=g).clamp(1e-9, 1 - 1e-9)))
+            ids = (logp.float() + gumbel).topk(k, dim=-1).indices
+            counts[r] = torch.bincount(ids.flatten(), minlength=E)
+        out.append(counts)
+    return out
 
 
 def routing_counts(R: int, E: int, dist: str, seed: int) -> torch.Tensor:
-    """counts_RE for T tokens per rank choosing K distinct experts by popularity (+ Gumbel noise)."""
+    """Static counts_RE (benchmarks/echo_sim.py): T tokens per rank choosing K distinct experts by popularity (+ Gumbel noise)."""
     g = torch.Generator().manual_seed(seed)
     if dist == "uniform":
         logp = torch.zeros(E)
@@ -73,90 +102,102 @@ def eplb(load_E: np.ndarray, R: int, S: int) -> float:
     return imbalance(loads)
 
 
-def ilp_optimum(load_E: np.ndarray, R: int, S: int, time_limit: float) -> float | None:
-    """min max-rank-load with fixed homes and ≤ S clones per rank (loads splittable)."""
+def milp_optimum(load_E: np.ndarray, R: int, S: int, upper: float | None = None, time_limit: float = 20.0,
+                 relax: bool = False) -> float | None:
+    """min makespan z with fixed homes, ≤ S clones per rank, loads splittable, over max/mean:
+        Σ_d a[x, d] = L_x;  a[x, d] ≤ M_x·y[x, d] for d ≠ home(x), y binary;  Σ_x a[x, d] ≤ z;  Σ_x y[x, d] ≤ S.
+    ``upper``: a known feasible makespan (tightens M_x = min(L_x, upper) and bounds z; the optimum
+    stays inside). ``relax``: y continuous in [0, 1], a lower bound on the optimum. None when the
+    solver stops without proving optimality (time limit)."""
+    import scipy.sparse as sp
     from scipy.optimize import Bounds, LinearConstraint, milp
 
+    load_E = np.asarray(load_E, dtype=np.float64)
     E = len(load_E)
-    e = E // R
-    home = np.arange(E) // e
-    na = E * R  # a[x, d] tokens of x on d ; y[x, d] copy of x on d (non-home) ; z
+    home = np.arange(E) // (E // R)
+    ub = np.inf if upper is None else float(upper)
+    M = np.minimum(load_E, ub)
+    na = E * R  # a[x, d] at x·R + d; y[x, d] at na + x·R + d; z last
     nv = 2 * na + 1
+    rows, cols, vals, lo, hi = [], [], [], [], []
+
+    def add(cs, vs, lower, upper_):
+        k = len(lo)
+        rows.extend([k] * len(cs)), cols.extend(cs), vals.extend(vs), lo.append(lower), hi.append(upper_)
+
+    for x in range(E):
+        add([x * R + d for d in range(R)], [1.0] * R, load_E[x], load_E[x])
+        for d in range(R):
+            if d != home[x]:
+                add([x * R + d, na + x * R + d], [1.0, -M[x]], -np.inf, 0.0)
+    for d in range(R):
+        add([x * R + d for x in range(E)] + [nv - 1], [1.0] * E + [-1.0], -np.inf, 0.0)
+        ys = [na + x * R + d for x in range(E) if home[x] != d]
+        add(ys, [1.0] * len(ys), -np.inf, float(S))
+    A = sp.csr_matrix((vals, (rows, cols)), shape=(len(lo), nv))
     c = np.zeros(nv)
     c[-1] = 1.0
-    A, lo, hi = [], [], []
-
-    def row():
-        return np.zeros(nv)
-
-    for x in range(E):  # Σ_d a = L_x
-        r = row()
-        r[x * R:(x + 1) * R] = 1
-        A.append(r), lo.append(load_E[x]), hi.append(load_E[x])
-    for x in range(E):  # a ≤ L_x · y for non-home d
-        for d in range(R):
-            if d == home[x]:
-                continue
-            r = row()
-            r[x * R + d] = 1
-            r[na + x * R + d] = -load_E[x]
-            A.append(r), lo.append(-np.inf), hi.append(0.0)
-    for d in range(R):  # rank load ≤ z ; clones ≤ S
-        r = row()
-        r[[x * R + d for x in range(E)]] = 1
-        r[-1] = -1
-        A.append(r), lo.append(-np.inf), hi.append(0.0)
-        r = row()
-        r[[na + x * R + d for x in range(E) if home[x] != d]] = 1
-        A.append(r), lo.append(-np.inf), hi.append(S)
     integrality = np.zeros(nv)
-    integrality[na:2 * na] = 1
-    ub = np.full(nv, np.inf)
-    ub[na:2 * na] = 1
-    for x in range(E):
-        ub[na + x * R + home[x]] = 0
-    res = milp(c, constraints=LinearConstraint(np.array(A), lo, hi), integrality=integrality,
-               bounds=Bounds(np.zeros(nv), ub), options={"time_limit": time_limit})
+    if not relax:
+        integrality[na:2 * na] = 1
+    upper_b = np.full(nv, np.inf)
+    upper_b[na:2 * na] = 1
+    upper_b[na + np.arange(E) * R + home] = 0
+    upper_b[-1] = ub
+    res = milp(c, constraints=LinearConstraint(A, lo, hi), integrality=integrality,
+               bounds=Bounds(np.zeros(nv), upper_b), options={"time_limit": time_limit})
     if res.status != 0 or res.x is None:
         return None
     return float(res.x[-1] / (load_E.sum() / R))
 
 
-def quality(ilp_limit: float) -> list[dict]:
+def _summary(values: list[float]) -> tuple[float, float]:
+    return float(np.mean(values)), float(np.max(values))
+
+
+def quality(steps: int, ilp_limit: float, seed: int = 0) -> list[dict]:
     rows = []
-    for R in (2, 8, 16, 64):
-        for E in (64, 256):
-            for dist in ("uniform", "zipf0.8", "zipf1.2", "dominant"):
-                counts = routing_counts(R, E, dist, seed=R * 1000 + E)
+    for R, E in CONFIGS:
+        trace = drifting_counts(R, E, steps, seed=seed + R * 1000 + E)
+        for S in (1, 2):
+            per = {k: [] for k in ("before", *RULES, "eplb", "opt", "fill_over_opt")}
+            kinds = set()
+            for counts in trace:
                 load_E = counts.sum(0).numpy().astype(np.float64)
-                for S in (1, 2, 4):
-                    plan = plan_echo(counts, S, "greedy")
-                    best = plan_echo(counts, S, "bestfit")
-                    before = imbalance(plan.load_before_R.numpy())
-                    opt = ilp_optimum(load_E, R, S, ilp_limit) if R * E <= 512 else None
-                    after = imbalance(plan.load_after_R.numpy())
-                    rows.append({
-                        "EP": R, "E": E, "routing": dist, "S": S, "before": before, "echo_greedy": after,
-                        "echo_bestfit": imbalance(best.load_after_R.numpy()), "eplb": eplb(load_E, R, S),
-                        "ilp_opt": opt if opt is not None else float("nan"),
-                        "greedy_over_opt": after / opt if opt else float("nan"),
-                        "clones": int((plan.slot_expert_G >= 0).sum()),
-                    })
-                    print(rows[-1], flush=True)
+                plans = {rule: plan_echo(counts, S, rule) for rule in RULES}
+                per["before"].append(imbalance(plans["fill"].load_before_R.numpy()))
+                for rule in RULES:
+                    per[rule].append(imbalance(plans[rule].load_after_R.numpy()))
+                per["eplb"].append(eplb(load_E, R, S))
+                upper = float(min(p.load_after_R.max() for p in plans.values()))
+                opt = milp_optimum(load_E, R, S, upper, ilp_limit) if R * E <= 1024 else None
+                if opt is None:
+                    opt = milp_optimum(load_E, R, S, upper, ilp_limit, relax=True)
+                    kinds.add("LP bound")
+                else:
+                    kinds.add("MILP")
+                per["opt"].append(opt)
+                per["fill_over_opt"].append(per["fill"][-1] / opt)
+            row = {"EP": R, "E": E, "S": S, "steps": steps, "optimum": " / ".join(sorted(kinds))}
+            for k, v in per.items():
+                row[f"{k}_mean"], row[f"{k}_worst"] = _summary(v)
+            row["per_step"] = {k: v for k, v in per.items()}
+            rows.append(row)
+            print({k: v for k, v in row.items() if k != "per_step"}, flush=True)
     return rows
 
 
-def speed(R: int, E: int, S: int, iters: int = 200) -> dict:
-    counts = routing_counts(R, E, "zipf1.2", seed=7).cuda()
+def speed(R: int, E: int, S: int, rule: str, iters: int = 200) -> dict:
+    counts = drifting_counts(R, E, 1, seed=7)[0].cuda()  # step 0: Zipf(1.2)
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
         for _ in range(3):
-            plan_echo(counts, S)  # warm-up outside the graph
+            plan_echo(counts, S, rule)  # warm-up outside the graph
     torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        plan_echo(counts, S)
+        plan_echo(counts, S, rule)
     graph.replay()
     torch.cuda.synchronize()
     t0 = time.perf_counter()
@@ -166,31 +207,41 @@ def speed(R: int, E: int, S: int, iters: int = 200) -> dict:
     graph_us = (time.perf_counter() - t0) / iters * 1e6
     t0 = time.perf_counter()
     for _ in range(20):
-        plan_echo(counts, S)
+        plan_echo(counts, S, rule)
     torch.cuda.synchronize()
     eager_us = (time.perf_counter() - t0) / 20 * 1e6
-    return {"EP": R, "E": E, "S": S, "graph_us": graph_us, "eager_us": eager_us}
+    return {"EP": R, "E": E, "S": S, "rule": rule, "graph_us": graph_us, "eager_us": eager_us}
+
+
+def _cell(row: dict, key: str) -> str:
+    return f"{row[key + '_mean']:.4f} [{row[key + '_worst']:.4f}]"
 
 
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--time", action="store_true", help="also time the planner on the GPU (CUDA graph)")
     ap.add_argument("--skip-quality", action="store_true")
+    ap.add_argument("--steps", type=int, default=20, help="steps of drifting routing per configuration")
+    ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--ilp-time-limit", type=float, default=20.0)
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
     env = environment()
     if not a.skip_quality:
-        rows = quality(a.ilp_time_limit)
-        cols = ["EP", "E", "routing", "S", "before", "echo_greedy", "echo_bestfit", "eplb", "ilp_opt",
-                "greedy_over_opt", "clones"]
-        table = markdown_table(rows, cols)
-        env_q = {**env, "gpu": "cpu"}
+        rows = quality(a.steps, a.ilp_time_limit, a.seed)
+        keys = ["before", "fill", "greedy", "bestfit", "eplb", "opt", "fill_over_opt"]
+        cells = [{"EP": r["EP"], "E": r["E"], "S": r["S"], **{k: _cell(r, k) for k in keys}, "optimum": r["optimum"]}
+                 for r in rows]
+        table = markdown_table(cells, ["EP", "E", "S", *keys, "optimum"])
+        env_q = {**env, "gpu": "cpu", "routing": f"drifting Zipf({ZIPF}), log-normal drift {DRIFT}/step, "
+                 f"T={TOKENS_PER_RANK}/rank, K={K}, {a.steps} steps, seed {a.seed}"}
         stem = write_results("planner_quality", env_q, rows, table, a.out)
-        print(f"\nECHO planner balance, max/mean rank load (T={TOKENS_PER_RANK}/rank, K={K}) ({stem}.json)\n{table}")
+        print(f"\nECHO planner balance, max/mean rank load, mean over {a.steps} drifting steps [worst step] "
+              f"(T={TOKENS_PER_RANK}/rank, K={K}) ({stem}.json)\n{table}")
     if a.time:
-        rows = [speed(R, E, S) for R, E, S in [(2, 64, 2), (8, 256, 2), (16, 256, 2), (64, 256, 1), (64, 256, 2)]]
-        table = markdown_table(rows, ["EP", "E", "S", "graph_us", "eager_us"])
+        shapes = [(2, 64, 2), (8, 256, 2), (16, 256, 2), (64, 256, 1), (64, 256, 2)]
+        rows = [speed(R, E, S, rule) for R, E, S in shapes for rule in ("fill", "greedy")]
+        table = markdown_table(rows, ["EP", "E", "S", "rule", "graph_us", "eager_us"])
         stem = write_results("planner_time", env, rows, table, a.out)
         print(f"\nECHO planner time per layer on {env['gpu']} ({stem}.json)\n{table}")
 

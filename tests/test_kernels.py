@@ -166,20 +166,41 @@ def test_missing_slots_contribute_nothing_and_get_no_gradient():
     assert gy[~used].abs().max() == 0 and gy[used].abs().min() > 0
 
 
+def planner_cases(big: bool):
+    """(counts_RE, S, rule) for the kernel-vs-reference checks: random, heavy-tailed and adversarial
+    loads (all to one expert, none, balanced, hot experts packed on rank 0: the optimum then lies
+    above the mean and the search's second round runs)."""
+    g = torch.Generator().manual_seed(0)
+    shapes = [(2, 64, 2), (8, 256, 2), (16, 256, 1), (64, 256, 1), (64, 256, 2), (64, 256, 4)] if big else \
+        [(2, 8, 1), (4, 16, 2), (8, 64, 2)]
+    cases = []
+    for R, E, S in shapes:
+        counts = torch.randint(0, 50, (R, E), generator=g)
+        counts[:, torch.randint(0, E, (3,), generator=g)] += 3000
+        cases += [(counts, S, rule) for rule in (("fill", "greedy", "bestfit") if big else ("fill", "bestfit"))]
+        packed = torch.zeros(R, E, dtype=torch.int64)
+        packed[0] = (torch.randn(E, generator=g) * 1.5).exp().mul(1000).long().sort(descending=True).values
+        one = torch.zeros(R, E, dtype=torch.int64)
+        one[:, E // 2] = 777
+        balanced = torch.zeros(R, E, dtype=torch.int64)
+        balanced[:, ::E // R] = 500
+        cases += [(packed, S, "fill"), (packed, 1, "fill"), (one, S, "fill"), (balanced, S, "fill")]
+    cases.append((torch.zeros(R, E, dtype=torch.int64), S, "fill"))
+    return cases
+
+
 _PLANNER_SCRIPT = r"""
-import torch
+import sys, torch
+sys.path.insert(0, "tests")
+from test_kernels import planner_cases
 from components.moe_echo.planner import plan_echo
 from kernels.echo_plan import can_use_kernel
-g = torch.Generator().manual_seed(0)
-for R, E, S, rule in [(2, 8, 2, "greedy"), (4, 16, 1, "greedy"), (8, 64, 2, "bestfit"), (4, 8, 4, "greedy")]:
-    for trial in range(3):
-        counts = torch.randint(0, 50, (R, E), generator=g)
-        counts[:, torch.randint(0, E, (2,), generator=g)] += torch.randint(0, 400, (1,), generator=g).item()
-        assert can_use_kernel(counts)
-        ref = plan_echo(counts, S, rule, kernel=False)
-        got = plan_echo(counts, S, rule, kernel=True)
-        for a, b in zip((ref.slot_expert_G, ref.quota_RG, ref.load_after_R), (got.slot_expert_G, got.quota_RG, got.load_after_R)):
-            assert torch.equal(a, b), (R, E, S, rule, a, b)
+for counts, S, rule in planner_cases(big=False):
+    assert can_use_kernel(counts)
+    ref = plan_echo(counts, S, rule, kernel=False)
+    got = plan_echo(counts, S, rule, kernel=True)
+    for a, b in zip((ref.slot_expert_G, ref.quota_RG, ref.load_after_R), (got.slot_expert_G, got.quota_RG, got.load_after_R)):
+        assert torch.equal(a, b), (counts.shape, S, rule, a, b)
 print("PLANNER-OK")
 """
 
@@ -193,11 +214,29 @@ def test_planner_kernel_equals_torch_loop_in_interpreter():
 def test_planner_kernel_equals_torch_loop_on_gpu():
     from components.moe_echo.planner import plan_echo
 
-    g = torch.Generator().manual_seed(0)
-    for R, E, S in [(2, 64, 2), (8, 256, 2), (64, 256, 1), (64, 256, 4)]:
-        counts = torch.randint(0, 50, (R, E), generator=g)
-        counts[:, :3] += 3000
-        ref = plan_echo(counts, S, kernel=False)
-        got = plan_echo(counts.cuda(), S, kernel=True)
-        assert torch.equal(ref.slot_expert_G, got.slot_expert_G.cpu())
-        assert torch.equal(ref.quota_RG, got.quota_RG.cpu())
+    for counts, S, rule in planner_cases(big=True):
+        ref = plan_echo(counts, S, rule, kernel=False)
+        got = plan_echo(counts.cuda(), S, rule, kernel=True)
+        for a, b in zip((ref.slot_expert_G, ref.quota_RG, ref.load_after_R), (got.slot_expert_G, got.quota_RG, got.load_after_R)):
+            assert torch.equal(a, b.cpu()), (counts.shape, S, rule)
+
+
+@pytest.mark.gpu
+def test_planner_replays_in_a_cuda_graph():
+    from components.moe_echo.planner import plan_echo
+
+    g = torch.Generator().manual_seed(1)
+    counts = torch.zeros(8, 256, dtype=torch.int64)  # hot experts packed on rank 0: both search rounds run
+    counts[0] = (torch.randn(256, generator=g) * 1.5).exp().mul(1000).long().sort(descending=True).values
+    counts, S = counts.cuda(), 1
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        eager = plan_echo(counts, S)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        plan = plan_echo(counts, S)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(plan.slot_expert_G, eager.slot_expert_G) and torch.equal(plan.quota_RG, eager.quota_RG)

@@ -52,9 +52,11 @@ class MoEEchoConfig:
     echo_slots_per_rank: int = 2
     """Echo slots per EP rank (each can host one clone of a hot expert per step)."""
 
-    echo_planner: Literal["greedy", "bestfit"] = "greedy"
-    """Slot assignment rule: ``greedy`` (hottest overflow to the roomiest rank) or ``bestfit``
-    (the fullest rank whose room takes the whole overflow; priority bin packing)."""
+    echo_planner: Literal["fill", "greedy", "bestfit"] = "fill"
+    """Slot assignment rule: ``fill`` (fill the roomiest rank from the overloaded ranks, overloaded
+    ranks may host clones too, searching the target makespan; within 0.1% of the optimum in
+    benchmarks/planner.py), or the earlier one-pass rules toward ceil(mean): ``greedy`` (largest
+    overflow to the roomiest rank), ``bestfit`` (the fullest rank whose room takes the whole overflow)."""
 
     echo_recompute: bool = False
     """Recompute the experts in backward (clone-weight multicast, grouped GEMMs, SwiGLU): clone
