@@ -4,6 +4,9 @@ Both MoE layers get identical weights, router bias and inputs (so identical rout
 cross-checked on the tokens whose expert sets agree (our router scores in fp32, torchtitan's in
 bf16, so near-ties can differ; the agreeing fraction is reported). Routed FLOPs (fwd+bwd) = 18·T·K·D·H. Shared experts are off so only routed work is
 compared. 'skewed' routing comes from a Zipf-shaped router bias; its max/mean expert load is reported.
+The tensor cores' reachable rate is measured in the same run: a plain bf16 GEMM (16384×4096×4096,
+``plain_gemm_tflops``); ``frac_of_peak_gemm`` = the layer's routed TFLOP/s over it. ``precision`` names
+the experts' GEMM precision (bf16 here).
 
     python benchmarks/moe_layer.py [--out DIR]
 """
@@ -114,6 +117,14 @@ def run_case(T, D, H, E, K, routing, dev):
     }
 
 
+def plain_gemm_tflops(dev: str, m: int = 16384, n: int = 4096, k: int = 4096) -> float:
+    """TFLOP/s of one bf16 ``a @ b`` (m×k by k×n) on random data: the rate the experts' GEMMs aim at."""
+    a = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
+    b = torch.randn(k, n, device=dev, dtype=torch.bfloat16)
+    ms = time_ms(lambda: a @ b, warmup=10, iters=50)
+    return 2 * m * n * k / (ms * 1e-3) / 1e12
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=None, help="results folder (default benchmarks/results)")
@@ -124,15 +135,19 @@ def main():
     global PROFILE
     PROFILE = a.profile
     rows = []
+    gemm = plain_gemm_tflops(dev)
+    print(f"plain bf16 GEMM 16384x4096x4096: {gemm:.0f} TFLOP/s", flush=True)
     for T, D, H, E, K in CASES:
         for routing in ("balanced", "skewed"):
-            rows.append(run_case(4096 if a.quick else T, D, H, E, K, routing, dev))
+            row = run_case(4096 if a.quick else T, D, H, E, K, routing, dev)
+            row.update(precision="bf16", plain_gemm_tflops=gemm, frac_of_peak_gemm=row["ours_tflops"] / gemm)
+            rows.append(row)
             print(rows[-1], flush=True)
             torch.cuda.empty_cache()
     env = environment()
-    cols = ["T", "D", "H", "E", "K", "routing", "load_max_over_mean", "ours_ms", "torchtitan_ms", "dense_ms",
-            "ours_tflops", "torchtitan_tflops", "dense_tflops", "speedup_vs_torchtitan", "frac_of_dense",
-            "routing_agree", "out_rel_diff"]
+    cols = ["T", "D", "H", "E", "K", "routing", "precision", "load_max_over_mean", "ours_ms", "torchtitan_ms",
+            "dense_ms", "ours_tflops", "torchtitan_tflops", "dense_tflops", "plain_gemm_tflops", "frac_of_peak_gemm",
+            "speedup_vs_torchtitan", "frac_of_dense", "routing_agree", "out_rel_diff"]
     table = markdown_table(rows, cols)
     stem = write_results("moe_layer", env, rows, table, a.out)
     print(f"\nMoE layer fwd+bwd, bf16, {env['gpu']}, torch {env['torch']}  ({stem}.json)\n{table}")
