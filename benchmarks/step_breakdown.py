@@ -14,7 +14,7 @@ category whose rule matches, innermost op first:
     dispatch        token permutation, gather / scatter of rows, histogram, sort (the MoE data movement)
     router          scores, top-k, bias, normalisation of the gate
     norms           RMSNorm (fused or composite)
-    loss            cross-entropy / log-softmax / NLL
+    loss            cross-entropy / log-softmax / NLL (also kernels/cross_entropy.py's fused kernels)
     casts/copies    ``_to_copy``, ``copy_``, ``cat``, ``stack``, contiguous copies
     other           the rest (elementwise, reductions, ...)
 
@@ -40,7 +40,7 @@ RULES = [
     ("attention", re.compile(r"attention|flash|sdpa|_efficient_attention|_cudnn_attention", re.I)),
     ("dense GEMMs", re.compile(r"aten::(mm|addmm|bmm|linear|matmul|baddbmm)$|MmBackward|AddmmBackward")),
     ("norms", re.compile(r"rms_norm|RmsNorm|layer_norm", re.I)),
-    ("loss", re.compile(r"cross_entropy|log_softmax|nll_loss|LogSoftmax|NllLoss", re.I)),
+    ("loss", re.compile(r"cross_?entropy|log_softmax|nll_loss|LogSoftmax|NllLoss", re.I)),
     ("router", re.compile(r"topk|router|sigmoid|softmax|TopkBackward|gate", re.I)),
     ("dispatch", re.compile(r"dispatch|combine|permute_rows|gather_rows|scatter_rows|moe_rows|histc|bincount|"
                             r"argsort|aten::sort|index_select|index_add|scatter_add|repeat_interleave", re.I)),
@@ -48,6 +48,7 @@ RULES = [
 ]
 KERNEL_RULES = [  # kernel names that say it all (no launching op found, e.g. Triton kernels launched from Python)
     ("optimizer", re.compile(r"adam", re.I)),
+    ("loss", re.compile(r"cross_entropy|nll_loss", re.I)),
     ("routed experts", re.compile(r"grouped|swiglu", re.I)),
     ("attention", re.compile(r"flash|fmha|attention", re.I)),
     ("dense GEMMs", re.compile(r"gemm|sm90_xmma|cutlass|nvjet", re.I)),

@@ -1,1 +1,2 @@
-"""Triton kernels: MoE row gather/combine, fused SwiGLU, the ECHO planner loop (NVLink dispatch next)."""
+"""Triton kernels: MoE row gather/combine, fused SwiGLU, the ECHO planner loop, fused cross-entropy
+(NVLink dispatch next)."""

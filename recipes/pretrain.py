@@ -15,12 +15,11 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without install
 
-import torch.nn.functional as F
-
 from components.parallel.data_parallel import allreduce_sum
 from components.parallel.grad_norm import clip_grad_norm_
 from components.train.entry import run_recipe
 from components.train.loop import fit
+from components.train.loss import lm_loss
 from components.train.moe_balance import balance_experts
 from components.train.overflow import stop_on_overflow
 from components.train.setup import build_data, build_parallel_model, build_training, resume, start
@@ -39,7 +38,7 @@ def train(argv: list[str]) -> None:
     def loss_fn(inputs_BS, labels_BS):
         with tr.autocast():  # bf16 autocast, or nothing (bf16 parameters / FSDP's policy)
             logits_BSV = model(inputs_BS)
-        return F.cross_entropy(logits_BSV.flatten(0, 1).float(), labels_BS.flatten())
+        return lm_loss(logits_BSV, labels_BS)  # fused cross-entropy on the bf16 logits (kernels/cross_entropy.py)
 
     def device_step(inputs_BS, labels_BS):
         """No host read (a CUDA graph captures this whole function), except on_overflow = 'stop'."""

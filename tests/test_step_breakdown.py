@@ -46,3 +46,18 @@ def test_kernels_go_to_the_innermost_matching_op_and_steps_divide(tmp_path):
     assert abs(sum(r["pct"].values()) - 100) < 1e-9
     # kernel intervals 100-500, 500-800, 1200-1400, 1500-1600, 1700-1800 and one overlapping 150-450: 1100 us
     assert abs(r["busy_ms"] - 1.1 / 2) < 1e-12
+
+
+def test_fused_cross_entropy_is_loss(tmp_path):
+    """kernels/cross_entropy.py: its record_function spans, its autograd node, or the kernel names alone."""
+    events = [
+        {"ph": "X", "cat": "user_annotation", "name": "ProfilerStep#1", "ts": 0, "dur": 1000, "tid": 1},
+        {"ph": "X", "cat": "user_annotation", "name": "cross_entropy_fwd", "ts": 10, "dur": 50, "tid": 1},
+        _launch(1, 20), _kernel(1, 100, 100, "_cross_entropy_fwd_kernel"),
+        _op("aten::sum", 30, 10), _launch(2, 35), _kernel(2, 200, 10, "reduce_kernel"),
+        _op("autograd::engine::evaluate_function: _CrossEntropyBackward", 300, 50),
+        _op("_CrossEntropyBackward", 305, 40), _launch(3, 310), _kernel(3, 400, 200, "_cross_entropy_bwd_kernel"),
+        _launch(4, 700), _kernel(4, 800, 50, "_cross_entropy_fwd_kernel"),  # no launching op recorded
+    ]
+    r = breakdown(_trace(tmp_path, events))
+    assert abs(r["ms"]["loss"] - 0.36) < 1e-12 and abs(r["pct"]["loss"] - 100) < 1e-9
