@@ -27,13 +27,12 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without install
 
-import torch.nn.functional as F
-
 from components.errors import UserError
 from components.parallel.data_parallel import allreduce_sum
 from components.parallel.grad_norm import clip_grad_norm_
 from components.train.entry import run_recipe
 from components.train.loop import fit
+from components.train.loss import build_loss
 from components.train.moe_balance import balance_experts
 from components.train.overflow import stop_on_overflow
 from components.train.setup import build_data, build_parallel_model, build_training, resume, start
@@ -53,11 +52,12 @@ def finetune(argv: list[str]) -> None:
     if not resume(run, tr, model):  # this run's own checkpoint wins; else the pretrained weights
         return
     optimizer, gate, layers = tr.optimizer, tr.gate, tr.layers
+    cross_entropy = build_loss(run.cfg.compile)  # fp32 mean over tokens; compiled if [compile] asks
 
     def loss_fn(inputs_BS, labels_BS):
         with tr.autocast():
             logits_BSV = model(inputs_BS)
-        return F.cross_entropy(logits_BSV.flatten(0, 1).float(), labels_BS.flatten())
+        return cross_entropy(logits_BSV, labels_BS)
 
     def device_step(inputs_BS, labels_BS):
         loss = loss_fn(inputs_BS, labels_BS)
