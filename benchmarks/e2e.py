@@ -6,11 +6,15 @@ Runs, each a fresh process tree in a fresh folder (``<work>/<config>_<gpus>gpu_<
     torchtitan_compile  the same with ``--compile.enable`` (components model + loss)
     ours_eager          recipes/pretrain.py
     ours_graph          recipes/pretrain.py --training.cuda_graph true (the whole step one CUDA graph)
+    ours_compile_graph  ours_graph with ``--compile.enable true`` (components model + loss, inductor):
+                        each block's dense submodules and the loss compiled, the routed MoE eager,
+                        all inside the step's CUDA graph
 
-"torchtitan best" is the faster of its two runs. Every run trains the same model flavour on the same
-text (Python stdlib source as .jsonl) with the same byte-level HF tokenizer, batch, sequence length,
-AdamW (fused, same lr / warmup) and bf16 compute with fp32 master weights; no checkpoints, no
-activation checkpointing.
+All five run by default (``--runs`` picks some). "torchtitan best" is the faster of its two runs;
+``graph_vs_eager`` = ours_graph / ours_eager, ``compile_vs_graph`` = ours_compile_graph / ours_graph.
+Every run trains the same model flavour on the same text (Python stdlib source as .jsonl) with the
+same byte-level HF tokenizer, batch, sequence length, AdamW (fused, same lr / warmup) and bf16
+compute with fp32 master weights; no checkpoints, no activation checkpointing.
 
 tokens/s per GPU is the median of the logged windows after the first half of the run (the
 steady state). MFU uses one formula for every run, torchtitan's:
@@ -27,8 +31,8 @@ steady state). MFU uses one formula for every run, torchtitan's:
         --titan "--parallelism.expert_parallel_degree 2" --label ep2
 
 Writes ``e2e_<gpu>.json`` / ``.md`` (rows {config, gpus, run, tokens_per_s_per_gpu, step_ms, mfu_pct,
-vs_torchtitan_best}); a file already there gets the new rows merged in (same config/gpus/label/run
-replaced), so several calls build one table.
+vs_torchtitan_best, graph_vs_eager, compile_vs_graph}); a file already there gets the new rows merged
+in (same config/gpus/label/run replaced), so several calls build one table.
 """
 
 import argparse
@@ -47,7 +51,7 @@ sys.path.insert(0, ROOT)
 
 from benchmarks.common import environment  # noqa: E402
 
-RUNS = ("torchtitan", "torchtitan_compile", "ours_eager", "ours_graph")
+RUNS = ("torchtitan", "torchtitan_compile", "ours_eager", "ours_graph", "ours_compile_graph")
 
 
 def make_assets(folder: str, mb: int = 16) -> tuple[str, str]:
@@ -147,7 +151,8 @@ def command(run: str, a, cfg_path: str, cfg: dict, dump: str, tok_dir: str, data
                       "--job.dump_folder", dump, "--training.steps", str(a.steps), "--metrics.log_freq", "5",
                       "--metrics.enable_tensorboard", "false", "--checkpoint.enable", "false",
                       "--training.dataset", "local", "--training.dataset_path", data,
-                      "--model.hf_assets_path", tok_dir, "--training.cuda_graph", str(run == "ours_graph").lower()]
+                      "--model.hf_assets_path", tok_dir, "--training.cuda_graph", str(run.endswith("graph")).lower(),
+                      "--compile.enable", str(run == "ours_compile_graph").lower()]
     return cmd + shlex.split(a.ours)
 
 
@@ -224,12 +229,14 @@ def main():
             group.append(r)
             print(json.dumps(r), flush=True)
         best = max((r.get("tokens_per_s_per_gpu") or 0 for r in group if r["run"].startswith("torchtitan")), default=0)
-        eager = next((r.get("tokens_per_s_per_gpu") for r in group if r["run"] == "ours_eager"), None)
+        tps = {r["run"]: r.get("tokens_per_s_per_gpu") for r in group}
         for r in group:
             if r.get("tokens_per_s_per_gpu") and best:
                 r["vs_torchtitan_best"] = r["tokens_per_s_per_gpu"] / best
-            if r["run"] == "ours_graph" and eager and r.get("tokens_per_s_per_gpu"):
-                r["graph_vs_eager"] = r["tokens_per_s_per_gpu"] / eager
+            for run, over, col in (("ours_graph", "ours_eager", "graph_vs_eager"),
+                                   ("ours_compile_graph", "ours_graph", "compile_vs_graph")):
+                if r["run"] == run and tps.get(over) and r.get("tokens_per_s_per_gpu"):
+                    r[col] = r["tokens_per_s_per_gpu"] / tps[over]
         rows += group
     write(rows, env, peak, a.out)
 
@@ -259,12 +266,12 @@ def render(path: str) -> str:
         v = r.get(c, "")
         if c == "tokens_per_s_per_gpu" and v != "":
             return f"{v:,.0f}"
-        if c in ("vs_torchtitan_best", "graph_vs_eager") and v != "":
+        if c in ("vs_torchtitan_best", "graph_vs_eager", "compile_vs_graph") and v != "":
             return f"{v:.2f}x"
         return f"{v:.1f}" if isinstance(v, float) else str(v)
 
     cols = ["config", "gpus", "label", "run", "tokens_per_s_per_gpu", "step_ms", "mfu_pct", "vs_torchtitan_best",
-            "graph_vs_eager", "graph", "error"]
+            "graph_vs_eager", "compile_vs_graph", "graph", "error"]
     lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     lines += ["| " + " | ".join(cell(r, c) for c in cols) + " |" for r in d["rows"]]
     text = (f"End-to-end training throughput on {d['env']['gpu']} (benchmarks/e2e.py; torch {d['env']['torch']}; "

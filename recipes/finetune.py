@@ -32,7 +32,7 @@ from components.parallel.data_parallel import allreduce_sum
 from components.parallel.grad_norm import clip_grad_norm_
 from components.train.entry import run_recipe
 from components.train.loop import fit
-from components.train.loss import lm_loss
+from components.train.loss import build_loss
 from components.train.moe_balance import balance_experts
 from components.train.overflow import stop_on_overflow
 from components.train.setup import build_data, build_parallel_model, build_training, resume, start
@@ -52,11 +52,12 @@ def finetune(argv: list[str]) -> None:
     if not resume(run, tr, model):  # this run's own checkpoint wins; else the pretrained weights
         return
     optimizer, gate, layers = tr.optimizer, tr.gate, tr.layers
+    cross_entropy = build_loss(run.cfg.compile, run.device)  # fused kernels on CUDA (components/train/loss.py)
 
     def loss_fn(inputs_BS, labels_BS):
         with tr.autocast():
             logits_BSV = model(inputs_BS)
-        return lm_loss(logits_BSV, labels_BS)  # fused cross-entropy on the bf16 logits (kernels/cross_entropy.py)
+        return cross_entropy(logits_BSV, labels_BS)
 
     def device_step(inputs_BS, labels_BS):
         loss = loss_fn(inputs_BS, labels_BS)

@@ -163,11 +163,13 @@ def test_bad_parallelism_in_the_recipe_exits_2(tmp_path):
 
 
 def test_activation_checkpointing_and_compile_keep_the_losses(tmp_path, ep1_losses):
+    """Full AC at EP=2; selective AC + compile (dense submodules and loss, inside AC, under FSDP2) at EP=2."""
     recipe(tmp_path / "ac", 2, "--training.local_batch_size", "4", "--parallelism.expert_parallel_degree", "2",
            "--activation_checkpoint.mode", "full", "--checkpoint.enable", "false")
-    recipe(tmp_path / "sac", 1, "--training.local_batch_size", "8", "--activation_checkpoint.mode", "selective",
-           "--activation_checkpoint.selective_ac_option", "2", "--compile.enable", "true", "--compile.backend",
-           "aot_eager", "--checkpoint.enable", "false")
+    p = recipe(tmp_path / "sac", 2, "--training.local_batch_size", "4", "--parallelism.expert_parallel_degree", "2",
+               "--activation_checkpoint.mode", "selective", "--activation_checkpoint.selective_ac_option", "2",
+               "--compile.enable", "true", "--compile.backend", "aot_eager", "--checkpoint.enable", "false")
+    assert "aot_eager: 16 dense submodules" in p.stdout and "+ the loss" in p.stdout, p.stdout[-2000:]
     for run in ("ac", "sac"):
         got = losses(tmp_path / run)
         for step, want in ep1_losses.items():

@@ -175,10 +175,12 @@ def test_nothing_to_do_prints_one_line_and_writes_nothing(tmp_path):
         (("--model.converters", "float8"), None, "not supported by this recipe: [model] converters"),
         (("--training.global_batch_size", "64"), None, "global_batch_size"),
         (("--optimizer.implementation", "foreach"), None, "fused"),
+        (("--compile.components", "model,optimizer"), None, "'optimizer' is not compiled by this recipe"),
+        (("--compile.enable", "true", "--compile.backend", "inductr"), None, "not a torch.compile backend"),
     ],
     ids=["lr_inf", "beta1", "seed_int64", "steps_int64", "toml_int64", "hot_experts_negative", "dump_empty",
          "second_config", "did_you_mean", "async_checkpoint", "validation", "wandb", "converters",
-         "grad_accumulation", "foreach_with_guard"],
+         "grad_accumulation", "foreach_with_guard", "compile_component", "compile_backend"],
 )
 def test_more_bad_input_is_a_user_error_before_any_work(tmp_path, args, toml_extra, expect):
     """In process (each case as a subprocess would cost seconds of imports; the one-line exit-2

@@ -4,9 +4,12 @@ Per transformer block, in this order (torchtitan's conventions):
 1. expert parallelism: each MoE layer keeps e = E / EP experts — its w1/w2/w3 become DTensors
    sharded on dim 0 over the "ep" mesh (global shape and FQN unchanged, so DCP checkpoints
    reshard between EP layouts) — and gets the configured EP dispatcher;
-2. activation checkpointing: none | full (every block) | selective (every N-th block, N =
-   ``selective_ac_option``);
-3. torch.compile per block (``[compile] enable``, "model" in components);
+2. torch.compile of the block's dense submodules (``[compile] enable``, "model" in components;
+   components/parallel/compile.py): attention, norms, dense FFN, shared experts, each one static
+   graph; the routed MoE path stays eager. In place, so FQNs and checkpoints are unchanged;
+3. activation checkpointing: none | full (every block) | selective (every N-th block, N =
+   ``selective_ac_option``), around the block and so around its compiled submodules (compile
+   inside AC, as torchtitan does for MoE blocks);
 4. FSDP2: ``fully_shard`` of the experts over the expert-FSDP mesh (gradient divide factor =
    world size, since every rank's tokens reach every expert), then of the block over the dense
    mesh; finally of the root (embeddings, norm, output). bf16 params on GPU, gradients reduced in
@@ -25,6 +28,7 @@ from components.moe_echo.layer import MoELayer
 from components.moe_echo.nvlink_dispatch import NVLinkDispatcher
 from components.errors import UserError
 
+from .compile import compile_dense
 from .mesh import Meshes, ParallelDims
 
 
@@ -88,9 +92,9 @@ def parallelize(model: nn.Module, mesh: Meshes | None, dims: ParallelDims, cfg, 
     for i, (name, block) in enumerate(list(model.layers.items())):
         if getattr(block, "moe_enabled", False) and dims.ep > 1:
             apply_expert_parallel(block.moe, mesh.ep, cfg.moe_echo)
-        block = _ac_wrap(block, i, cfg.activation_checkpoint)
         if cfg.compile.enable and "model" in cfg.compile.components:
-            block.compile(backend=cfg.compile.backend)
+            compile_dense(block, cfg.compile.backend)
+        block = _ac_wrap(block, i, cfg.activation_checkpoint)
         model.layers[name] = block
 
     if not dims.fsdp:

@@ -298,6 +298,16 @@ def validate(cfg) -> None:
     if e.dispatcher in ("alltoall", "padded", "nvlink", "deepep") and ep == 1:
         raise UserError(f"[moe_echo] dispatcher = {e.dispatcher!r} needs [parallelism] expert_parallel_degree > 1; "
                         "use 'local' or 'auto'")
+    c = cfg.compile
+    for part in c.components:
+        if part not in ("model", "loss"):
+            raise UserError(f"[compile] components = {c.components!r}: {part!r} is not compiled by this recipe; "
+                            "expected 'model' (the blocks' attention, norms, dense FFN, shared experts) and/or "
+                            "'loss' (the cross-entropy)")
+    if c.enable:
+        from components.parallel.compile import compile_options
+
+        compile_options(c.backend)  # a one-line error for an unknown backend, before any work
     for key in ("tensor_parallel_degree", "pipeline_parallel_degree", "context_parallel_degree",
                 "expert_tensor_parallel_degree"):
         _require(getattr(p, key) == 1, f"[parallelism] {key}", getattr(p, key), "1 (not supported yet)")

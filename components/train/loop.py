@@ -17,12 +17,14 @@ import torch
 
 from components.errors import NonFiniteError
 from components.moe_echo.nvlink_dispatch import peer_memory_bytes
+from components.parallel.compile import is_compiled
 from components.parallel.cuda_graph import StepGraph
 from components.parallel.data_parallel import set_timeout
 from components.parallel.host_copy import HostCopy, to_device_async
 
 from . import checkpoint, faults
 from .hf_weights import export_hf
+from .loss import compiles_loss
 from .master_adamw import masters_in_model
 from .nonfinite import first_nonfinite
 from .overflow import StepPipeline
@@ -113,7 +115,7 @@ def fit(run: Run, tr: Training, model, loader, device_step, loss_fn, n_params: i
         profiler.close()
         watchdog.close()
         logs.close()
-    run.say(logs.summary.text(summary_extra(run, tr, n_params, step_graph, logs, profiler)))
+    run.say(logs.summary.text(summary_extra(run, tr, model, n_params, step_graph, logs, profiler)))
 
 
 def stop_nonfinite(c, model, loss_fn, tr: Training, limit: int) -> None:
@@ -144,15 +146,21 @@ def why_not_graph(run: Run, tr: Training) -> str | None:
     return None
 
 
-def summary_extra(run: Run, tr: Training, n_params: int, step_graph, logs, profiler) -> dict:
+def summary_extra(run: Run, tr: Training, model, n_params: int, step_graph, logs, profiler) -> dict:
     cfg, dims, layers = run.cfg, run.dims, tr.layers
     m, dump = cfg.model, cfg.job.dump_folder
+    c = cfg.compile
+    done = [f"{sum(map(is_compiled, model.modules()))} dense submodules (attention, norms, dense FFN, shared "
+            "experts; routed MoE eager)"] if "model" in c.components else []
+    if "loss" in c.components:
+        done += ["the loss" if compiles_loss(c, run.device) else "the loss: fused cross-entropy kernels (nothing to compile)"]
     extra = {"params": f"{n_params:,}", "model": f"{m.name}/{m.flavor} ({len(layers)} MoE layers)",
              "ranks": f"{run.world} (dp_replicate {dims.dp_replicate} x dp_shard {dims.dp_shard}, ep {dims.ep})",
              "dispatcher": type(layers[0][1].dispatcher).__name__ if layers else "-",
              "cuda graph": (f"replayed (captured {step_graph.captures}x)" if step_graph.captures
                             else f"off ({step_graph.reason})" if step_graph.reason
                             else "never captured (the run ended within the warm-up steps)"),
+             "compile": f"{c.backend}: {' + '.join(done) or 'nothing'}" if c.enable else "off",
              "device": str(run.device), "metrics": logs.path}
     if logs.nonfinite_steps:
         extra["non-finite"] = f"{logs.nonfinite_steps} steps skipped (loss or gradient norm not finite)"

@@ -1,4 +1,4 @@
-"""Where did it go non-finite? An eager re-run of one step with hooks, off the hot path.
+"""Where did it go non-finite? An eager re-run of one step with hooks (compiled regions too), off the hot path.
 
     where = first_nonfinite(model, loss_fn, inputs_BS, labels_BS)
     # "output of layers.1.moe.experts (forward)", "gradient of layers.3.attention.wo (backward)",
@@ -52,9 +52,10 @@ def first_nonfinite(model: nn.Module, loss_fn, inputs_BS: torch.Tensor, labels_B
     for name, module in model.named_modules():
         handles.append(module.register_forward_hook(on_forward(_clean(name))))
     try:
-        loss = loss_fn(model, inputs_BS, labels_BS)
-        loss_finite = bool(torch.isfinite(loss).all())
-        loss.backward()
+        with torch.compiler.set_stance("force_eager"):  # hooks read tensors on the host: no compiled regions
+            loss = loss_fn(model, inputs_BS, labels_BS)
+            loss_finite = bool(torch.isfinite(loss).all())
+            loss.backward()
         for name, p in reversed(list(model.named_parameters())):  # the last layer's gradients come first
             g = p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad
             if g is not None and not bool(torch.isfinite(g).all()):
