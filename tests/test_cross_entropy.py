@@ -294,6 +294,7 @@ def test_no_host_sync_and_cuda_graph_replay_equals_eager():
     finally:
         torch.cuda.set_sync_debug_mode(0)
     eager_loss, eager_grad = loss.detach().clone(), x.grad.clone()
+    del loss  # its autograd graph holds x's AccumulateGrad node, bound to this stream: capture runs on another
 
     x.grad = None
     graph = torch.cuda.CUDAGraph()

@@ -48,7 +48,8 @@ class Training:
     since, cause not found — hence off."""
     sync_debug: bool = False
     """Raise on any device-to-host synchronisation inside training steps
-    (torch.cuda.set_sync_debug_mode("error")); for checking the sync-free path."""
+    (torch.cuda.set_sync_debug_mode("error")); for checking the sync-free path. With [compile] enable
+    the first step is not checked: torch.compile compiles there, which reads the device."""
     max_nonfinite_steps: int = 3
     """Non-finite guard: a step whose loss or gradient norm is not finite is skipped on the device
     (the optimizer step is gated, as GradScaler does); after this many consecutive ones the run

@@ -41,11 +41,14 @@ def fit(run: Run, tr: Training, model, loader, device_step, loss_fn, n_params: i
     step_graph = StepGraph(device_step, device, t.cuda_graph_warmup, t.cuda_graph, why_not_graph(run, tr),
                            log=print if run.is_main else (lambda *_: None))
 
+    compiling = [cfg.compile.enable]  # torch.compile's first call compiles, which reads the device
+
     def run_step(batch, exact):
         """One step (graphed when possible; ``exact``: eager on the exact path); outputs and lr are
         copied to pinned host memory without waiting."""
-        with sync_check(t.sync_debug and device.type == "cuda" and not exact):
+        with sync_check(t.sync_debug and device.type == "cuda" and not exact and not compiling[0]):
             out = device_step(*batch) if exact else step_graph(*batch)
+        compiling[0] = False
         scheduler.step()  # fills the optimizer's lr tensor in place when graphed
         return HostCopy((out, scheduler.base_lrs[0] * scheduler.lr_lambdas[0](scheduler.last_epoch)))
 
