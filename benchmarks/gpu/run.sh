@@ -106,7 +106,7 @@ for l in open('$OUT/recapture_v2lite_metrics.jsonl'):
 
   e2e)  # -> e2e_<GPU>.md (rows merged into one table per GPU)
     nvidia-smi --query-gpu=name --format=csv,noheader | head -4
-    runs=${RUNS:-torchtitan,torchtitan_compile,ours_eager,ours_graph}
+    runs=${RUNS:-torchtitan,torchtitan_compile,ours_eager,ours_graph,ours_compile_graph}
     if [ "${PART:-1gpu}" = 1gpu ]; then
       for cfg in ${CONFIGS:-debug_gpu v2lite_1b_gpu qwen3_30b_a3b_small_gpu}; do
         CUDA_VISIBLE_DEVICES=0 timeout ${TMO:-560} python3 benchmarks/e2e.py --configs $cfg --nproc 1 --runs $runs \
