@@ -87,12 +87,13 @@ needs_cpu_interpreter = pytest.mark.skipif(
     torch.cuda.is_available(), reason="CUDA present: the real kernels are tested instead (gpu tests)")
 
 
-def run_in_interpreter(script: str, marker: str) -> None:
-    """Run ``script`` in a fresh process with TRITON_INTERPRET=1 (kernels on CPU tensors)."""
+def run_in_interpreter(script: str, marker: str) -> str:
+    """Run ``script`` in a fresh process with TRITON_INTERPRET=1 (kernels on CPU tensors); its stdout."""
     pytest.importorskip("triton")
     env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": ROOT}
     p = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, cwd=ROOT, timeout=600)
     assert marker in p.stdout, p.stderr[-3000:]
+    return p.stdout
 
 
 @needs_cpu_interpreter
@@ -208,6 +209,99 @@ print("PLANNER-OK")
 @needs_cpu_interpreter
 def test_planner_kernel_equals_torch_loop_in_interpreter():
     run_in_interpreter(_PLANNER_SCRIPT, "PLANNER-OK")
+
+
+def fill_cases():
+    """(counts_RE, S, B) for the fill kernel against its torch reference: Zipf loads (drifting, as
+    benchmarks/planner.py), all tokens to one expert, idle experts, one hot expert per rank (equal
+    loads: nothing moves, the loop stops at step 0), hot experts packed on rank 0 (round 2 runs),
+    equal loads and caps (ties), no tokens; loads scaled past 2**25 and 2**29 take the kernel's
+    int32-value/int64-key and int64 arithmetic."""
+    from benchmarks.planner import drifting_counts
+
+    g = torch.Generator().manual_seed(0)
+
+    def make(kind, R, E):
+        e = E // R
+        counts = torch.zeros(R, E, dtype=torch.int64)
+        if kind == "zipf":
+            counts = drifting_counts(R, E, 1, seed=R, tokens=64, k=min(4, E))[0]
+        elif kind == "one":
+            counts[:, E // 2 + 1] = 100
+        elif kind == "idle":
+            counts[:, ::2] = torch.arange(E // 2) ** 2 + 1
+        elif kind == "hot":
+            counts[:, ::e] = 700
+            counts += 1
+        elif kind == "packed":
+            counts[0] = (torch.randn(E, generator=g) * 1.5).exp().mul(100).long().sort(descending=True).values
+        elif kind == "ties":
+            counts[:] = 7
+            counts[:, torch.randperm(E, generator=g)[:max(2, E // 4)]] = 300
+        return counts
+
+    plan = [((2, 8, 1), ["zipf", "one", "hot", "ties", "none"]), ((3, 12, 3), ["zipf", "idle", "packed"]),
+            ((4, 16, 2), ["zipf", "ties", "one"]), ((8, 64, 2), ["zipf", "idle", "hot", "packed"]),
+            ((16, 256, 1), ["zipf", "hot", "ties"])]
+    cases = [(make(kind, R, E), S, 4) for (R, E, S), kinds in plan for kind in kinds]
+    cases += [(make("packed", 8, 64), 1, 4), (make("zipf", 4, 16) << 20, 2, 4), (make("zipf", 4, 16) << 26, 2, 3),
+              (make("packed", 8, 64) << 24, 1, 3)]
+    cases += [(make("zipf", 64, 256), 2, 3), (make("packed", 64, 256), 1, 2)]  # EP = 64
+    return cases
+
+
+_FILL_SCRIPT = r"""
+import sys, torch
+sys.path.insert(0, "tests")
+from test_kernels import fill_cases
+from components.moe_echo.planner import _fill_search
+from kernels.echo_plan import fill_search
+seen = set()
+for counts, S, B in fill_cases():
+    R, E = counts.shape
+    L_E = counts.sum(0)
+    load_R = L_E.view(R, -1).sum(1)
+    ref = _fill_search(L_E, load_R, S, B)
+    ref += (torch.zeros_like(L_E).scatter_add_(0, ref[0].clamp(min=0), ref[1]),)
+    got = fill_search(L_E, load_R, S, B)
+    for name, a, b in zip(("slot_expert", "slot_amount", "slot_start", "load_after", "moved"), ref, got):
+        assert torch.equal(a, b), (tuple(counts.shape), S, B, name, a, b)
+    small_vb = 29 - max((E - 1).bit_length(), max(1, (R - 1).bit_length()) + S.bit_length())
+    hi = int(load_R.max())
+    seen.add("int32 keys" if hi < 2 ** small_vb else "int64 keys" if hi < 2 ** 29 else "int64 values")
+    if ref[3].max() > (load_R.sum() + R - 1) // R:  # no round-1 target reached ceil(mean)
+        seen.add("round 2")
+    if hi > 0 and (ref[0] == -1).all():
+        seen.add("nothing moves")
+    if (ref[2] > 0).any():
+        seen.add("split expert")
+print("FILL-OK", sorted(seen))
+"""
+
+
+@needs_cpu_interpreter
+def test_fill_kernel_equals_torch_in_interpreter():
+    """fill_search (the Triton kernels) equals the torch reference in every output, and the cases take
+    every arithmetic tier, both search rounds, the stop at step 0 and experts split over slots."""
+    out = run_in_interpreter(_FILL_SCRIPT, "FILL-OK")
+    for path in ("int32 keys", "int64 keys", "int64 values", "round 2", "nothing moves", "split expert"):
+        assert repr(path) in out, (path, out)
+
+
+@pytest.mark.gpu
+def test_fill_kernel_equals_torch_on_gpu():
+    from components.moe_echo.planner import _fill_search
+    from kernels.echo_plan import fill_search
+
+    for counts, S, B in fill_cases() + [(c, S, 16) for c, S, rule in planner_cases(big=True) if rule == "fill"]:
+        R = counts.shape[0]
+        L_E = counts.sum(0)
+        load_R = L_E.view(R, -1).sum(1)
+        ref = _fill_search(L_E, load_R, S, B)
+        ref += (torch.zeros_like(L_E).scatter_add_(0, ref[0].clamp(min=0), ref[1]),)
+        got = fill_search(L_E.cuda(), load_R.cuda(), S, B)
+        for name, a, b in zip(("slot_expert", "slot_amount", "slot_start", "load_after", "moved"), ref, got):
+            assert torch.equal(a, b.cpu()), (tuple(counts.shape), S, B, name)
 
 
 @pytest.mark.gpu

@@ -36,8 +36,9 @@ source contributing in proportion to its count (cumulative rounding, exact integ
 the slots of x cut consecutive ranges of that line.
 Complexity: 2 rounds × R·S sequential steps, each O(B·(E + R)) vectorised element ops. On GPU each
 round is one Triton launch of B programs, one target each (kernels/echo_plan.py): as many
-sequential steps per round as the one-pass rules, and round 2 does none when round 1 reached
-ceil(mean) (its candidates could not win); the torch code here is the reference and CPU path.
+sequential steps per round as the one-pass rules at most (a candidate stops at its first step that
+moves nothing), and round 2 does none when round 1 reached ceil(mean) (its candidates could not
+win); the torch code here is the reference and CPU path.
 
 ``rewrite`` then turns each source's routing into "virtual" ids: the first quota assignments (in
 token order) of source r to a cloned expert x go to its slots; every token keeps its K targets and
@@ -71,9 +72,8 @@ def plan_echo(counts_RE: torch.Tensor, slots_per_rank: int, rule: str = "fill", 
     S, e, dev = slots_per_rank, E // R, counts_RE.device
     counts_RE = counts_RE.long()
     L_E = counts_RE.sum(0)
-    home_E = torch.arange(E, device=dev) // e
     load_R = L_E.view(R, e).sum(1)
-    load_before = load_R.clone()
+    load_before = load_R  # never written in place: every path below rebinds load_R
     use_kernel = kernel if kernel is not None else echo_plan.can_use_kernel(counts_RE)
     if rule == "fill":
         if use_kernel:  # four launches on GPU: two search rounds, the selection, the quotas
@@ -90,6 +90,7 @@ def plan_echo(counts_RE: torch.Tensor, slots_per_rank: int, rule: str = "fill", 
         moved_E = torch.zeros_like(L_E).scatter_add_(0, slot_expert.clamp(min=0), slot_amount)
         quota = echo_plan.source_quotas(counts_RE, slot_expert, slot_amount, slot_start, moved_E)
         return EchoPlan(slot_expert, quota, load_before, load_R)
+    home_E = torch.arange(E, device=dev) // e
     left_E = L_E.clone()
     free_R = torch.full((R,), S, dtype=torch.int64, device=dev)
     slot_expert = torch.full((R * S,), -1, dtype=torch.int64, device=dev)
