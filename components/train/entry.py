@@ -5,18 +5,22 @@ code, and shut the process group down.
     error: <message>      exit 3  too many consecutive non-finite steps (NonFiniteError)
     error: <message>      exit 4  a collective timed out: a peer rank is hung or dead
 
-Bad input and non-finite stops are the same on every rank, so only rank 0 prints them; a timeout
-is seen by the ranks still running, so each of them prints its own line.
+Bad input and non-finite stops are the same on every rank, so only rank 0 prints them (the other
+ranks exit a moment later, so torchrun's stop of the job cannot cut rank 0 off before its line); a
+timeout is seen by the ranks still running, so each of them prints its own line.
 """
 
 import os
 import sys
+import time
 
 import torch.distributed as dist
 
 from components.errors import NonFiniteError, PeerTimeoutError, UserError
 
 from .config import help_text
+
+_QUIET_RANK_DELAY_S = 3.0
 
 
 def _is_timeout(err: BaseException) -> bool:
@@ -40,6 +44,8 @@ def run_recipe(train_fn, argv: list[str] | None = None) -> None:
     except (UserError, NonFiniteError) as err:
         if rank == 0:
             print(f"error: {err}", file=sys.stderr, flush=True)
+        else:
+            time.sleep(_QUIET_RANK_DELAY_S)  # torchrun stops every rank once one exits: rank 0 exits first
         _shutdown()
         sys.exit(err.exit_code)
     except PeerTimeoutError as err:
