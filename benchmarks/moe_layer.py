@@ -6,7 +6,9 @@ bf16, so near-ties can differ; the agreeing fraction is reported). Routed FLOPs 
 compared. 'skewed' routing comes from a Zipf-shaped router bias; its max/mean expert load is reported.
 The tensor cores' reachable rate is measured in the same run: a plain bf16 GEMM (16384×4096×4096,
 ``plain_gemm_tflops``); ``frac_of_peak_gemm`` = the layer's routed TFLOP/s over it. ``precision`` names
-the experts' GEMM precision (bf16 here).
+the experts' GEMM precision: each case also runs with ``expert_precision = "fp8"`` on Hopper (its row's
+reference is a rowwise-scaled FP8 ``torch._scaled_mm`` of the same shape; ``fp8_speedup_vs_bf16`` is
+the bf16 row's time over the FP8 row's; ``fp8_out_rel_diff`` its output against the bf16 layer's).
 
     python benchmarks/moe_layer.py [--out DIR]
 """
@@ -37,7 +39,7 @@ def zipf_bias(E: int, s: float, scale: float, gen: torch.Generator) -> torch.Ten
     return scale * z / z.max()
 
 
-PROFILE, PROFILED = False, []
+PROFILE, PROFILED, FP8 = False, [], False
 
 
 def run_case(T, D, H, E, K, routing, dev):
@@ -97,6 +99,14 @@ def run_case(T, D, H, E, K, routing, dev):
 
     flops = 18 * T * K * D * H
     t_ours = time_ms(fwd_bwd(ours))
+    fp8 = {}
+    if FP8:  # the same layer with FP8 expert GEMMs: time, and its output against the bf16 layer's
+        ours.experts.precision = "fp8"
+        with torch.no_grad():
+            y8 = ours(x)
+        t8 = time_ms(fwd_bwd(ours))
+        ours.experts.precision = "bf16"
+        fp8 = {"fp8_ms": t8, "fp8_out_rel_diff": float((y8 - y_ours).float().norm() / y_ours.float().norm())}
     if PROFILE and not PROFILED:
         PROFILED.append(True)
         from torch.profiler import ProfilerActivity, profile
@@ -113,7 +123,7 @@ def run_case(T, D, H, E, K, routing, dev):
         "ours_ms": t_ours, "torchtitan_ms": t_theirs, "dense_ms": t_dense,
         "ours_tflops": tf(t_ours), "torchtitan_tflops": tf(t_theirs), "dense_tflops": tf(t_dense),
         "speedup_vs_torchtitan": t_theirs / t_ours, "frac_of_dense": t_dense / t_ours,
-        "routing_agree": agree, "out_rel_diff": rel,
+        "routing_agree": agree, "out_rel_diff": rel, **fp8,
     }
 
 
@@ -125,32 +135,57 @@ def plain_gemm_tflops(dev: str, m: int = 16384, n: int = 4096, k: int = 4096) ->
     return 2 * m * n * k / (ms * 1e-3) / 1e12
 
 
+def plain_fp8_gemm_tflops(dev: str, m: int = 16384, n: int = 4096, k: int = 4096) -> float:
+    """TFLOP/s of one rowwise-scaled e4m3 ``torch._scaled_mm`` of the same shape (the FP8 rows' reference)."""
+    a = torch.randn(m, k, device=dev).to(torch.float8_e4m3fn)
+    b = torch.randn(n, k, device=dev).to(torch.float8_e4m3fn)
+    sa, sb = torch.ones(m, 1, device=dev), torch.ones(1, n, device=dev)
+    ms = time_ms(lambda: torch._scaled_mm(a, b.t(), sa, sb, out_dtype=torch.bfloat16, use_fast_accum=True),
+                 warmup=10, iters=50)
+    return 2 * m * n * k / (ms * 1e-3) / 1e12
+
+
+def fp8_row(row: dict, gemm8: float) -> dict:
+    """The FP8 row of a case: our layer with expert_precision = "fp8" against the same baselines."""
+    ms = row["fp8_ms"]
+    tf = row["ours_tflops"] * row["ours_ms"] / ms
+    return {**row, "precision": "fp8", "ours_ms": ms, "ours_tflops": tf, "plain_gemm_tflops": gemm8,
+            "frac_of_peak_gemm": tf / gemm8, "speedup_vs_torchtitan": row["torchtitan_ms"] / ms,
+            "frac_of_dense": row["dense_ms"] / ms, "fp8_speedup_vs_bf16": row["ours_ms"] / ms}
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=None, help="results folder (default benchmarks/results)")
     ap.add_argument("--profile", action="store_true", help="print the top CUDA kernels of our layer (first case)")
     ap.add_argument("--quick", action="store_true", help="T=4096 only (smoke run)")
+    ap.add_argument("--no-fp8", action="store_true", help="skip the FP8-experts rows")
     a = ap.parse_args()
     dev = "cuda"
-    global PROFILE
+    global PROFILE, FP8
     PROFILE = a.profile
+    FP8 = not a.no_fp8 and torch.cuda.get_device_capability() >= (9, 0)
     rows = []
     gemm = plain_gemm_tflops(dev)
-    print(f"plain bf16 GEMM 16384x4096x4096: {gemm:.0f} TFLOP/s", flush=True)
+    gemm8 = plain_fp8_gemm_tflops(dev) if FP8 else None
+    print(f"plain GEMM 16384x4096x4096: bf16 {gemm:.0f} TFLOP/s, fp8 rowwise {gemm8 or 0:.0f} TFLOP/s", flush=True)
     for T, D, H, E, K in CASES:
         for routing in ("balanced", "skewed"):
             row = run_case(4096 if a.quick else T, D, H, E, K, routing, dev)
             row.update(precision="bf16", plain_gemm_tflops=gemm, frac_of_peak_gemm=row["ours_tflops"] / gemm)
             rows.append(row)
             print(rows[-1], flush=True)
+            if FP8:
+                rows.append(fp8_row(row, gemm8))
             torch.cuda.empty_cache()
     env = environment()
     cols = ["T", "D", "H", "E", "K", "routing", "precision", "load_max_over_mean", "ours_ms", "torchtitan_ms",
             "dense_ms", "ours_tflops", "torchtitan_tflops", "dense_tflops", "plain_gemm_tflops", "frac_of_peak_gemm",
-            "speedup_vs_torchtitan", "frac_of_dense", "routing_agree", "out_rel_diff"]
+            "speedup_vs_torchtitan", "frac_of_dense", "fp8_speedup_vs_bf16", "routing_agree", "out_rel_diff",
+            "fp8_out_rel_diff"]
     table = markdown_table(rows, cols)
     stem = write_results("moe_layer", env, rows, table, a.out)
-    print(f"\nMoE layer fwd+bwd, bf16, {env['gpu']}, torch {env['torch']}  ({stem}.json)\n{table}")
+    print(f"\nMoE layer fwd+bwd, {env['gpu']}, torch {env['torch']}  ({stem}.json)\n{table}")
 
 
 if __name__ == "__main__":

@@ -36,26 +36,42 @@ if triton is not None:
 _BLOCK = 2048
 
 
+def swiglu_fwd(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """h = silu(a) · b without autograd (Triton on CUDA, torch elsewhere); a, b of one shape and dtype."""
+    if not _use_triton(a, b):
+        return (F.silu(a.float()) * b.float()).to(a.dtype)
+    a, b = a.contiguous(), b.contiguous()
+    h = torch.empty_like(a)
+    n = a.numel()
+    if n:
+        _swiglu_fwd_kernel[(triton.cdiv(n, _BLOCK),)](a, b, h, n, BLOCK=_BLOCK, num_warps=8)
+    return h
+
+
+def swiglu_bwd(g: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(da, db) of h = silu(a) · b for the output gradient g, without autograd."""
+    if not _use_triton(g, a, b):
+        g32, a32, b32 = g.float(), a.float(), b.float()
+        s = torch.sigmoid(a32)
+        return (g32 * b32 * s * (1 + a32 * (1 - s))).to(a.dtype), (g32 * a32 * s).to(b.dtype)
+    g, a, b = g.contiguous(), a.contiguous(), b.contiguous()
+    da, db = torch.empty_like(a), torch.empty_like(b)
+    n = a.numel()
+    if n:
+        _swiglu_bwd_kernel[(triton.cdiv(n, _BLOCK),)](g, a, b, da, db, n, BLOCK=_BLOCK, num_warps=8)
+    return da, db
+
+
 class _SwiGLU(torch.autograd.Function):
     @staticmethod
     def forward(ctx, a, b):
-        a, b = a.contiguous(), b.contiguous()
         ctx.save_for_backward(a, b)
-        h = torch.empty_like(a)
-        n = a.numel()
-        if n:
-            _swiglu_fwd_kernel[(triton.cdiv(n, _BLOCK),)](a, b, h, n, BLOCK=_BLOCK, num_warps=8)
-        return h
+        return swiglu_fwd(a, b)
 
     @staticmethod
     def backward(ctx, g):
         a, b = ctx.saved_tensors
-        g = g.contiguous()
-        da, db = torch.empty_like(a), torch.empty_like(b)
-        n = a.numel()
-        if n:
-            _swiglu_bwd_kernel[(triton.cdiv(n, _BLOCK),)](g, a, b, da, db, n, BLOCK=_BLOCK, num_warps=8)
-        return da, db
+        return swiglu_bwd(g, a, b)
 
 
 def swiglu(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:

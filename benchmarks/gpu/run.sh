@@ -11,6 +11,7 @@
 #   graph       4    two GPU pairs at once: graph == eager tests, overflow replay with re-capture (0,1);
 #                    pinned-staging probe, EP tests, v2lite_1b EP=2 graphed with re-capture (2,3)
 #   layer       1    MoE layer fwd+bwd vs torchtitan and a dense SwiGLU (+ the layer/kernel tests)
+#   fp8         1    FP8 experts: their tests, v2lite_1b 300 steps bf16 vs fp8 (loss curves), e2e bf16 vs fp8
 #   configs     1    40 steps of each GPU config (RECIPES="debug_gpu ..." to pick)
 #   dispatch    2/4+ dispatch + combine at EP=2 on GPUs 0,1, then EP=all GPUs (VDEV=1 adds NVSHMEM vdev)
 #   e2e         1-2  whole-run tokens/s, step ms and MFU vs torchtitan's trainer (no compile / compile), ours
@@ -83,9 +84,18 @@ for l in open('$OUT/recapture_v2lite_metrics.jsonl'):
 
   layer)  # -> moe_layer_<GPU>.md
     nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv | tee "$OUT/gpu.txt"
-    python3 -m pytest tests/test_gpu.py tests/test_kernels.py tests/test_layer.py tests/test_models.py -p no:warnings 2>&1 \
+    python3 -m pytest tests/test_gpu.py tests/test_kernels.py tests/test_layer.py tests/test_models.py tests/test_fp8_experts.py -p no:warnings 2>&1 \
       | tee "$OUT/layer_tests.log" | tail -15
     CUDA_VISIBLE_DEVICES=0 python3 benchmarks/moe_layer.py --out "$OUT" ${BENCH_ARGS:-} 2>&1 | tee "$OUT/moe_layer.log" | tail -40 ;;
+
+  fp8)  # -> fp8_experts_<GPU>.md: FP8 experts tested, 300 steps of v2lite_1b bf16 vs fp8 (loss curves), e2e rows
+    python3 -m pytest tests/test_fp8_experts.py -p no:warnings -q -rfEs 2>&1 | tee "$OUT/fp8_tests.log" | tail -5
+    TMO=240 recipe loss_bf16 1 --training.steps 300 --training.cuda_graph true
+    TMO=240 recipe loss_fp8 1 --training.steps 300 --training.cuda_graph true --moe_echo.expert_precision fp8
+    python3 benchmarks/loss_match.py "$OUT/loss_bf16.jsonl" "$OUT/loss_fp8.jsonl"
+    python3 benchmarks/e2e.py --configs v2lite_1b_gpu --runs ours_graph --out "$OUT/e2e" | tail -3
+    python3 benchmarks/e2e.py --configs v2lite_1b_gpu --runs ours_graph --ours "--moe_echo.expert_precision fp8" \
+      --label fp8 --out "$OUT/e2e" | tail -4 ;;
 
   configs)
     for cfg in ${RECIPES-debug_gpu v2lite_1b_gpu qwen3_30b_a3b_small_gpu}; do

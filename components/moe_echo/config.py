@@ -22,6 +22,13 @@ class MoEEchoConfig:
     nvlink at EP>1 on CUDA, padded elsewhere. ``fastest``: time the EP backends once for this
     run's shape on this machine and use the fastest (cached)."""
 
+    expert_precision: Literal["bf16", "fp8"] = "bf16"
+    """Precision of the routed experts' GEMMs. ``fp8``: e4m3 with power-of-two scales per row (per
+    expert and column for the weight gradients) computed on the device, forward and backward, on
+    Hopper or newer GPUs; master weights, router, dispatch and combine stay as they are. Measured on
+    H100 it is slower than bf16 today (layer 0.60–0.79×, v2lite_1b step 0.90×: the quantisation
+    passes cost more than the faster GEMMs save; docs/performance.md), with losses within 1% of bf16."""
+
     on_overflow: Literal["replay", "stop"] = "replay"
     """When a fixed-capacity (padded) buffer overflowed: ``replay`` — the step is gated on the device
     and replayed on the exact path (never drops a token; no host read before the optimizer step);

@@ -8,7 +8,7 @@ Input rows are expert-major: rows [offs[e-1], offs[e]) belong to expert e, offs 
 Rows at or past offs[-1] (padding of fixed-capacity buffers) produce zeros on the fallback path and
 are unspecified on the grouped-GEMM path; callers never read them.
 
-Paths:
+Paths (``GroupedExperts.precision = "fp8"``: FP8 GEMMs, components/moe_echo/fp8_experts.py):
 - CUDA + bf16 (or bf16 autocast): ``torch._grouped_mm`` with int32 offsets read from device memory (no host sync).
 - otherwise (CPU, fp32/fp64 references): a per-expert loop that reads the counts on the host.
 """
@@ -19,6 +19,8 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from kernels.swiglu import swiglu
+
+from .fp8_experts import fp8_grouped_swiglu
 
 
 def grouped_swiglu(
@@ -55,9 +57,10 @@ def _looped_swiglu(x_ND, w1_EHD, w2_EDH, w3_EHD, counts_E):
 class GroupedExperts(nn.Module):
     """E SwiGLU experts held as three stacked weights (see the module docstring for the layout)."""
 
-    def __init__(self, dim: int, hidden_dim: int, num_experts: int):
+    def __init__(self, dim: int, hidden_dim: int, num_experts: int, precision: str = "bf16"):
         super().__init__()
         self.num_experts = num_experts
+        self.precision = precision  # "bf16" | "fp8": the GEMMs' precision (weights keep their dtype)
         self.w1 = nn.Parameter(torch.empty(num_experts, hidden_dim, dim))
         self.w2 = nn.Parameter(torch.empty(num_experts, dim, hidden_dim))
         self.w3 = nn.Parameter(torch.empty(num_experts, hidden_dim, dim))
@@ -70,6 +73,8 @@ class GroupedExperts(nn.Module):
         weights = self.local_weights()
         if extend is not None:
             weights = tuple(extend(w, i) for i, w in enumerate(weights))
+        if self.precision == "fp8":
+            return fp8_grouped_swiglu(x_ND, *weights, counts_e)
         return grouped_swiglu(x_ND, *weights, counts_e)
 
     def local_weights(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

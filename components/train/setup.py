@@ -19,6 +19,7 @@ import torch
 
 from components.errors import UserError
 from components.moe_echo.dispatcher import is_fixed_capacity
+from components.moe_echo.fp8_experts import check_fp8_supported
 from components.moe_echo.models import build_model, model_args_for, moe_layers
 from components.parallel.cuda_graph import make_capturable
 from components.parallel.data_parallel import init_distributed
@@ -84,6 +85,8 @@ def start(argv: list[str]) -> Run:
     m = cfg.model
     moe_args = getattr(model_args_for(m.name, m.flavor), "moe_args", None)
     rank, world, device = init_distributed(cfg.comm.init_timeout_seconds)
+    if cfg.moe_echo.expert_precision == "fp8":
+        check_fp8_supported(device)
     dims = parallel_dims(cfg.parallelism, world, moe_args.num_experts if moe_args else None)
     check_global_batch(cfg, world)
     mesh = build_mesh(dims, device.type)
