@@ -150,7 +150,7 @@ def test_peer_kernels_in_interpreter():
 def test_nvlink_weight_multicast_and_gradient_reduce_back(shape):
     """Clone slot s of rank r holds expert x = slot_expert[r·S + s] (zeros if unused); the home
     expert's gradient gains the sum of its clones' gradients — fp64, against direct indexing."""
-    from components.moe_echo.nvlink_dispatch import nvlink_multicast
+    from components.moe_echo.echo_transport import nvlink_multicast
 
     R, S = 3, 2
     e = shape[0]
@@ -187,6 +187,7 @@ def test_echo_layer_over_nvlink_equals_ep1(R, routing):
     import copy
 
     from components.moe_echo.echo import Echo
+    from components.moe_echo.echo_transport import PeerMemoryTransport
     from ep_worker import _layer
 
     E, K, T_rank, S = 8, 2, 10, 1 if routing == "more_hot_than_slots" else 2
@@ -216,7 +217,7 @@ def test_echo_layer_over_nvlink_equals_ep1(R, routing):
             setattr(layer.experts, name, torch.nn.Parameter(full[rank * e:(rank + 1) * e].clone()))
         disp = NVLinkDispatcher(R * (e + S), None, R, float(R), workspace=ws, name="layer")
         layer.dispatcher, layer.ep_size = disp, R
-        layer.echo = Echo(E, None, R, rank, S, "greedy", nvlink=disp)  # counts gathered over the workspace too
+        layer.echo = Echo(E, R, rank, S, "greedy", PeerMemoryTransport(disp, rank, S))  # counts over the workspace too
         x = x_all[rank:rank + 1].clone().requires_grad_()
         y = layer(x)
         (y * gy_all[rank:rank + 1]).sum().backward()

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .dispatcher import Dispatcher, LocalDispatcher
+from .dispatcher import DispatchHandle, ExpertParallel, LocalDispatcher
 from .row_ops import weighted_combine
 
 
@@ -49,13 +49,12 @@ def _buffer(group, hidden_bytes: int):
 
 
 @dataclass
-class DeepEPHandle:
+class DeepEPHandle(DispatchHandle):
     handle: object
     local: object  # LocalHandle of the received tokens' expansion
     w_MK: torch.Tensor
     row_MK: torch.Tensor  # row of each received (token, choice) among the expert rows; -1: not local
-    out_dtype: torch.dtype
-    dropped: torch.Tensor | None = None
+    out_dtype: torch.dtype  # DeepEP never drops: dropped stays None
 
 
 class _Dispatch(torch.autograd.Function):
@@ -88,11 +87,10 @@ class _Combine(torch.autograd.Function):
         return grad_MD, None, None
 
 
-class DeepEPDispatcher(Dispatcher):
+class DeepEPDispatcher(ExpertParallel):
     def __init__(self, num_experts: int, group, ep_size: int):
         require_deep_ep()
-        self.num_experts, self.group, self.ep_size = num_experts, group, ep_size
-        self.num_local = num_experts // ep_size
+        super().__init__(num_experts, group, ep_size)
         self.local = LocalDispatcher(self.num_local + 1)  # + one sink id for "not on this rank"
 
     def dispatch(self, x_TD, ids_TK, w_TK):

@@ -4,20 +4,35 @@
         x_ND: the rows this rank's experts process, expert-major (rows of local expert/slot j are
               contiguous and in order j = 0..e-1), N >= sum(counts_e) (fixed-capacity backends pad);
         counts_e: int64 rows per local expert/slot, on device;
-        handle: what combine needs (backend-specific), never read on the host by sync-free backends.
+        handle: a ``DispatchHandle`` with what combine needs (backend-specific), never read on the
+                host by sync-free backends.
     combine(y_ND, handle) -> y_TD = Σ_k w_TK[t, k] · y(row of (t, k)), accumulated in fp32,
         returned in x_TD's dtype on the source rank.
 
 Both are differentiable: gradients flow to x_TD, w_TK and y_ND.
+
+Bases shared by the backends:
+    ExpertParallel   E experts over R ranks (E divisible by R), e = E / R local ids each;
+    FixedCapacity    static-shape buffers sized from ``capacity_factor`` (``capacity_rows``), which may
+                     overflow: ``handle.dropped`` counts what was not sent, ``handle.needed_factor`` what
+                     would have fit, and ``grow_capacity`` raises the factor between steps.
 """
 
+import math
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
 import torch
 
-from .config import MoEEchoConfig
 from .row_ops import gather_rows, weighted_combine
+
+
+@dataclass(kw_only=True)
+class DispatchHandle:
+    """What every backend's handle carries for the layer and the training loop (device scalars)."""
+
+    dropped: torch.Tensor | None = None  # int64: (token, choice) assignments not sent (fixed capacity)
+    needed_factor: torch.Tensor | None = None  # fp32: the capacity_factor this dispatch needed
 
 
 class Dispatcher(ABC):
@@ -33,13 +48,45 @@ class Dispatcher(ABC):
     def combine(self, y_ND: torch.Tensor, handle: object) -> torch.Tensor: ...
 
 
+class ExpertParallel(Dispatcher):
+    """E experts (ids, echo slots included) over the R ranks of ``group``; e = E / R per rank."""
+
+    def __init__(self, num_experts: int, group, ep_size: int):
+        if num_experts % ep_size != 0:
+            raise ValueError(f"num_experts={num_experts} is not divisible by expert_parallel_degree={ep_size}")
+        self.num_experts, self.group, self.ep_size = num_experts, group, ep_size
+        self.num_local = num_experts // ep_size
+
+
+def capacity_rows(capacity_factor: float, rows: int, multiple: int, ranks: int = 1) -> int:
+    """round_up(ceil(capacity_factor · rows / ranks), multiple), at least ``multiple``."""
+    need = math.ceil(round(capacity_factor * rows / ranks, 6))  # round: 1.1 * 10 is 11.000000000000002
+    return max(multiple, -(-need // multiple) * multiple)
+
+
+class FixedCapacity:
+    """Mixin of the static-shape backends: buffers sized from ``capacity_factor``; overflow is counted
+    on the device, gated and replayed by the training loop, which may grow the factor."""
+
+    fixed_capacity = True
+    sync_free = True
+
+    def __init__(self, capacity_factor: float):
+        self.capacity_factor = capacity_factor
+
+    def grow_capacity(self, need: float) -> float:
+        """Raise capacity_factor to max(1.25 × now, need) before the next step; returns the new one.
+        (The next dispatch allocates the larger buffers; a captured graph must be re-captured.)"""
+        self.capacity_factor = max(1.25 * self.capacity_factor, need)
+        return self.capacity_factor
+
+
 @dataclass
-class LocalHandle:
+class LocalHandle(DispatchHandle):
     token_of_row_N: torch.Tensor  # source token of each dispatched row
     row_of_slot_TK: torch.Tensor  # dispatched row of each (token, choice) slot
     w_TK: torch.Tensor  # combine weights (fp32, differentiable)
-    out_dtype: torch.dtype
-    dropped: torch.Tensor | None = None  # the local backend never drops
+    out_dtype: torch.dtype  # the local backend never drops: dropped stays None
 
 
 class LocalDispatcher(Dispatcher):

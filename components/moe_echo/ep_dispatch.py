@@ -17,19 +17,18 @@ and the layer accumulates it in ``overflow_count``, which the training loop chec
 never silent.
 """
 
-import math
 from dataclasses import dataclass
 
 import torch
 
 from .comm import all_to_all, exchange_counts
-from .dispatcher import Dispatcher
+from .dispatcher import DispatchHandle, ExpertParallel, FixedCapacity, capacity_rows
 from .ep_layout import expert_major_order, send_layout
 from .row_ops import gather_rows, permute_rows, weighted_combine
 
 
 @dataclass
-class EPHandle:
+class EPHandle(DispatchHandle):
     row_of_slot_TK: torch.Tensor  # row of each slot in the send buffer (-1: not sent)
     w_TK: torch.Tensor
     nd_of_recv_N: torch.Tensor
@@ -37,16 +36,10 @@ class EPHandle:
     send_splits: list[int] | None  # None: equal blocks (padded)
     recv_splits: list[int] | None
     out_dtype: torch.dtype
-    dropped: torch.Tensor  # int64 scalar: slots not sent (padded overflow)
-    needed_factor: torch.Tensor | None = None  # fp32 scalar: capacity_factor this rank's sends need (padded)
 
 
-class _ExpertParallelDispatcher(Dispatcher):
-    def __init__(self, num_experts: int, group, ep_size: int):
-        if num_experts % ep_size != 0:
-            raise ValueError(f"num_experts={num_experts} is not divisible by expert_parallel_degree={ep_size}")
-        self.num_experts, self.group, self.ep_size = num_experts, group, ep_size
-        self.num_local = num_experts // ep_size
+class _AllToAllBase(ExpertParallel):
+    """Receive and combine over NCCL/gloo ``all_to_all`` (shared by alltoall and padded)."""
 
     def _receive(self, x_send, recv_counts_Re, block_start_R, block_of_row_N, send_splits, recv_splits):
         x_recv = all_to_all(x_send, recv_splits, send_splits, self.group)
@@ -60,7 +53,7 @@ class _ExpertParallelDispatcher(Dispatcher):
         return weighted_combine(y_back, handle.w_TK, handle.row_of_slot_TK).to(handle.out_dtype)
 
 
-class AllToAllDispatcher(_ExpertParallelDispatcher):
+class AllToAllDispatcher(_AllToAllBase):
     """Exact variable-size all_to_all; split sizes read on the host (the baseline)."""
 
     def dispatch(self, x_TD, ids_TK, w_TK):
@@ -76,25 +69,21 @@ class AllToAllDispatcher(_ExpertParallelDispatcher):
         x_ND, counts_e, nd, rn = self._receive(x_send, recv_counts_Re, block_start_R, block_of_row_N,
                                                send_splits, recv_splits)
         handle = EPHandle(lay.sorted_of_slot_TK, w_TK, nd, rn, send_splits, recv_splits, x_TD.dtype,
-                          torch.zeros((), dtype=torch.int64, device=x_TD.device))
+                          dropped=torch.zeros((), dtype=torch.int64, device=x_TD.device))
         return x_ND, counts_e, handle
 
 
 def padded_capacity(num_tokens: int, top_k: int, ep_size: int, capacity_factor: float) -> int:
     """Rows per (source, destination) block: round_up(ceil(cf · T · K / R), 8)."""
-    rows = math.ceil(round(capacity_factor * num_tokens * top_k / ep_size, 6))  # round: 1.1 * 10 is 11.000000000000002
-    return max(8, -(-rows // 8) * 8)
+    return capacity_rows(capacity_factor, num_tokens * top_k, 8, ep_size)
 
 
-class PaddedDispatcher(_ExpertParallelDispatcher):
+class PaddedDispatcher(FixedCapacity, _AllToAllBase):
     """Fixed C rows per (source, destination) pair; static shapes; no host read."""
 
-    fixed_capacity = True
-    sync_free = True
-
     def __init__(self, num_experts: int, group, ep_size: int, capacity_factor: float):
-        super().__init__(num_experts, group, ep_size)
-        self.capacity_factor = capacity_factor
+        _AllToAllBase.__init__(self, num_experts, group, ep_size)
+        FixedCapacity.__init__(self, capacity_factor)
 
     def dispatch(self, x_TD, ids_TK, w_TK):
         T, K = ids_TK.shape
@@ -118,4 +107,5 @@ class PaddedDispatcher(_ExpertParallelDispatcher):
         block_start_R = torch.arange(R, device=dev) * C
         block_of_row_N = torch.arange(R * C, device=dev) // C
         x_ND, counts_e, nd, rn = self._receive(x_send, recv_counts_Re, block_start_R, block_of_row_N, None, None)
-        return x_ND, counts_e, EPHandle(row_of_slot_TK, w_TK, nd, rn, None, None, x_TD.dtype, dropped, needed)
+        return x_ND, counts_e, EPHandle(row_of_slot_TK, w_TK, nd, rn, None, None, x_TD.dtype, dropped=dropped,
+                                        needed_factor=needed)

@@ -128,7 +128,7 @@ class MoELayer(nn.Module):
         if handle.dropped is not None:
             with torch.no_grad():
                 self.overflow_count.add_(handle.dropped)
-        if getattr(handle, "needed_factor", None) is not None:
+        if handle.needed_factor is not None:
             with torch.no_grad():
                 self.capacity_need.copy_(torch.maximum(self.capacity_need, handle.needed_factor))
         extend = None if self.echo is None else (lambda w, i: self.echo.local_weights(w, plan, i))

@@ -31,7 +31,7 @@ import torch
 
 from kernels.peer_rows import peer_combine_backward, peer_gather_sum, peer_scatter
 
-from .dispatcher import Dispatcher
+from .dispatcher import DispatchHandle, ExpertParallel, FixedCapacity, capacity_rows
 from .ep_layout import SendLayout, send_layout
 from .symmetric import SymmBuffer
 
@@ -41,8 +41,7 @@ _instance_ids = itertools.count()
 
 def nvlink_capacity(num_tokens: int, top_k: int, capacity_factor: float) -> int:
     """Receive rows per rank: round_up(ceil(capacity_factor · T · K), 128)."""
-    rows = -(-int(capacity_factor * num_tokens * top_k * 1000) // 1000)
-    return max(128, -(-rows // 128) * 128)
+    return capacity_rows(capacity_factor, num_tokens * top_k, 128)
 
 
 def all_gather_rows(ws, name: str, row_X: torch.Tensor) -> torch.Tensor:
@@ -83,31 +82,24 @@ def nvlink_layout(ids_TK: torch.Tensor, lay: SendLayout, counts_RX: torch.Tensor
 
 
 @dataclass
-class NVLinkHandle:
+class NVLinkHandle(DispatchHandle):
     rank_TK: torch.Tensor
     row_TK: torch.Tensor
     w_TK: torch.Tensor
     out_dtype: torch.dtype
-    dropped: torch.Tensor
-    needed_factor: torch.Tensor
     x_buf: SymmBuffer
     y_buf: SymmBuffer
     x_dtype: torch.dtype
 
 
-class NVLinkDispatcher(Dispatcher):
+class NVLinkDispatcher(FixedCapacity, ExpertParallel):
     """Sync-free dispatch over peer memory (NVLink); ``programs`` = CTAs (≈ SMs) the copy kernels use."""
-
-    fixed_capacity = True
-    sync_free = True
 
     def __init__(self, num_experts: int, group, ep_size: int, capacity_factor: float, programs: int = 32,
                  workspace=None, name: str | None = None, block_t: int | None = None):
-        if num_experts % ep_size != 0:
-            raise ValueError(f"num_experts={num_experts} is not divisible by expert_parallel_degree={ep_size}")
-        self.num_experts, self.group, self.ep_size = num_experts, group, ep_size
-        self.num_local = num_experts // ep_size
-        self.capacity_factor, self.programs = capacity_factor, programs
+        ExpertParallel.__init__(self, num_experts, group, ep_size)
+        FixedCapacity.__init__(self, capacity_factor)
+        self.programs = programs
         self.block_t = block_t  # tokens per CTA iteration (None: kernels.peer_rows.TOKENS_PER_BLOCK)
         self.ws = workspace if workspace is not None else _workspace_for(group)
         self.rank = self.ws.rank
@@ -129,8 +121,8 @@ class NVLinkDispatcher(Dispatcher):
         rank_TK, row_TK, counts_e, dropped, needed = nvlink_layout(ids_TK, lay, counts_RX, self.rank, self.num_local,
                                                                    cap)
         D = x_TD.shape[1]
-        h = NVLinkHandle(rank_TK, row_TK, w_TK, out_dtype, dropped, needed,
-                         self.ws.buffer(f"{self.name}/x", (cap, D), x_TD.dtype, dev), None, x_TD.dtype)
+        h = NVLinkHandle(rank_TK, row_TK, w_TK, out_dtype, self.ws.buffer(f"{self.name}/x", (cap, D), x_TD.dtype, dev),
+                         None, x_TD.dtype, dropped=dropped, needed_factor=needed)
         x_ND = _NVLinkDispatch.apply(x_TD, self, h)
         return x_ND, counts_e, h
 
@@ -180,53 +172,6 @@ class _NVLinkCombine(torch.autograd.Function):
                                           w_TK, programs=disp.programs, block_t=disp.block_t)
         disp.ws.barrier(gy)
         return gy.local.view(gy.local.shape), grad_w_TK, None, None
-
-
-class _NVLinkMulticast(torch.autograd.Function):
-    """Clone weights over peer memory. Forward: every home rank writes each of its experts that a
-    slot clones straight into that slot's row of the clone rank's buffer [S, ...] (only the cloned
-    experts move). Backward: each clone rank exposes its slots' weight gradients; each home rank
-    pulls the gradients of the slots cloning its experts and adds them to its experts' gradients."""
-
-    @staticmethod
-    def forward(ctx, w_eX, slot_expert_G, ws, name: str, rank: int, slots: int, programs: int):
-        e, G = w_eX.shape[0], slot_expert_G.shape[0]
-        rows, width = (w_eX[0].numel() // w_eX.shape[-1]), w_eX.shape[-1]  # each expert = rows x width
-        dev = w_eX.device
-        mine_G = (slot_expert_G >= 0) & (slot_expert_G // e == rank)  # slots (anywhere) cloning my experts
-        local_G = (slot_expert_G % e).clamp(min=0)
-        g_N = torch.arange(G * rows, device=dev) // rows
-        dest_N1 = (g_N // slots).view(-1, 1)
-        row_N1 = torch.where(mine_G.index_select(0, g_N), (g_N % slots) * rows + torch.arange(G * rows, device=dev) % rows,
-                             -1).view(-1, 1)
-        buf = ws.buffer(f"{name}/clone", (slots * rows, width), w_eX.dtype, dev)
-        src_ND = w_eX.reshape(e, rows, width).index_select(0, local_G).reshape(G * rows, width)
-        peer_scatter(src_ND, dest_N1, row_N1, buf.ptrs_R, buf.peers, programs=programs)
-        ws.barrier(buf)
-        used_S = slot_expert_G[rank * slots:(rank + 1) * slots] >= 0
-        out = buf.local.view(slots, rows, width) * used_S.view(-1, 1, 1).to(w_eX.dtype)  # unused slots: zeros
-        ctx.save_for_backward(local_G, dest_N1, row_N1)
-        ctx.ws, ctx.name, ctx.shape, ctx.programs = ws, name, (e, rows, width), programs
-        return out.view(slots, *w_eX.shape[1:])
-
-    @staticmethod
-    def backward(ctx, grad_SX):
-        local_G, dest_N1, row_N1 = ctx.saved_tensors
-        e, rows, width = ctx.shape
-        gbuf = ctx.ws.buffer(f"{ctx.name}/clone_grad", (grad_SX.shape[0] * rows, width), grad_SX.dtype, grad_SX.device)
-        gbuf.local.copy_(grad_SX.reshape(-1, width))
-        ctx.ws.barrier(gbuf)
-        pulled_ND = peer_gather_sum(dest_N1, row_N1, gbuf.ptrs_R, gbuf.peers, programs=ctx.programs)  # 0: not mine
-        grad_eX = torch.zeros(e, rows, width, dtype=grad_SX.dtype, device=grad_SX.device)
-        grad_eX.index_add_(0, local_G, pulled_ND.view(-1, rows, width))
-        return grad_eX.view(e, *grad_SX.shape[1:]), None, None, None, None, None, None
-
-
-def nvlink_multicast(w_eX: torch.Tensor, slot_expert_G: torch.Tensor, ws, name: str, rank: int, slots: int,
-                     programs: int = 64) -> torch.Tensor:
-    """[S, ...] clone weights of this rank's echo slots from their home experts (differentiable:
-    the clones' gradients are summed into the home experts'). ``name`` must be unique per weight."""
-    return _NVLinkMulticast.apply(w_eX, slot_expert_G, ws, name, rank, slots, programs)
 
 
 def peer_memory_bytes() -> int:

@@ -24,8 +24,8 @@ from torch.distributed.tensor import DTensor, Shard
 
 from components.moe_echo.backends import build_dispatcher, peers_on_one_host
 from components.moe_echo.echo import Echo
+from components.moe_echo.echo_transport import build_transport
 from components.moe_echo.layer import MoELayer
-from components.moe_echo.nvlink_dispatch import NVLinkDispatcher
 from components.errors import UserError
 
 from .compile import compile_dense
@@ -48,8 +48,8 @@ def apply_expert_parallel(moe: MoELayer, ep_mesh, cfg) -> None:
     moe.dispatcher = build_dispatcher(cfg, ep * (moe.num_experts // ep + slots), ep_mesh.get_group(), ep, on_one_host)
     moe.ep_size = ep
     if cfg.echo:
-        nvlink = moe.dispatcher if isinstance(moe.dispatcher, NVLinkDispatcher) else None  # peer-memory multicast
-        moe.echo = Echo(moe.num_experts, ep_mesh.get_group(), ep, rank, slots, cfg.echo_planner, nvlink=nvlink)
+        transport = build_transport(moe.dispatcher, ep_mesh.get_group(), ep, rank, slots, moe.num_experts // ep)
+        moe.echo = Echo(moe.num_experts, ep, rank, slots, cfg.echo_planner, transport)
 
 
 def _fastest_backend(model, mesh, dims, cfg, device) -> str:

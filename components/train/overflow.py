@@ -109,8 +109,7 @@ class StepGate:
         if self.grow_after and self.replays % self.grow_after == 0:
             for moe in self.layers:
                 if is_fixed_capacity(moe.dispatcher):
-                    cf = moe.dispatcher.capacity_factor
-                    moe.dispatcher.capacity_factor = grown = max(1.25 * cf, 1.1 * self.need_seen)
+                    grown = moe.dispatcher.grow_capacity(1.1 * self.need_seen)
         self.need_max.zero_()  # the next growth sizes for what overflows from here on
         return grown
 
