@@ -195,6 +195,8 @@ def main():
     table = markdown_table(rows, cols)
     stem = write_results("moe_layer", env, rows, table, a.out)
     print(f"\nMoE layer fwd+bwd, bf16, {env['gpu']}, torch {env['torch']}  ({stem}.json)\n{table}")
+    if MEGATRON["ok"]:
+        megatron_layer.teardown_megatron()
 
 
 if __name__ == "__main__":
