@@ -10,12 +10,19 @@ the experts' GEMM precision: each case also runs with ``expert_precision = "fp8"
 reference is a rowwise-scaled FP8 ``torch._scaled_mm`` of the same shape; ``fp8_speedup_vs_bf16`` is
 the bf16 row's time over the FP8 row's; ``fp8_out_rel_diff`` its output against the bf16 layer's).
 
-    python benchmarks/moe_layer.py [--out DIR]
+``megatron_ms``: Megatron-Core 0.16.1's MoE layer on the same weights, routing bias and inputs
+(``benchmarks/megatron_layer.py``): no transformer-engine, so its non-TE grouped path — GroupedMLP
+on the ``grouped_gemm`` CUDA extension — or, without that extension, SequentialMLP; ``megatron_path``
+names the one measured. Its outputs are cross-checked like torchtitan's (``megatron_routing_agree``,
+``megatron_out_rel_diff``). Without megatron-core the column is empty and the reason is printed.
+
+    python benchmarks/moe_layer.py [--out DIR] [--megatron-dispatcher allgather|alltoall]
 """
 
 import argparse
 import os
 import sys
+import traceback
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -23,6 +30,7 @@ import torch
 import torch.nn.functional as F
 from torchtitan.models.moe import MoE, MoEArgs
 
+from benchmarks import megatron_layer
 from benchmarks.common import environment, markdown_table, time_ms, write_results
 from components.moe_echo.config import MoEEchoConfig
 from components.moe_echo.layer import MoELayer
@@ -40,6 +48,24 @@ def zipf_bias(E: int, s: float, scale: float, gen: torch.Generator) -> torch.Ten
 
 
 PROFILE, PROFILED, FP8 = False, [], False
+MEGATRON = {"ok": False, "dispatcher": "allgather"}  # set by main()
+
+
+def megatron_columns(ours, x, fwd_bwd, flops) -> dict:
+    """Megatron-Core's layer on ``ours``' weights and bias: check against ours, then time fwd+bwd."""
+    if not MEGATRON["ok"]:
+        return {}
+    try:
+        mega = megatron_layer.build_megatron_moe(ours, dispatcher=MEGATRON["dispatcher"])
+        agree, rel = megatron_layer.compare(ours, mega, x)
+        ms = time_ms(fwd_bwd(mega))
+    except Exception as e:  # keep the other columns of the run
+        traceback.print_exc()
+        print(f"megatron_ms: not measured ({type(e).__name__}: {e})", flush=True)
+        return {}
+    return {"megatron_ms": ms, "megatron_tflops": flops / (ms * 1e-3) / 1e12, "megatron_path": mega.path,
+            "megatron_dispatcher": MEGATRON["dispatcher"], "megatron_routing_agree": agree,
+            "megatron_out_rel_diff": rel}
 
 
 def run_case(T, D, H, E, K, routing, dev):
@@ -118,13 +144,19 @@ def run_case(T, D, H, E, K, routing, dev):
     t_theirs = time_ms(fwd_bwd(theirs))
     t_dense = time_ms(dense_once)
     tf = lambda ms: flops / (ms * 1e-3) / 1e12
-    return {
+    row = {
         "T": T, "D": D, "H": H, "E": E, "K": K, "routing": routing, "load_max_over_mean": imbalance,
         "ours_ms": t_ours, "torchtitan_ms": t_theirs, "dense_ms": t_dense,
         "ours_tflops": tf(t_ours), "torchtitan_tflops": tf(t_theirs), "dense_tflops": tf(t_dense),
         "speedup_vs_torchtitan": t_theirs / t_ours, "frac_of_dense": t_dense / t_ours,
         "routing_agree": agree, "out_rel_diff": rel, **fp8,
+        "megatron_ms": None, "megatron_tflops": None, "speedup_vs_megatron": None, "megatron_path": None,
     }
+    del theirs
+    row.update(megatron_columns(ours, x, fwd_bwd, flops))
+    if row["megatron_ms"] is not None:
+        row["speedup_vs_megatron"] = row["megatron_ms"] / t_ours
+    return row
 
 
 def plain_gemm_tflops(dev: str, m: int = 16384, n: int = 4096, k: int = 4096) -> float:
@@ -151,7 +183,8 @@ def fp8_row(row: dict, gemm8: float) -> dict:
     tf = row["ours_tflops"] * row["ours_ms"] / ms
     return {**row, "precision": "fp8", "ours_ms": ms, "ours_tflops": tf, "plain_gemm_tflops": gemm8,
             "frac_of_peak_gemm": tf / gemm8, "speedup_vs_torchtitan": row["torchtitan_ms"] / ms,
-            "frac_of_dense": row["dense_ms"] / ms, "fp8_speedup_vs_bf16": row["ours_ms"] / ms}
+            "frac_of_dense": row["dense_ms"] / ms, "fp8_speedup_vs_bf16": row["ours_ms"] / ms,
+            "speedup_vs_megatron": row["megatron_ms"] / ms if row.get("megatron_ms") else None}
 
 
 def main():
@@ -160,11 +193,22 @@ def main():
     ap.add_argument("--profile", action="store_true", help="print the top CUDA kernels of our layer (first case)")
     ap.add_argument("--quick", action="store_true", help="T=4096 only (smoke run)")
     ap.add_argument("--no-fp8", action="store_true", help="skip the FP8-experts rows")
+    ap.add_argument("--megatron-dispatcher", default="allgather", choices=["allgather", "alltoall"],
+                    help="Megatron's token dispatcher (at EP=1 both permute locally; allgather is its default)")
     a = ap.parse_args()
     dev = "cuda"
     global PROFILE, FP8
     PROFILE = a.profile
     FP8 = not a.no_fp8 and torch.cuda.get_device_capability() >= (9, 0)
+    MEGATRON["dispatcher"] = a.megatron_dispatcher
+    reason = megatron_layer.unavailable()
+    if reason is None:
+        megatron_layer.init_megatron(dev)
+        MEGATRON["ok"] = True
+        print(f"megatron_ms: megatron-core {megatron_layer.version()}, experts {megatron_layer.expert_path(dev)}, "
+              f"dispatcher {a.megatron_dispatcher}", flush=True)
+    else:
+        print(f"megatron_ms: not measured ({reason})", flush=True)
     rows = []
     gemm = plain_gemm_tflops(dev)
     gemm8 = plain_fp8_gemm_tflops(dev) if FP8 else None
@@ -180,12 +224,15 @@ def main():
             torch.cuda.empty_cache()
     env = environment()
     cols = ["T", "D", "H", "E", "K", "routing", "precision", "load_max_over_mean", "ours_ms", "torchtitan_ms",
-            "dense_ms", "ours_tflops", "torchtitan_tflops", "dense_tflops", "plain_gemm_tflops", "frac_of_peak_gemm",
-            "speedup_vs_torchtitan", "frac_of_dense", "fp8_speedup_vs_bf16", "routing_agree", "out_rel_diff",
-            "fp8_out_rel_diff"]
+            "dense_ms", "megatron_ms", "ours_tflops", "torchtitan_tflops", "dense_tflops", "megatron_tflops",
+            "plain_gemm_tflops", "frac_of_peak_gemm", "speedup_vs_torchtitan", "speedup_vs_megatron", "frac_of_dense",
+            "fp8_speedup_vs_bf16", "routing_agree", "out_rel_diff", "fp8_out_rel_diff", "megatron_path",
+            "megatron_routing_agree", "megatron_out_rel_diff"]
     table = markdown_table(rows, cols)
     stem = write_results("moe_layer", env, rows, table, a.out)
     print(f"\nMoE layer fwd+bwd, {env['gpu']}, torch {env['torch']}  ({stem}.json)\n{table}")
+    if MEGATRON["ok"]:
+        megatron_layer.teardown_megatron()
 
 
 if __name__ == "__main__":

@@ -12,6 +12,31 @@ export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
 
 ngpus() { nvidia-smi --query-gpu=name --format=csv,noheader | wc -l; }
 
+# megatron-core 0.16.1 and its grouped_gemm CUDA extension (nv_grouped_gemm, built for sm_90 against torch
+# 2.11+cu130) from .whl/extra/mcore into /tmp/site, for moe_layer.py's megatron_ms column. If the carried
+# extension fails a small grouped GEMM here, it is built from .whl/extra/mcore/src into build/mcore (minutes;
+# kept there for later calls). Without .whl/extra/mcore the column stays empty.
+megatron_setup() {
+  ls .whl/extra/mcore/*.whl > /dev/null 2>&1 || { echo "megatron: .whl/extra/mcore not carried"; return 0; }
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+    .whl/extra/mcore/*.whl || return 1
+  gg_check() { python3 -c "
+import torch; from grouped_gemm import ops
+a = torch.randn(8, 16, device='cuda', dtype=torch.bfloat16); b = torch.randn(2, 16, 4, device='cuda', dtype=torch.bfloat16)
+ref = torch.cat([a[:3] @ b[0], a[3:] @ b[1]]).float()
+torch.testing.assert_close(ops.gmm(a, b, torch.tensor([3, 5])).float(), ref, rtol=2e-2, atol=2e-2)"; }
+  gg_check 2> "$OUT/grouped_gemm_check.log" && { echo "grouped_gemm: carried build ok"; return 0; }
+  echo "grouped_gemm: carried build failed ($(tail -1 "$OUT/grouped_gemm_check.log")); building from source"
+  if ! ls build/mcore/nv_grouped_gemm-*.whl > /dev/null 2>&1; then
+    CPATH=$(python3 -c "import nvidia, os; print(':'.join(os.path.join(p, 'cu13', 'include') for p in nvidia.__path__))") \
+    TORCH_CUDA_ARCH_LIST=9.0 GROUPED_GEMM_FORCE_BUILD=TRUE MAX_JOBS=16 python3 -m pip wheel -q --no-index --no-deps \
+      --no-build-isolation -w build/mcore .whl/extra/mcore/src/nv_grouped_gemm-*.tar.gz > "$OUT/grouped_gemm_build.log" 2>&1 \
+      || { tail -20 "$OUT/grouped_gemm_build.log"; return 1; }
+  fi
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+    build/mcore/nv_grouped_gemm-*.whl && gg_check && echo "grouped_gemm: built here, ok"
+}
+
 recipe() {  # name, nproc, extra recipe args
   rm -rf "/tmp/run_$1"
   timeout ${TMO:-150} torchrun --nproc_per_node $2 recipes/pretrain.py --job.config_file ${CFG:-train_configs/v2lite_1b_gpu.toml} \

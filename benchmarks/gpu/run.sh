@@ -10,7 +10,8 @@
 #   tests       1-2  every GPU test + the CPU tests of the step gate, profiler and checkpoints on this torch
 #   graph       4    two GPU pairs at once: graph == eager tests, overflow replay with re-capture (0,1);
 #                    pinned-staging probe, EP tests, v2lite_1b EP=2 graphed with re-capture (2,3)
-#   layer       1    MoE layer fwd+bwd vs torchtitan and a dense SwiGLU (+ the layer/kernel tests)
+#   layer       1    MoE layer fwd+bwd vs torchtitan, Megatron-Core (.whl/extra/mcore) and a dense SwiGLU; bf16 and FP8 experts
+#                    (+ the layer/kernel tests)
 #   fp8         1    FP8 experts: their tests, v2lite_1b 300 steps bf16 vs fp8 (loss curves), e2e bf16 vs fp8
 #   configs     1    40 steps of each GPU config (RECIPES="debug_gpu ..." to pick)
 #   dispatch    2/4+ dispatch + combine at EP=2 on GPUs 0,1, then EP=all GPUs (VDEV=1 adds NVSHMEM vdev)
@@ -84,7 +85,9 @@ for l in open('$OUT/recapture_v2lite_metrics.jsonl'):
 
   layer)  # -> moe_layer_<GPU>.md
     nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv | tee "$OUT/gpu.txt"
-    python3 -m pytest tests/test_gpu.py tests/test_kernels.py tests/test_layer.py tests/test_models.py tests/test_fp8_experts.py -p no:warnings 2>&1 \
+    megatron_setup
+    python3 -m pytest tests/test_gpu.py tests/test_kernels.py tests/test_layer.py tests/test_models.py \
+      tests/test_megatron_layer.py tests/test_fp8_experts.py -p no:warnings 2>&1 \
       | tee "$OUT/layer_tests.log" | tail -15
     CUDA_VISIBLE_DEVICES=0 python3 benchmarks/moe_layer.py --out "$OUT" ${BENCH_ARGS:-} 2>&1 | tee "$OUT/moe_layer.log" | tail -40 ;;
 

@@ -26,7 +26,7 @@ class MoEEchoConfig:
     """Precision of the routed experts' GEMMs. ``fp8``: e4m3 with power-of-two scales per row (per
     expert and column for the weight gradients) computed on the device, forward and backward, on
     Hopper or newer GPUs; master weights, router, dispatch and combine stay as they are. Measured on
-    H100 it is slower than bf16 today (layer 0.60–0.79×, v2lite_1b step 0.90×: the quantisation
+    H100 it is slower than bf16 today (layer 0.62–0.78×, v2lite_1b step 0.90×: the quantisation
     passes cost more than the faster GEMMs save; docs/performance.md), with losses within 1% of bf16."""
 
     on_overflow: Literal["replay", "stop"] = "replay"

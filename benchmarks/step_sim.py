@@ -1,0 +1,834 @@
+"""Step-time model of one training step per EP rank, ECHO on vs off, calibrated from measurements.
+
+A step is, per EP rank (R ranks, T tokens each, bf16, eager):
+
+    step = non-MoE(token part + parameter part / R + FSDP traffic)
+         + Σ_MoE layers [ router + dispatch/combine (fwd + bwd) + max_r GEMM_r + ECHO extras ]
+
+where max_r is the straggler: every layer ends in the combine, which waits for the slowest rank.
+Terms and where each constant comes from (benchmarks/results/, nothing else):
+
+- GEMM_r: grouped SwiGLU fwd+bwd of rank r's rows (home experts minus what moved, plus echo
+  slots): ms = a + b · rows · H / H_cal, (a, b) fitted to echo_sim_<GPU>.json (every simulated
+  rank's time at H_cal = 1408, the straggler before/after ECHO and the mean rank; the rows are
+  rebuilt exactly from its seeds and its planner rule). Per-group terms did not improve the fit
+  (reported as alternatives); hidden H scales b by FLOPs.
+- dispatch + combine: ms = t0 + GB / (GB/s) per backend and EP, fitted to dispatch_ep{2,4}_<GPU>.json
+  (eager columns). GB = rows the bottleneck rank moves there and back × D × 2 B: padded moves its
+  fixed blocks ((R - 1) · C rows, C from the capacity factor); nvlink moves real rows, and the
+  bottleneck is the rank that sends or receives the most. Backward = forward (an assumption).
+- ECHO: planner (planner_time_<GPU>.json, CUDA-graph µs) + clone weight multicast forward and the
+  clones' gradient return backward, bytes / the backend's fitted GB/s (padded: every (home, slot)
+  block of R·S per weight; nvlink: only the clones).
+- non-MoE: the 1-GPU step (scaling_<GPU>.md, EP=1) minus its modelled MoE layers; split by the
+  1-GPU profile (step_breakdown_v2lite_1b_gpu_*.json) into a per-token part (same on every rank)
+  and a per-parameter part (optimizer, weight casts, clipping: FSDP2/EP shard them, so ∝ the
+  rank's parameters). FSDP2's all-gathers and reduce-scatters of the dense parameters are added
+  as exposed (no overlap), at the NCCL rate of the padded fit.
+- beyond EP=4 (nothing measured there): the EP=4 dispatch fit (per-GPU bandwidth kept, one NVLink
+  domain), or with ``gpus_per_host`` off-host bytes at an assumed ``inter_host_gbs`` (50 GB/s).
+Loads: the routing model of benchmarks/planner.py (Gumbel top-K over a popularity; Zipf on a random
+expert permutation, optionally drifting; or N hot experts on rank 0 like --moe_echo.debug_hot_experts;
+SAMPLE_TOKENS drawn per rank, counts scaled to T), plans from the real planner
+(components/moe_echo/planner.plan_echo, rule "fill"). Not modelled: host launch time (eager steps),
+overlap of any kind, overflow replays, ECHO's routing rewrite and clone-weight concatenation.
+
+The validation table compares the model with the EP=2 / EP=4 training runs (none of which is used
+by any fit); only then come the EP=8 / 16 / 64 predictions.
+
+    python benchmarks/step_sim.py [--gpu NVIDIA_H200] [--steps 8] [--out DIR]     (~3 min on 2 CPU cores)
+"""
+
+import argparse
+import json
+import math
+import os
+import re
+import statistics
+import sys
+import time
+from dataclasses import asdict, dataclass, field, replace
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import numpy as np
+import torch
+
+from benchmarks.common import RESULTS, environment, markdown_table, write_results
+from benchmarks.planner import drifting_counts
+from components.moe_echo.ep_dispatch import padded_capacity
+from components.moe_echo.planner import RULES, plan_echo
+
+BYTES = 2  # bf16 activations and weights
+
+
+# ----------------------------------------------------------------------------- shapes and configs
+
+SAMPLE_TOKENS = 4096  # tokens per rank drawn from the routing model; counts are scaled up to T (as echo_sim does)
+
+
+@dataclass
+class ModelShape:
+    """v2lite_1b (components/moe_echo/models.py): dim 2048, 4 layers (1 dense), 3 MoE layers of 64
+    experts top-6, expert hidden 768, 2 shared experts; 4 x 4096 tokens per rank."""
+    dim: int = 2048
+    hidden: int = 768
+    experts: int = 64
+    top_k: int = 6
+    moe_layers: int = 3
+    tokens_per_rank: int = 16384
+    dense_params: float = 285.233152e6  # everything but the routed experts (counted on the meta model)
+    root_params: float = 134.219776e6  # embeddings + output + final norm: FSDP's root, not resharded
+
+    def expert_params(self, experts: int | None = None) -> float:
+        return self.moe_layers * (experts or self.experts) * 3 * self.dim * self.hidden
+
+
+@dataclass
+class SimConfig:
+    """One simulated run. slots = 0: ECHO off."""
+    ep: int
+    experts: int = 64
+    slots: int = 0
+    backend: str = "nvlink"  # "padded" (fixed blocks of C rows per peer) | "nvlink" (real rows)
+    capacity_factor: float = 1.5  # padded: C = round_up(cf · T · K / R, 8)
+    gpus_per_host: int | None = None  # None: one NVLink domain; else off-host bytes at inter_host_gbs
+    inter_host_gbs: float = 50.0  # assumed (400 Gb/s NIC per GPU), never measured here
+    param_scaling: str = "sharded"  # "sharded": all parameter-sized work / R; "optimizer": only AdamW / R
+    fsdp_exposed: bool = True  # FSDP2 parameter traffic on the critical path (no overlap)
+
+
+@dataclass
+class LinearFit:
+    """ms = intercept + slope · x, and its relative residuals on the calibration points."""
+    intercept: float
+    slope: float
+    rms_rel: float = 0.0
+    max_rel: float = 0.0
+    points: list = field(default_factory=list)
+
+    def __call__(self, x: float) -> float:
+        return self.intercept + self.slope * x
+
+
+@dataclass
+class Calibration:
+    gpu: str
+    gemm: LinearFit  # ms = intercept + slope · rows (at hidden gemm_hidden)
+    gemm_hidden: int
+    comm: dict  # (backend, EP) -> LinearFit, x = GB there and back through the bottleneck rank
+    planner_us: dict  # (EP, S) -> µs per layer (CUDA graph)
+    step_1gpu_ms: float
+    router_ms: float  # per MoE layer
+    local_permute_ms: float  # per MoE layer, EP=1 only (at EP > 1 the dispatcher's fit has it)
+    token_ms: float  # non-MoE work per rank that scales with its tokens
+    param_ms_per_param: float  # non-MoE work per parameter held by the rank
+    optimizer_share: float  # of the parameter part: AdamW (param_scaling = "optimizer")
+    notes: dict = field(default_factory=dict)
+
+    def gemm_ms(self, rows_R: torch.Tensor, hidden: int) -> torch.Tensor:
+        """[R] ms of each rank's grouped SwiGLU fwd+bwd."""
+        return self.gemm.intercept + self.gemm.slope * rows_R.double() * hidden / self.gemm_hidden
+
+    def comm_fit(self, backend: str, ep: int) -> LinearFit:
+        """The fit measured at this EP, else the one at the largest measured EP below it (per-GPU
+        bandwidth carried over: an assumption for EP > 4)."""
+        below = [e for b, e in self.comm if b == backend and e <= ep]
+        return self.comm[(backend, max(below))]
+
+    def planner(self, ep: int, slots: int) -> float:
+        """µs per layer: the measured (EP, S), else log-linear in EP over the S = 2 rows."""
+        if (ep, slots) in self.planner_us:
+            return self.planner_us[(ep, slots)]
+        pts = sorted((e, us) for (e, s), us in self.planner_us.items() if s == 2)
+        x = [math.log(e) for e, _ in pts]
+        return float(np.interp(math.log(ep), x, [us for _, us in pts]))
+
+
+# ----------------------------------------------------------------------------- routing (benchmarks/planner.py's model)
+
+def gumbel_counts(R: int, logp_E: torch.Tensor, tokens: int, k: int, gen: torch.Generator) -> torch.Tensor:
+    """counts_RE: every rank's tokens pick k distinct experts by popularity exp(logp_E) (Gumbel top-k)."""
+    E = logp_E.shape[0]
+    counts = torch.zeros(R, E, dtype=torch.int64)
+    for r in range(R):
+        g = -torch.log(-torch.log(torch.rand(tokens, E, generator=gen).clamp(1e-9, 1 - 1e-9)))
+        counts[r] = torch.bincount((logp_E.float() + g).topk(k, dim=-1).indices.flatten(), minlength=E)
+    return counts
+
+
+def hot_counts(R: int, E: int, n_hot: int, tokens: int, k: int, seed: int) -> torch.Tensor:
+    """counts_RE with experts 0..n_hot-1 preferred by every token (on the first ranks, as
+    --moe_echo.debug_hot_experts places them): each token picks k of them at random (Gumbel top-k
+    over the hot experts only: the others' chance, e^-50 in benchmarks/planner.py's "dominant", is nil)."""
+    counts = torch.zeros(R, E, dtype=torch.int64)
+    counts[:, :n_hot] = gumbel_counts(R, torch.zeros(n_hot), tokens, k, torch.Generator().manual_seed(seed))
+    return counts
+
+
+def zipf_counts(R: int, E: int, s: float, tokens: int, k: int, seed: int) -> torch.Tensor:
+    """counts_RE for Zipf(s) popularity on a random permutation of the experts (no drift)."""
+    g = torch.Generator().manual_seed(seed)
+    logp = -s * torch.log(torch.arange(1, E + 1, dtype=torch.float64))
+    return gumbel_counts(R, logp[torch.randperm(E, generator=g)], tokens, k, g)
+
+
+def imbalance(counts_RE: torch.Tensor, R: int) -> float:
+    load_R = counts_RE.sum(0).view(R, -1).sum(1).double()
+    return float(load_R.max() / load_R.mean())
+
+
+def zipf_for_imbalance(R: int, E: int, target: float, k: int, seeds: list[int], tokens: int = 2048) -> float:
+    """The Zipf exponent whose mean rank max/mean load over ``seeds`` (same draws for every
+    exponent) is ``target``: bisection on [0, 3]."""
+    lo, hi = 0.0, 3.0
+    for _ in range(14):
+        mid = (lo + hi) / 2
+        got = statistics.mean(imbalance(zipf_counts(R, E, mid, tokens, k, s), R) for s in seeds)
+        lo, hi = (mid, hi) if got < target else (lo, mid)
+    return (lo + hi) / 2
+
+
+# ----------------------------------------------------------------------------- one layer
+
+@dataclass
+class LayerLoad:
+    """Where one layer's rows go. traffic_RR[r, d]: rows source r sends to rank d (after ECHO's
+    rewrite; the diagonal stays local); clones_send_R / clones_recv_R: expert weight copies each
+    rank multicasts / receives. Invariant: traffic_RR.sum(0) = rows each rank computes."""
+    traffic_RR: torch.Tensor
+    clones_send_R: torch.Tensor
+    clones_recv_R: torch.Tensor
+    load_before: float
+    load_after: float
+
+    @property
+    def rows_R(self) -> torch.Tensor:
+        return self.traffic_RR.sum(0)
+
+
+def layer_load(counts_RE: torch.Tensor, slots: int, rule: str = "fill") -> LayerLoad:
+    """Rows per (source, destination) with ECHO's plan (slots > 0) or without."""
+    R, E = counts_RE.shape
+    e = E // R
+    home_RR = counts_RE.view(R, R, e).sum(2)
+    zero = torch.zeros(R, dtype=torch.int64)
+    before = imbalance(counts_RE, R)
+    if slots == 0:
+        return LayerLoad(home_RR, zero, zero.clone(), before, before)
+    plan = plan_echo(counts_RE, slots, rule)
+    x_G, q_RG = plan.slot_expert_G, plan.quota_RG
+    used_G = x_G >= 0
+    moved_RE = torch.zeros(R, E, dtype=torch.int64).index_add_(1, x_G.clamp(min=0), q_RG * used_G)
+    slot_RR = q_RG.view(R, R, slots).sum(2)  # source r -> rank d's slots
+    traffic = (counts_RE - moved_RE).view(R, R, e).sum(2) + slot_RR
+    recv = used_G.view(R, slots).sum(1).long()
+    home_G = (x_G.clamp(min=0) // e)[used_G]
+    send = torch.zeros(R, dtype=torch.int64).index_add_(0, home_G, torch.ones_like(home_G))
+    after = float(plan.load_after_R.max() / plan.load_after_R.double().mean())
+    return LayerLoad(traffic, send, recv, before, after)
+
+
+def bottleneck_rows(traffic_RR: torch.Tensor, gpus_per_host: int | None) -> tuple[float, float]:
+    """(on-host, off-host) remote rows of the busiest rank: max over ranks of what it sends or
+    receives (each part separately; a one-host domain has no off-host part)."""
+    R = traffic_RR.shape[0]
+    host = torch.arange(R) // (gpus_per_host or R)
+    same = host[:, None] == host[None, :]
+    remote = traffic_RR * ~torch.eye(R, dtype=torch.bool)
+    on, off = remote * same, remote * ~same
+    busiest = lambda m: float(torch.maximum(m.sum(0), m.sum(1)).max())  # noqa: E731
+    return busiest(on), busiest(off)
+
+
+def layer_ms(load: LayerLoad, cfg: SimConfig, cal: Calibration, shape: ModelShape) -> dict:
+    """Milliseconds of one MoE layer, fwd + bwd, for the straggler. Keys: router, comm, gemm
+    (the slowest rank), gemm_mean, echo (planner + multicast), total."""
+    R, D, H, T, K = cfg.ep, shape.dim, shape.hidden, shape.tokens_per_rank, shape.top_k
+    gemm_R = cal.gemm_ms(load.rows_R, H)
+    fit = cal.comm_fit(cfg.backend, R) if R > 1 else None
+    off_ms_per_gb = 1e3 / cfg.inter_host_gbs
+    if R == 1:
+        comm = cal.local_permute_ms
+    elif cfg.backend == "padded":
+        C = padded_capacity(T, K, R, cfg.capacity_factor)
+        comm = 2 * fit(2 * (R - 1) * C * D * BYTES / 1e9)  # fwd + bwd
+    else:
+        on, off = bottleneck_rows(load.traffic_RR, cfg.gpus_per_host)
+        gb_on, gb_off = 2 * on * D * BYTES / 1e9, 2 * off * D * BYTES / 1e9
+        comm = 2 * (fit.intercept + max(gb_on * fit.slope, gb_off * off_ms_per_gb))
+    echo = 0.0
+    if cfg.slots and R > 1:
+        w_gb = 3 * D * H * BYTES / 1e9  # one expert's w1, w2, w3
+        if cfg.backend == "padded":  # every (home, destination) pair exchanges S blocks per weight
+            mc = (R - 1) * cfg.slots * w_gb * fit.slope
+        else:  # only the clones; the busiest home (sends) or clone rank (receives)
+            n = float(torch.maximum(load.clones_send_R, load.clones_recv_R).max())
+            off_host = cfg.gpus_per_host is not None and cfg.gpus_per_host < R
+            mc = n * w_gb * (off_ms_per_gb if off_host else fit.slope)
+        echo = cal.planner(R, cfg.slots) / 1e3 + 2 * mc  # multicast forward, gradients back
+    gemm = float(gemm_R.max())
+    return {"router": cal.router_ms, "comm": comm, "gemm": gemm, "gemm_mean": float(gemm_R.mean()),
+            "echo": echo, "total": cal.router_ms + comm + gemm + echo}
+
+
+def nonmoe_ms(cfg: SimConfig, cal: Calibration, shape: ModelShape) -> dict:
+    """Per-rank non-MoE milliseconds: token part, parameter part, exposed FSDP traffic."""
+    R = cfg.ep
+    params_R = (shape.dense_params + shape.expert_params(cfg.experts)) / R
+    params_1 = shape.dense_params + shape.expert_params()  # the calibrated 1-GPU model
+    if cfg.param_scaling == "sharded":
+        param = cal.param_ms_per_param * params_R
+    else:  # only AdamW shrinks with the shard; the rest stays at its 1-GPU size
+        p1 = cal.param_ms_per_param * params_1
+        param = p1 * (1 - cal.optimizer_share) + p1 * cal.optimizer_share * params_R / params_1
+    fsdp = 0.0
+    if R > 1 and cfg.fsdp_exposed:
+        # all-gather bf16 (forward: all; backward: the resharded blocks), reduce-scatter fp32 grads
+        gb = ((2 * shape.dense_params - shape.root_params) * 2 + shape.dense_params * 4) * (R - 1) / R / 1e9
+        host = cfg.gpus_per_host is not None and cfg.gpus_per_host < R
+        fsdp = gb * (1e3 / cfg.inter_host_gbs if host else cal.comm_fit("padded", R).slope)
+    return {"token": cal.token_ms, "param": param, "fsdp": fsdp}
+
+
+def simulate_step(loads: list[LayerLoad], cfg: SimConfig, cal: Calibration, shape: ModelShape) -> dict:
+    """One step: non-MoE + Σ over the MoE layers (``loads``, one per layer) of the straggler layer time."""
+    layers = [layer_ms(ld, cfg, cal, shape) for ld in loads]
+    nm = nonmoe_ms(cfg, cal, shape)
+    moe = {k: sum(l[k] for l in layers) for k in layers[0]}
+    step = sum(nm.values()) + moe["total"]
+    return {"step_ms": step, "tokens_per_s": cfg.ep * shape.tokens_per_rank / step * 1e3,
+            "nonmoe": nm, "moe": moe, "rows_max": max(float(ld.rows_R.max()) for ld in loads),
+            "load_before": statistics.mean(l.load_before for l in loads),
+            "load_after": statistics.mean(l.load_after for l in loads)}
+
+
+def mean_steps(sims: list[dict], cfg: SimConfig, shape: ModelShape) -> dict:
+    """The mean step of several simulated steps (tokens/s from the mean step time)."""
+    step = statistics.mean(s["step_ms"] for s in sims)
+    return {"step_ms": step, "tokens_per_s": cfg.ep * shape.tokens_per_rank / step * 1e3,
+            "nonmoe": {k: statistics.mean(s["nonmoe"][k] for s in sims) for k in sims[0]["nonmoe"]},
+            "moe": {k: statistics.mean(s["moe"][k] for s in sims) for k in sims[0]["moe"]},
+            "rows_max": max(s["rows_max"] for s in sims),
+            "load_before": statistics.mean(s["load_before"] for s in sims),
+            "load_after": statistics.mean(s["load_after"] for s in sims)}
+
+
+def simulate(counts: list[list[torch.Tensor]], cfg: SimConfig, cal: Calibration, shape: ModelShape) -> dict:
+    """Mean over steps; counts[step][layer] = counts_RE."""
+    return mean_steps([simulate_step([layer_load(c, cfg.slots) for c in step], cfg, cal, shape) for step in counts],
+                      cfg, shape)
+
+
+# ----------------------------------------------------------------------------- calibration
+
+def _load(name: str, results: str) -> object:
+    with open(os.path.join(results, name)) as f:
+        return json.load(f)
+
+
+def echo_sim_points(path: str) -> list[tuple[str, list[torch.Tensor], float]]:
+    """(kind, rows per rank [e or e + S groups each], ms) of every echo_sim measurement: the
+    straggler ("max") before and after ECHO and the mean rank before. The counts are rebuilt from
+    echo_sim's seeds; its planner rule is the one whose loads after match the file."""
+    from benchmarks.echo_sim import E as E_SIM, rank_rows
+    from benchmarks.planner import routing_counts
+
+    points = []
+    for row in _load(os.path.basename(path), os.path.dirname(path))["rows"]:
+        R, S = row["EP"], row["S"]
+        counts = routing_counts(R, E_SIM, row["routing"], seed=R) * 6 // 8
+        for rule in RULES:
+            plan = plan_echo(counts, S, rule)
+            after = float(plan.load_after_R.max() / plan.load_after_R.float().mean())
+            if abs(after - row["load_after"]) < 1e-4:
+                break
+        else:
+            raise ValueError(f"{path}: no planner rule reproduces load_after={row['load_after']} (EP={R}, S={S})")
+        before, after_rows = rank_rows(counts, plan, R, S)
+        points += [("max", before, row["straggler_ms_before"]), ("max", after_rows, row["straggler_ms_after"]),
+                   ("mean", before, row["mean_rank_ms"])]
+    return points
+
+
+def fit_gemm(points, features=lambda r: [1.0, float(r.sum())], iters: int = 50) -> tuple[np.ndarray, np.ndarray]:
+    """Least squares in relative error of ms = θ · features(rows of a rank), where a "max" point is
+    the slowest rank under θ (fixed-point iteration: pick each straggler, refit, until it stops
+    changing). Returns θ and the relative residuals."""
+    y = np.array([p[2] for p in points])
+    F = [np.array([features(r) for r in ranks]) for _, ranks, _ in points]
+    theta = np.zeros(F[0].shape[1])
+    for _ in range(iters):
+        A = np.array([f[np.argmax(f @ theta)] if kind == "max" else f.mean(0) for (kind, _, _), f in zip(points, F)])
+        new = np.linalg.lstsq(A / y[:, None], np.ones_like(y), rcond=None)[0]
+        if np.allclose(new, theta, rtol=1e-12, atol=0):
+            break
+        theta = new
+    pred = np.array([(f @ theta).max() if kind == "max" else (f @ theta).mean() for (kind, _, _), f in zip(points, F)])
+    return theta, (pred - y) / y
+
+
+def _fit_line(x: list[float], y: list[float]) -> LinearFit:
+    """Least squares in relative error."""
+    x_, y_ = np.array(x), np.array(y)
+    A = np.stack([np.ones_like(x_), x_], 1) / y_[:, None]
+    a, b = np.linalg.lstsq(A, np.ones_like(y_), rcond=None)[0]
+    rel = (a + b * x_ - y_) / y_
+    return LinearFit(float(a), float(b), float(np.sqrt(np.mean(rel ** 2))), float(np.abs(rel).max()),
+                     [{"GB": float(u), "ms": float(v), "rel_err": float(r)} for u, v, r in zip(x_, y_, rel)])
+
+
+def dispatch_benchmark_rows(R: int, T: int, kind: str, seed: int = 0) -> tuple[float, float]:
+    """(send, receive) remote rows of the busiest rank under benchmarks/dispatch.py's routing
+    (E=64, K=8; "skewed" = Zipf(1.2) popularity on experts 0.. in order, so rank 0 receives most),
+    sampled on CPU (the benchmark drew on the GPU: same distribution, other draws)."""
+    E, K = 64, 8
+    g = torch.Generator().manual_seed(seed)
+    logp = -1.2 * torch.log(torch.arange(1, E + 1).float()) if kind == "skewed" else torch.zeros(E)
+    counts = gumbel_counts(R, logp, T, K, g)
+    remote = counts.view(R, R, E // R).sum(2) * ~torch.eye(R, dtype=torch.bool)
+    return float(remote.sum(1).max()), float(remote.sum(0).max())
+
+
+def fit_dispatch(path: str) -> dict:
+    """(backend, EP) -> LinearFit of eager dispatch + combine ms on GB there and back through the
+    bottleneck rank: padded (R - 1)·C rows (its fixed blocks), nvlink max(send, receive) real rows."""
+    data = _load(os.path.basename(path), os.path.dirname(path))
+    pts = {"padded": ([], []), "nvlink": ([], [])}
+    cache = {}
+    for r in data["rows"]:
+        R, T, D = r["ranks"], r["T"], r["D"]
+        if (R, T, r["routing"]) not in cache:
+            cache[(R, T, r["routing"])] = dispatch_benchmark_rows(R, T, r["routing"])
+        send, recv = cache[(R, T, r["routing"])]
+        pts["padded"][0].append(2 * (R - 1) * r["padded_rows_per_peer"] * D * BYTES / 1e9)
+        pts["padded"][1].append(r["padded_ms"])
+        pts["nvlink"][0].append(2 * max(send, recv) * D * BYTES / 1e9)
+        pts["nvlink"][1].append(r["nvlink_ms"])
+    R = data["rows"][0]["ranks"]
+    return {(b, R): _fit_line(*xy) for b, xy in pts.items()}
+
+
+def scaling_step_ms(path: str, gpus: int) -> float:
+    """ms per step of the ``gpus`` row of a scaling table (tokens/s over all GPUs, 16384 tokens each)."""
+    with open(path) as f:
+        for line in f:
+            cells = [c.strip() for c in line.strip().strip("|").split("|")]
+            if cells and cells[0] == str(gpus):
+                return gpus * ModelShape().tokens_per_rank / float(cells[3].replace(",", "")) * 1e3
+    raise ValueError(f"{path}: no row for {gpus} GPU(s)")
+
+
+def calibrate(gpu: str = "NVIDIA_H200", results: str = RESULTS, shape: ModelShape | None = None,
+              profile_gpu: str = "NVIDIA_H100") -> Calibration:
+    """Every constant from its measurement; none from the EP=2 / EP=4 training runs."""
+    from benchmarks.echo_sim import H as gemm_hidden
+
+    shape = shape or ModelShape()
+    pts = echo_sim_points(os.path.join(results, f"echo_sim_{gpu}.json"))
+    theta, rel = fit_gemm(pts)
+    gemm = LinearFit(float(theta[0]), float(theta[1]), float(np.sqrt(np.mean(rel ** 2))), float(np.abs(rel).max()),
+                     [{"kind": k, "rows_max": int(max(int(r.sum()) for r in rs)), "ms": ms, "rel_err": float(e)}
+                      for (k, rs, ms), e in zip(pts, rel)])
+    comm = {}
+    for ep in (2, 4):
+        comm.update(fit_dispatch(os.path.join(results, f"dispatch_ep{ep}_{gpu}.json")))
+    planner_us = {(r["EP"], r["S"]): r["graph_us"] for r in _load(f"planner_time_{gpu}.json", results)["rows"]
+                  if r.get("rule", "fill") == "fill"}  # files without a rule column timed the only rule then
+    step1 = scaling_step_ms(os.path.join(results, f"scaling_{gpu.split('_')[-1]}.md"), 1)
+    before = _load(f"step_breakdown_v2lite_1b_gpu_autocast_{profile_gpu}.json", results)[0]
+    after = _load(f"step_breakdown_v2lite_1b_gpu_master_weights_{profile_gpu}.json", results)[0]
+    ms = before["ms"]
+    to_gpu = step1 / before["kernel_ms"]  # the profile's shares, on this GPU's measured 1-GPU step
+    router = ms["router"] / shape.moe_layers * to_gpu
+    permute = ms["dispatch"] / shape.moe_layers * to_gpu
+    moe_1gpu = shape.moe_layers * (router + permute + float(
+        gemm.intercept + gemm.slope * shape.tokens_per_rank * shape.top_k * shape.hidden / gemm_hidden))
+    nonmoe = step1 - moe_1gpu
+    # parameter-sized work: AdamW, plus the casts and elementwise passes that went away when the
+    # parameters became bf16 with fp32 masters (the same run's two profiles)
+    opt = ms["optimizer"]
+    param_kernel = opt + (ms["casts/copies"] - after["ms"]["casts/copies"]) + (ms["other"] - after["ms"]["other"])
+    nonmoe_kernel = before["kernel_ms"] - ms["routed experts"] - ms["dispatch"] - ms["router"]
+    param_ms = nonmoe * param_kernel / nonmoe_kernel
+    return Calibration(
+        gpu=gpu.replace("_", " "), gemm=gemm, gemm_hidden=gemm_hidden, comm=comm, planner_us=planner_us, step_1gpu_ms=step1,
+        router_ms=router, local_permute_ms=permute, token_ms=nonmoe - param_ms,
+        param_ms_per_param=param_ms / (shape.dense_params + shape.expert_params()), optimizer_share=opt / param_kernel,
+        notes={"moe_1gpu_ms": moe_1gpu, "nonmoe_1gpu_ms": nonmoe, "param_1gpu_ms": param_ms,
+               "param_share_of_nonmoe": param_kernel / nonmoe_kernel, "profile_to_gpu": to_gpu})
+
+
+def gemm_alternatives(points) -> list[dict]:
+    """Other GEMM model forms on the same points (the adopted one first)."""
+    forms = [("a + b·rows", lambda r: [1.0, float(r.sum())]),
+             ("a + b·rows + c·non-empty groups", lambda r: [1.0, float(r.sum()), float((r > 0).sum())]),
+             ("a + b·rows + c·groups", lambda r: [1.0, float(r.sum()), float(len(r))]),
+             ("a + b·Σ round_up(rows_g, 256)", lambda r: [1.0, float(((r + 255) // 256 * 256).sum())])]
+    out = []
+    for name, f in forms:
+        theta, rel = fit_gemm(points, f)
+        out.append({"model": name, "coefficients": ", ".join(f"{t:.4g}" for t in theta),
+                    "rms_rel": float(np.sqrt(np.mean(rel ** 2))), "max_rel": float(np.abs(rel).max())})
+    return out
+
+
+# ----------------------------------------------------------------------------- validation
+
+@dataclass
+class MeasuredRun:
+    """A training run to compare with: its logged tokens/s windows (all GPUs) as quoted in ``source``."""
+    name: str
+    source: str
+    windows: str  # the cells as written in the source table
+    cfg: SimConfig
+    routing: str  # "hot8" | "natural"
+    imbalance: float  # rank load max/mean without ECHO, as logged
+    use: str = ""  # which windows count (the last one of a run reads high: timed on the host)
+    steady: bool = True
+
+    def tokens_per_s(self) -> float:
+        cells = re.findall(r"(\d+(?:,\d{3})*)(k?)", self.windows)  # "240,374" or "536k"
+        vals = [float(n.replace(",", "")) * (1e3 if k else 1) for n, k in cells]
+        if self.use == "drop_last":
+            vals = vals[:-1]
+        return statistics.median(vals)
+
+
+def measured_runs() -> list[MeasuredRun]:
+    P, N = "padded", "nvlink"
+    return [
+        MeasuredRun("EP=2, 8 hot, padded cf 2.0, ECHO off", "echo_e2e_2xH200.md", "240,374 / 240,093 / 240,661",
+                    SimConfig(2, backend=P, capacity_factor=2.0), "hot8", 2.0),
+        MeasuredRun("EP=2, 8 hot, padded cf 2.0, ECHO on (4 slots)", "echo_e2e_2xH200.md", "243,004 / 242,855 / 243,034",
+                    SimConfig(2, slots=4, backend=P, capacity_factor=2.0), "hot8", 2.0),
+        MeasuredRun("EP=2, 8 hot, padded cf 1.25, ECHO on (4 slots)", "echo_e2e_2xH200.md", "260,687 / 246,806 / 242,642",
+                    SimConfig(2, slots=4, backend=P, capacity_factor=1.25), "hot8", 2.0),
+        MeasuredRun("EP=2, natural, padded cf 1.5, ECHO on (2 slots)", "scaling_H200.md", "260,632",
+                    SimConfig(2, slots=2, backend=P, capacity_factor=1.5), "natural", 1.18),
+        MeasuredRun("EP=4, natural, padded cf 1.5, ECHO on (2 slots)", "ep4_training_4xH200.md",
+                    "530,346 / 529,060 / 527,487 / 583,238", SimConfig(4, slots=2, backend=P, capacity_factor=1.5),
+                    "natural", 1.35, use="drop_last"),
+        MeasuredRun("EP=4, 8 hot, padded cf 1.5, ECHO on (4 slots)", "ep4_training_4xH200.md",
+                    "501,756 / 501,865 / 496,052 / 565,638", SimConfig(4, slots=4, backend=P, capacity_factor=1.5),
+                    "hot8", 4.0, use="drop_last"),
+        MeasuredRun("EP=4, natural, nvlink, ECHO off", "ep4_nvlink_training_4xH200.md", "536k, 364k, 517k, 538k, 547k, 451k",
+                    SimConfig(4, backend=N), "natural", 1.45, use="drop_last", steady=False),
+        MeasuredRun("EP=4, natural, nvlink, ECHO on (2 slots)", "ep4_nvlink_training_4xH200.md",
+                    "548k, 543k, 548k, 545k, 550k, 574k", SimConfig(4, slots=2, backend=N), "natural", 1.45, use="drop_last"),
+        MeasuredRun("EP=4, 8 hot, nvlink, ECHO off", "ep4_nvlink_training_4xH200.md", "357k, 357k, 357k, 356k, 337k, 362k",
+                    SimConfig(4, backend=N), "hot8", 4.0, use="drop_last"),
+        MeasuredRun("EP=4, 8 hot, nvlink, ECHO on (4 slots)", "ep4_nvlink_training_4xH200.md",
+                    "535k, 536k, 532k, 529k, 534k, 551k", SimConfig(4, slots=4, backend=N), "hot8", 4.0, use="drop_last"),
+    ]
+
+
+RATIO_PAIRS = [  # (ECHO on, ECHO off) of the same configuration
+    ("EP=2, 8 hot, padded cf 2.0, ECHO on (4 slots)", "EP=2, 8 hot, padded cf 2.0, ECHO off"),
+    ("EP=4, 8 hot, nvlink, ECHO on (4 slots)", "EP=4, 8 hot, nvlink, ECHO off"),
+    ("EP=4, natural, nvlink, ECHO on (2 slots)", "EP=4, natural, nvlink, ECHO off"),
+]
+
+
+def run_counts(run: MeasuredRun, shape: ModelShape, steps: int, seed: int = 0) -> tuple[list, float | None]:
+    """counts[step][layer] for a run's routing (natural: the Zipf exponent whose draws, these
+    seeds, give the run's logged rank imbalance)."""
+    R, E, K = run.cfg.ep, run.cfg.experts, shape.top_k
+    up = shape.tokens_per_rank // SAMPLE_TOKENS
+    seeds = [seed + 101 * i for i in range(steps * shape.moe_layers)]
+    if run.routing == "hot8":
+        flat = [hot_counts(R, E, 8, SAMPLE_TOKENS, K, s) * up for s in seeds]
+        s_fit = None
+    else:
+        s_fit = zipf_for_imbalance(R, E, run.imbalance, K, seeds)
+        flat = [zipf_counts(R, E, s_fit, SAMPLE_TOKENS, K, s) * up for s in seeds]
+    L = shape.moe_layers
+    return [flat[i * L:(i + 1) * L] for i in range(steps)], s_fit
+
+
+def zipf_imbalance(R: int, E: int, s: float, k: int, perms: int = 16) -> tuple[float, float]:
+    """Mean and spread (sd) of the rank max/mean load under Zipf(s) over random expert permutations."""
+    v = [imbalance(zipf_counts(R, E, s, 1024, k, 9000 + i), R) for i in range(perms)]
+    return statistics.mean(v), statistics.pstdev(v)
+
+
+def validate(cal: Calibration, shape: ModelShape, results: str, steps: int) -> tuple[list[dict], list[dict]]:
+    rows = []
+    for run in measured_runs():
+        with open(os.path.join(results, run.source)) as f:
+            if run.windows not in f.read():
+                raise ValueError(f"{run.source} no longer holds {run.windows!r}")
+        counts, s_fit = run_counts(run, shape, steps)
+        sim = simulate(counts, run.cfg, cal, shape)
+        alt_a = simulate(counts, replace(run.cfg, param_scaling="optimizer"), cal, shape)
+        alt_c = simulate(counts, replace(run.cfg, fsdp_exposed=False), cal, shape)
+        meas = run.tokens_per_s()
+        rows.append({
+            "run": run.name, "source": run.source, "steady": run.steady,
+            "zipf_fitted": s_fit, "load_logged": run.imbalance,
+            "load_sim": f"{sim['load_before']:.2f}" + (f" -> {sim['load_after']:.2f}" if run.cfg.slots else ""),
+            "measured_tok_s": meas, "sim_tok_s": sim["tokens_per_s"], "err_pct": 100 * (sim["tokens_per_s"] / meas - 1),
+            "measured_ms": run.cfg.ep * shape.tokens_per_rank / meas * 1e3, "sim_ms": sim["step_ms"],
+            "alt_optimizer_only_err_pct": 100 * (alt_a["tokens_per_s"] / meas - 1),
+            "alt_fsdp_hidden_err_pct": 100 * (alt_c["tokens_per_s"] / meas - 1),
+            "alt_tok_s": {"optimizer_only": alt_a["tokens_per_s"], "fsdp_hidden": alt_c["tokens_per_s"]},
+            "terms_ms": {**{f"nonmoe_{k}": v for k, v in sim["nonmoe"].items()},
+                         **{f"moe_{k}": v for k, v in sim["moe"].items()}},
+        })
+        print({k: v for k, v in rows[-1].items() if k != "terms_ms"}, flush=True)
+    by = {r["run"]: r for r in rows}
+    ratios = []
+    for on, off in RATIO_PAIRS:
+        m = by[on]["measured_tok_s"] / by[off]["measured_tok_s"]
+        s = by[on]["sim_tok_s"] / by[off]["sim_tok_s"]
+        alt = {k: by[on]["alt_tok_s"][k] / by[off]["alt_tok_s"][k] for k in by[on]["alt_tok_s"]}
+        ratios.append({"pair": f"{on} / off", "measured_on_over_off": m, "sim_on_over_off": s,
+                       "err_pct": 100 * (s / m - 1), "steady": by[on]["steady"] and by[off]["steady"],
+                       "alt_optimizer_only_err_pct": 100 * (alt["optimizer_only"] / m - 1),
+                       "alt_fsdp_hidden_err_pct": 100 * (alt["fsdp_hidden"] / m - 1)})
+    return rows, ratios
+
+
+# ----------------------------------------------------------------------------- predictions
+
+PREDICT = [(8, 64), (16, 64), (64, 256)]  # (EP, E): like benchmarks/planner.py
+
+
+def predict(cal: Calibration, shape: ModelShape, steps: int, adjust: dict, drift_steps: int = 2,
+            seed: int = 0) -> list[dict]:
+    """ECHO off vs on (1 and 2 slots) at EP=8/16/64, nvlink dispatch: natural Zipf(1.2) drifting
+    routing (benchmarks/planner.py; steps // drift_steps independent expert placements per layer,
+    each drifting for drift_steps steps) and 8 hot experts on rank 0. ``adjust``: constant ms
+    offsets {"on", "off"} (the validation's mean residuals) for the `speedup_adj` column only."""
+    traces = max(1, steps // drift_steps)
+    steps = traces * drift_steps
+    rows = []
+    rows_cal = max(p["rows_max"] for p in cal.gemm.points)  # largest rank the GEMM fit saw (at gemm_hidden)
+    K, L, up = shape.top_k, shape.moe_layers, shape.tokens_per_rank // SAMPLE_TOKENS
+    for ep, E in PREDICT:
+        sh = replace(shape, experts=E)
+        routings = {
+            "Zipf(1.2), drifting": lambda l: [c * up for t in range(traces) for c in drifting_counts(
+                ep, E, drift_steps, seed + 7 * l + 1000 * t, tokens=SAMPLE_TOKENS, k=K, zipf=1.2)],
+            "8 hot experts": lambda l: [hot_counts(ep, E, 8, SAMPLE_TOKENS, K, seed + 7 * l + 1000 * s) * up
+                                        for s in range(steps)],
+        }
+        for name, gen in routings.items():
+            t0 = time.time()
+            per_layer = [gen(l) for l in range(L)]  # [layer][step]
+            counts = [[per_layer[l][s] for l in range(L)] for s in range(steps)]
+            base = {}
+            for S in (0, 1, 2):
+                loads = [[layer_load(c, S) for c in step] for step in counts]
+                out = {}
+                for scen, hosts in (("nvlink_domain", None), ("8_per_host", 8)):
+                    cfg = SimConfig(ep, experts=E, slots=S, backend="nvlink", gpus_per_host=hosts)
+                    out[scen] = mean_steps([simulate_step(ld, cfg, cal, sh) for ld in loads], cfg, sh)
+                if S == 0:
+                    base = out
+                d, h = out["nvlink_domain"], out["8_per_host"]
+                off_ms = base["nvlink_domain"]["step_ms"]
+                rows.append({
+                    "EP": ep, "E": E, "routing": name, "S": S if S else "off",
+                    "load": f"{d['load_before']:.2f}" if S == 0 else f"{d['load_before']:.2f} -> {d['load_after']:.3f}",
+                    "rows_over_calibrated": d["rows_max"] * shape.hidden / cal.gemm_hidden / rows_cal,
+                    "gemm_ms_per_layer": d["moe"]["gemm"] / L, "comm_ms_per_layer": d["moe"]["comm"] / L,
+                    "echo_ms_per_layer": d["moe"]["echo"] / L, "nonmoe_ms": sum(d["nonmoe"].values()),
+                    "step_ms": d["step_ms"],
+                    "tok_s_per_gpu": d["tokens_per_s"] / ep,
+                    "speedup": off_ms / d["step_ms"],
+                    "speedup_adj": (off_ms + adjust["off"]) / (d["step_ms"] + adjust["on" if S else "off"]),
+                    "step_ms_8_per_host": h["step_ms"],
+                    "speedup_8_per_host": base["8_per_host"]["step_ms"] / h["step_ms"],
+                })
+                print(rows[-1], flush=True)
+            print(f"  ({name}, EP={ep}: {time.time() - t0:.1f} s)", flush=True)
+    return rows
+
+
+def residual_offsets(val: list[dict]) -> dict:
+    """Mean measured − simulated ms of the steady validation runs with ECHO on / off: fitted to the
+    validation, used only for the labelled `speedup_adj` column, never inside the model."""
+    on = [r["measured_ms"] - r["sim_ms"] for r in val if r["steady"] and "ECHO on" in r["run"]]
+    off = [r["measured_ms"] - r["sim_ms"] for r in val if r["steady"] and "ECHO off" in r["run"]]
+    return {"on": statistics.mean(on), "off": statistics.mean(off)}
+
+
+def cross_checks(cal: Calibration, shape: ModelShape, results: str,
+                 other_gpu: str = "NVIDIA_H100_80GB_HBM3") -> list[dict]:
+    """The calibrated terms against 1-GPU measurements they were not fitted to."""
+    out = []
+    rows_1gpu = shape.tokens_per_rank * shape.top_k
+    prof = _load("step_breakdown_v2lite_1b_gpu_autocast_NVIDIA_H100.json", results)[0]["ms"]
+    theta, rel = fit_gemm(echo_sim_points(os.path.join(results, f"echo_sim_{other_gpu}.json")))
+    model = theta[0] + theta[1] * rows_1gpu * shape.hidden / cal.gemm_hidden
+    rms = np.sqrt(np.mean(rel ** 2))
+    out.append({"check": f"GEMM fit on {other_gpu} echo_sim (a={theta[0]:.3f}, b={theta[1]:.3e}, rms {rms:.3f}) at "
+                         f"H={shape.hidden}, {rows_1gpu} rows / 64 experts vs the H100 profile's routed experts per layer",
+                "model_ms": float(model), "measured_ms": prof["routed experts"] / shape.moe_layers})
+    for r in _load(f"moe_layer_{cal.gpu.replace(' ', '_')}.json", results)["rows"]:
+        if r["routing"] != "balanced":
+            continue
+        n = r["T"] * r["K"]
+        model = float(cal.gemm_ms(torch.tensor([n]), r["H"])[0]) + cal.router_ms + cal.local_permute_ms * n / rows_1gpu
+        out.append({"check": f"one MoE layer fwd+bwd on one GPU (moe_layer: T={r['T']}, H={r['H']}, E={r['E']}, "
+                             f"K={r['K']}): GEMM fit + router + local permute (per row)",
+                    "model_ms": model, "measured_ms": r["ours_ms"]})
+    for c in out:
+        c["model_over_measured"] = c["model_ms"] / c["measured_ms"]
+    return out
+
+
+# ----------------------------------------------------------------------------- report
+
+def validation_summary(val: list[dict], ratios: list[dict]) -> str:
+    """One paragraph of numbers read off the validation tables."""
+    steady = [r for r in val if r["steady"]]
+    errs = [r["err_pct"] for r in steady]
+    on = [r["measured_ms"] - r["sim_ms"] for r in steady if "ECHO on" in r["run"]]
+    off = [r["measured_ms"] - r["sim_ms"] for r in steady if "ECHO off" in r["run"]]
+    rat = [r["err_pct"] for r in ratios if r["steady"]]
+    sign = ("overstates" if all(e > 0 for e in rat) else "understates" if all(e < 0 for e in rat)
+            else "misses (both signs)")
+    return (f"Steady runs: simulated tokens/s {min(errs):+.1f}% to {max(errs):+.1f}% off the measured (mean |error| "
+            f"{statistics.mean(map(abs, errs)):.1f}%). Measured minus simulated step: "
+            f"ECHO on {min(on):+.1f} to {max(on):+.1f} ms, "
+            f"ECHO off {min(off):+.1f} to {max(off):+.1f} ms. On the steady on/off pairs the model {sign} ECHO's gain "
+            f"({', '.join(f'{e:+.1f}%' for e in rat)} on the ratio).")
+
+
+def report(cal: Calibration, alts: list[dict], checks: list[dict], zipf_check: list[dict], val: list[dict],
+           ratios: list[dict], adjust: dict, pred: list[dict], shape: ModelShape, steps: int) -> str:
+    fits = [{"backend": b, "EP": e, "t0_ms": f.intercept, "GB_per_s": 1e3 / f.slope, "rms_rel": f.rms_rel,
+             "max_rel": f.max_rel, "points": len(f.points)} for (b, e), f in sorted(cal.comm.items())]
+    n = cal.notes
+    out = [
+        f"Simulated training step (CPU model) of {shape.moe_layers} MoE layers like v2lite_1b (D={shape.dim}, "
+        f"H={shape.hidden}, K={shape.top_k}, {shape.tokens_per_rank} tokens per rank), calibrated from "
+        f"measurements on {cal.gpu} (`python benchmarks/step_sim.py`; model and assumptions in its docstring).",
+        "",
+        "## Calibration (no EP=2/EP=4 training run is used)",
+        "",
+        f"- Grouped SwiGLU fwd+bwd per rank (echo_sim, H={cal.gemm_hidden}, {len(cal.gemm.points)} points: straggler "
+        f"before/after ECHO and mean rank, 8 configurations): ms = {cal.gemm.intercept:.3f} + "
+        f"{cal.gemm.slope * 1e3:.4f}e-3 · rows · H/{cal.gemm_hidden}; "
+        f"relative residual rms {100 * cal.gemm.rms_rel:.1f}%, max {100 * cal.gemm.max_rel:.1f}% "
+        "(repeats of the same rows in the file differ by up to 2.5%). Other forms on the same points:",
+        "",
+        markdown_table(alts, ["model", "coefficients", "rms_rel", "max_rel"]),
+        "",
+        "- Dispatch + combine, eager (dispatch_ep2/ep4): ms = t0 + GB / GB/s; GB through the bottleneck rank, there "
+        "and back.",
+        "",
+        markdown_table(fits, ["backend", "EP", "t0_ms", "GB_per_s", "rms_rel", "max_rel", "points"]),
+        "",
+        f"- Non-MoE: 1-GPU step {cal.step_1gpu_ms:.1f} ms (scaling, EP=1) minus its modelled MoE part "
+        f"{n['moe_1gpu_ms']:.1f} ms "
+        f"(GEMM fit + router {cal.router_ms:.3f} + local permute {cal.local_permute_ms:.2f} ms per layer, the profile's "
+        f"shares ×{n['profile_to_gpu']:.3f}) = {n['nonmoe_1gpu_ms']:.1f} ms, of which "
+        f"{100 * n['param_share_of_nonmoe']:.0f}% "
+        f"parameter-sized ({n['param_1gpu_ms']:.1f} ms: AdamW {100 * cal.optimizer_share:.0f}% of it, weight casts and "
+        f"clipping the rest) and {cal.token_ms:.1f} ms per-token.",
+        "- Planner µs per layer (CUDA graph): "
+        + ", ".join(f"EP={e} S={s}: {us:.0f}" for (e, s), us in sorted(cal.planner_us.items())) + ".",
+        "",
+        "Cross-checks against 1-GPU measurements outside the fits:",
+        "",
+        markdown_table(checks, ["check", "model_ms", "measured_ms", "model_over_measured"]),
+        "",
+        "Zipf(1.2) (benchmarks/planner.py's natural routing) against the rank imbalance logged in training with bias "
+        "balancing (16 random expert placements, K=6):",
+        "",
+        markdown_table(zipf_check, ["EP", "E", "logged", "zipf1.2_mean", "zipf1.2_sd"]),
+        "",
+        "## Validation against the EP=2 / EP=4 training runs (2x / 4x H200, v2lite_1b, eager)",
+        "",
+        "Measured = median of the logged windows (a run's last window dropped where it was host-timed and reads high). "
+        "`alt_optimizer_only`: the model with only AdamW shrinking with the shard (weight casts and clipping kept at "
+        "their 1-GPU size); `alt_fsdp_hidden`: with FSDP traffic fully overlapped. Natural routing: the Zipf exponent "
+        "whose draws give the run's logged max/mean rank load (`zipf`).",
+        "",
+        markdown_table([{**r, "zipf": "" if r["zipf_fitted"] is None else f"{r['zipf_fitted']:.2f}",
+                         "steady": "yes" if r["steady"] else "no (replays)",
+                         "measured_tok_s": f"{r['measured_tok_s']:,.0f}", "sim_tok_s": f"{r['sim_tok_s']:,.0f}",
+                         "measured_minus_sim_ms": r["measured_ms"] - r["sim_ms"],
+                         **{k: f"{r[k]:+.1f}" for k in ("err_pct", "alt_optimizer_only_err_pct",
+                                                         "alt_fsdp_hidden_err_pct")}} for r in val],
+                       ["run", "steady", "zipf", "load_sim", "measured_tok_s", "sim_tok_s", "err_pct", "measured_ms", "sim_ms",
+                        "measured_minus_sim_ms", "alt_optimizer_only_err_pct", "alt_fsdp_hidden_err_pct"]),
+        "",
+        markdown_table([{**r, "steady": "yes" if r["steady"] else "no (off replays)",
+                         **{k: f"{r[k]:+.1f}" for k in ("err_pct", "alt_optimizer_only_err_pct",
+                                                         "alt_fsdp_hidden_err_pct")}} for r in ratios],
+                       ["pair", "steady", "measured_on_over_off", "sim_on_over_off", "err_pct",
+                        "alt_optimizer_only_err_pct", "alt_fsdp_hidden_err_pct"]),
+        "",
+        validation_summary(val, ratios),
+        "",
+        "Simulated terms per step (ms; MoE terms summed over the layers):",
+        "",
+        markdown_table([{"run": r["run"], **{k: v for k, v in r["terms_ms"].items() if k != "moe_total"}} for r in val],
+                       ["run", "nonmoe_token", "nonmoe_param", "nonmoe_fsdp", "moe_router", "moe_comm", "moe_gemm",
+                        "moe_gemm_mean", "moe_echo"]),
+        "",
+        "## Predictions, EP=8 / 16 / 64 (nvlink dispatch at the EP=4 fit's GB/s, H200 calibration)",
+        "",
+        f"Zipf(1.2) drifting = benchmarks/planner.py's routing (log-normal drift 0.3 per step), {steps} simulated steps: "
+        f"{steps // 2} random expert placements per MoE layer, each drifting for 2 steps; "
+        f"{SAMPLE_TOKENS} tokens per rank drawn and scaled to {shape.tokens_per_rank}; 8 hot experts = "
+        "experts 0-7 (rank 0, or ranks 0-1 at E=256). `speedup` = ECHO-off step / this step. `8_per_host`: EP spans hosts "
+        "of 8 GPUs and off-host bytes (dispatch, clones, FSDP) move at an assumed 50 GB/s per GPU (not measured). "
+        "`rows_over_calibrated`: the straggler's rows (FLOP-equivalent at H=1408) over the largest rank in the GEMM fit "
+        "(> 1: extrapolated). "
+        f"`speedup_adj`: the same with the validation's mean residuals added as constants (ECHO on {adjust['on']:+.1f} ms, "
+        f"off {adjust['off']:+.1f} ms per step; fitted to the validation runs, not part of the model).",
+        "",
+        markdown_table([{**r, "tok_s_per_gpu": f"{r['tok_s_per_gpu']:,.0f}",
+                         "speedup": f"{r['speedup']:.2f}x", "speedup_adj": f"{r['speedup_adj']:.2f}x",
+                         "speedup_8_per_host": f"{r['speedup_8_per_host']:.2f}x"} for r in pred],
+                       ["EP", "E", "routing", "S", "load", "rows_over_calibrated", "gemm_ms_per_layer", "comm_ms_per_layer",
+                        "echo_ms_per_layer", "nonmoe_ms", "step_ms", "tok_s_per_gpu", "speedup", "speedup_adj",
+                        "step_ms_8_per_host", "speedup_8_per_host"]),
+    ]
+    return "\n".join(out)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--gpu", default="NVIDIA_H200", help="calibration source: results files of this GPU")
+    ap.add_argument("--steps", type=int, default=8,
+                    help="simulated steps per configuration (3 MoE layers each; an even number)")
+    ap.add_argument("--out", default=None)
+    a = ap.parse_args()
+    torch.set_num_threads(1)  # small tensors: one thread is faster, more so on a busy machine
+    shape = ModelShape()
+    t0 = time.time()
+    cal = calibrate(a.gpu, RESULTS, shape)
+    alts = gemm_alternatives(echo_sim_points(os.path.join(RESULTS, f"echo_sim_{a.gpu}.json")))
+    print(f"calibrated in {time.time() - t0:.1f} s: GEMM {cal.gemm.intercept:.3f} + {cal.gemm.slope:.3e}·rows "
+          f"(rms {cal.gemm.rms_rel:.3f}), non-MoE {cal.notes['nonmoe_1gpu_ms']:.1f} ms", flush=True)
+    checks = cross_checks(cal, shape, RESULTS)
+    zipf_check = []
+    for run in measured_runs():
+        if run.routing == "natural" and run.steady:
+            m, sd = zipf_imbalance(run.cfg.ep, run.cfg.experts, 1.2, shape.top_k)
+            zipf_check.append({"EP": run.cfg.ep, "E": run.cfg.experts, "logged": f"{run.imbalance} ({run.source})",
+                               "zipf1.2_mean": m, "zipf1.2_sd": sd})
+    val, ratios = validate(cal, shape, RESULTS, a.steps)
+    adjust = residual_offsets(val)
+    pred = predict(cal, shape, a.steps, adjust)
+    env = {**environment(), "gpu": cal.gpu, "host": "cpu (model)", "calibration": {
+        "gemm": f"echo_sim_{a.gpu}.json", "dispatch": [f"dispatch_ep2_{a.gpu}.json", f"dispatch_ep4_{a.gpu}.json"],
+        "planner": f"planner_time_{a.gpu}.json", "step_1gpu": "scaling_H200.md (EP=1 row)",
+        "profile": "step_breakdown_v2lite_1b_gpu_{autocast,master_weights}_NVIDIA_H100.json"}}
+    cal_json = {**asdict(cal), "comm": {f"{b}_ep{e}": asdict(f) for (b, e), f in cal.comm.items()},
+                "planner_us": {f"ep{e}_s{s}": us for (e, s), us in cal.planner_us.items()}}
+    table = report(cal, alts, checks, zipf_check, val, ratios, adjust, pred, shape, a.steps)
+    stem = write_results("step_sim", env, [{"calibration": cal_json, "gemm_alternatives": alts, "cross_checks": checks,
+                                             "zipf_check": zipf_check, "validation": val, "ratios": ratios,
+                                             "predictions": pred}], table, a.out)
+    print(f"\n{table}\n\n({stem}.md, {time.time() - t0:.0f} s)")
+
+
+if __name__ == "__main__":
+    main()
