@@ -184,19 +184,19 @@ def test_recipe_with_cuda_graph_on_cpu_says_why_it_runs_eagerly(tmp_path):
 
 def test_peer_memory_is_counted_and_reported():
     """Symmetric buffers live outside torch's caching allocator: the run reports them separately."""
-    from components.moe_echo import nvlink_dispatch
+    from components.moe_echo import symmetric
     from components.moe_echo.symmetric import SymmBuffer, SymmetricWorkspace
     from components.train.metrics import RunSummary
 
     ws = object.__new__(SymmetricWorkspace)  # bookkeeping only (no GPU, no rendezvous)
     ws._buffers = {"a/x": (((10, 4), torch.bfloat16), SymmBuffer(torch.zeros(10, 4, dtype=torch.bfloat16), [], None)),
                    "a/counts": (((2, 3), torch.int64), SymmBuffer(torch.zeros(2, 3, dtype=torch.int64), [], None))}
-    before = nvlink_dispatch.peer_memory_bytes()
-    nvlink_dispatch._workspaces["test-group"] = ws
+    before = symmetric.peer_memory_bytes()
+    symmetric._workspaces["test-group"] = ws
     try:
-        assert nvlink_dispatch.peer_memory_bytes() - before == 10 * 4 * 2 + 2 * 3 * 8
+        assert symmetric.peer_memory_bytes() - before == 10 * 4 * 2 + 2 * 3 * 8
     finally:
-        del nvlink_dispatch._workspaces["test-group"]
+        del symmetric._workspaces["test-group"]
     summary = RunSummary()
     summary.peak_mem_gib, summary.peer_mem_gib = 40.0, 12.5
     assert "40.00 GiB + 12.50 GiB of peer (symmetric) buffers" in summary.text({})

@@ -24,12 +24,13 @@ import torch.utils.checkpoint
 from torch import nn
 from torchtitan.models.moe import MoEArgs
 
+from components.debug import DEBUG_CHECKS, setup_work
+
 from .config import MoEEchoConfig
 from .dispatcher import Dispatcher, LocalDispatcher
 from .echo import echo_stats
 from .experts import GroupedExperts, SwiGLU
 from .router import TopKRouter, sequence_aux_loss, updated_expert_bias
-from .symmetric import DEBUG_CHECKS, setup_work
 
 
 class _AddAuxLossGrad(torch.autograd.Function):

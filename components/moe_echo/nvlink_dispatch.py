@@ -33,9 +33,8 @@ from kernels.peer_rows import peer_combine_backward, peer_gather_sum, peer_scatt
 
 from .dispatcher import DispatchHandle, ExpertParallel, FixedCapacity, capacity_rows
 from .ep_layout import SendLayout, send_layout
-from .symmetric import SymmBuffer
+from .symmetric import SymmBuffer, workspace_for
 
-_workspaces: dict[str, object] = {}
 _instance_ids = itertools.count()
 
 
@@ -101,7 +100,7 @@ class NVLinkDispatcher(FixedCapacity, ExpertParallel):
         FixedCapacity.__init__(self, capacity_factor)
         self.programs = programs
         self.block_t = block_t  # tokens per CTA iteration (None: kernels.peer_rows.TOKENS_PER_BLOCK)
-        self.ws = workspace if workspace is not None else _workspace_for(group)
+        self.ws = workspace if workspace is not None else workspace_for(group)
         self.rank = self.ws.rank
         # buffer names must agree across ranks: layers are built in the same order on every rank
         self.name = name or f"nvlink{next(_instance_ids)}"
@@ -172,18 +171,3 @@ class _NVLinkCombine(torch.autograd.Function):
                                           w_TK, programs=disp.programs, block_t=disp.block_t)
         disp.ws.barrier(gy)
         return gy.local.view(gy.local.shape), grad_w_TK, None, None
-
-
-def peer_memory_bytes() -> int:
-    """This rank's symmetric-memory bytes over every nvlink workspace (receive, output, clone and
-    gradient buffers) — memory on top of what torch's caching allocator reports."""
-    return sum(ws.nbytes() for ws in _workspaces.values())
-
-
-def _workspace_for(group):
-    from .symmetric import SymmetricWorkspace
-
-    name = group.group_name
-    if name not in _workspaces:
-        _workspaces[name] = SymmetricWorkspace(group)
-    return _workspaces[name]

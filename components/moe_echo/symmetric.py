@@ -1,6 +1,6 @@
 """Buffers every rank of a group can read and write: PyTorch symmetric memory (CUDA, NVLink).
 
-    ws = SymmetricWorkspace(group)
+    ws = workspace_for(group)        # one SymmetricWorkspace per group, shared by its layers
     buf = ws.buffer("layer3/recv_x", (N, D), torch.bfloat16, device)   # collective on first use
     buf.local      this rank's tensor                      [N, D]
     buf.peers      every rank's tensor, mapped here         list of R tensors [N, D]
@@ -10,35 +10,18 @@
 A buffer is allocated and exchanged (``rendezvous``) the first time its name is asked for with a
 shape, on every rank in the same order (the layers of a model run in the same order everywhere).
 Asking again with another shape (e.g. capacity grew) allocates anew. Buffers start zeroed.
+``peer_memory_bytes()`` sums every workspace's buffers (the run reports it beside torch's memory).
 
 ``backends share one interface``: tests drive the NVLink dispatcher on CPU with a thread-backed
 workspace of the same interface (tests/threaded_ranks.py).
 """
 
-import os
-from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
-
-DEBUG_CHECKS = os.environ.get("MOE_ECHO_CHECK") == "1"  # debugging aid: host-side checks that sync (slow)
-
-
-@contextmanager
-def setup_work():
-    """One-time setup (allocation, rendezvous, graph capture) may wait on the device: exempt it from
-    ``torch.cuda.set_sync_debug_mode``, which guards the steady-state step."""
-    if not torch.cuda.is_available():
-        yield
-        return
-    mode = torch.cuda.get_sync_debug_mode()
-    torch.cuda.set_sync_debug_mode(0)
-    try:
-        yield
-    finally:
-        torch.cuda.set_sync_debug_mode(mode)
+from components.debug import DEBUG_CHECKS, setup_work
 
 
 @dataclass
@@ -100,3 +83,20 @@ class SymmetricWorkspace:
 
     def barrier(self, buf: SymmBuffer) -> None:
         buf.handle.barrier(channel=0)
+
+
+_workspaces: dict[str, "SymmetricWorkspace"] = {}
+
+
+def workspace_for(group) -> "SymmetricWorkspace":
+    """The one workspace of ``group`` (by its name), created on first use; shared by its layers."""
+    name = group.group_name
+    if name not in _workspaces:
+        _workspaces[name] = SymmetricWorkspace(group)
+    return _workspaces[name]
+
+
+def peer_memory_bytes() -> int:
+    """This rank's symmetric-memory bytes over every workspace (receive, output, clone and gradient
+    buffers) — memory on top of what torch's caching allocator reports."""
+    return sum(ws.nbytes() for ws in _workspaces.values())

@@ -27,7 +27,7 @@ re-capture.
 import torch
 import torch.distributed as dist
 
-from components.moe_echo.symmetric import setup_work
+from components.debug import setup_work
 
 
 class StepGraph:

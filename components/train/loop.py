@@ -16,7 +16,7 @@ import os
 import torch
 
 from components.errors import NonFiniteError
-from components.moe_echo.nvlink_dispatch import peer_memory_bytes
+from components.moe_echo.symmetric import peer_memory_bytes
 from components.parallel.compile import is_compiled
 from components.parallel.cuda_graph import StepGraph
 from components.parallel.data_parallel import set_timeout
