@@ -19,7 +19,7 @@ Everything is read from device memory: no host sync, fixed output shapes (CUDA-g
 
 import torch
 
-from .moe_rows import _use_triton, triton
+from .moe_rows import _with_zero_row, triton
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0
@@ -39,9 +39,16 @@ def _cast(x: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
 
 # --- torch reference (CPU, and the check for the kernels) ---------------------------------------
 
+def _on_kernels(x: torch.Tensor) -> bool:
+    """Triton for every CUDA tensor, whatever its float dtype (the torch path reads counts on the host).
+    Not under TRITON_INTERPRET: the interpreter's float8 conversion does not round to nearest even."""
+    return triton is not None and x.is_cuda
+
+
 def quant_rows_torch(x_RC, src_M=None):
     if src_M is not None:
-        x_RC = torch.cat([x_RC, x_RC.new_zeros(1, x_RC.shape[1])])[torch.where(src_M < 0, x_RC.shape[0], src_M)]
+        x_RC, src_M = _with_zero_row(x_RC, src_M)
+        x_RC = x_RC[src_M]
     s_M = pow2_scale(x_RC.abs().amax(1) if x_RC.shape[1] else x_RC.new_zeros(x_RC.shape[0]))
     return _cast(x_RC, s_M[:, None]), s_M
 
@@ -121,7 +128,7 @@ if triton is not None:
 
 
 def quant_rows(x_RC: torch.Tensor, src_M: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    if not _use_triton(x_RC):
+    if not _on_kernels(x_RC):
         return quant_rows_torch(x_RC, src_M)
     x_RC = x_RC.contiguous()
     M = x_RC.shape[0] if src_M is None else src_M.shape[0]
@@ -136,7 +143,7 @@ def quant_rows(x_RC: torch.Tensor, src_M: torch.Tensor | None = None) -> tuple[t
 
 
 def quant_cols(x_RC, in_start_G, counts_G, out_start_G, n_out: int, group_stride: int = 0):
-    if not _use_triton(x_RC):
+    if not _on_kernels(x_RC):
         return quant_cols_torch(x_RC, in_start_G, counts_G, out_start_G, n_out, group_stride)
     x_RC = x_RC.contiguous()
     G, C = counts_G.shape[0], x_RC.shape[1]

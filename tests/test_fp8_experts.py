@@ -155,7 +155,7 @@ def test_triton_quantisers_equal_torch_reference():
     x = (torch.randn(300, 1408, generator=g) * torch.logspace(-3, 3, 300)[:, None]).to(torch.bfloat16)
     x[7] = 0
     src = torch.randint(-1, 300, (333,), generator=g)
-    for args in ((x, None), (x, src)):
+    for args in ((x, None), (x, src), (x.double(), src)):  # fp64 too: the kernels, not a host-reading path
         q, s = fp8.quant_rows(*(a.cuda() if a is not None else None for a in args))
         qr, sr = quant_rows_torch(*args)
         assert torch.equal(s.cpu(), sr) and torch.equal(q.cpu().view(torch.uint8), qr.view(torch.uint8))
