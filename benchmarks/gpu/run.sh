@@ -10,6 +10,10 @@
 #   tests       1-2  every GPU test + the CPU tests of the step gate, profiler and checkpoints on this torch
 #   graph       4    two GPU pairs at once: graph == eager tests, overflow replay with re-capture (0,1);
 #                    pinned-staging probe, EP tests, v2lite_1b EP=2 graphed with re-capture (2,3)
+#   sanitize    2    compute-sanitizer (memcheck x ECHO off/on, racecheck, synccheck) on the graphed EP=2 nvlink
+#                    debug step that overflows, is replayed, grows capacity and is captured again
+#   recapture   2    v2lite_1b EP=2 nvlink graphed, 200 steps, capacity 1.0 (overflows early) vs the eager
+#                    alltoall exact path: replays, re-captures, per-step losses -> recapture_<GPU>.md
 #   layer       1    MoE layer fwd+bwd vs torchtitan, Megatron-Core (.whl/extra/mcore) and a dense SwiGLU; bf16 and FP8 experts
 #                    (+ the layer/kernel tests)
 #   fp8         1    FP8 experts: their tests, v2lite_1b 300 steps bf16 vs fp8 (loss curves), e2e bf16 vs fp8
@@ -82,6 +86,36 @@ print('grow-to-fit replayed steps', [x['step'] for x in r if x.get('moe/replayed
 import json
 for l in open('$OUT/recapture_v2lite_metrics.jsonl'):
     r=json.loads(l); print(r['step'], round(r['loss'],4), r.get('moe/overflow_assignments'), r.get('moe/replayed_steps'))" 2>&1 | tail -8 ;;
+
+  sanitize)  # the graphed EP step under compute-sanitizer, four runs at once (distinct ports)
+    san() {  # tool, port, echo
+      timeout ${TMO:-420} compute-sanitizer --tool $1 --target-processes all --print-limit 10 \
+        torchrun --nproc_per_node 2 --master_port $2 recipes/pretrain.py --job.config_file train_configs/debug_gpu.toml \
+        --training.steps ${STEPS:-12} --metrics.log_freq 1 --metrics.enable_tensorboard false --checkpoint.enable false \
+        --parallelism.expert_parallel_degree 2 --moe_echo.dispatcher nvlink --moe_echo.echo $3 \
+        --moe_echo.debug_hot_experts 1 --moe_echo.bias_update_rate 0 --moe_echo.capacity_factor 1.0 \
+        --moe_echo.grow_capacity_after 1 --training.cuda_graph true --job.dump_folder /tmp/san_$1_$3 \
+        > "$OUT/san_$1_echo_$3.log" 2>&1
+      echo "rc=$?" >> "$OUT/san_$1_echo_$3.log"
+    }
+    san memcheck 29610 false & san memcheck 29620 true & san racecheck 29630 true & san synccheck 29640 true & wait
+    for f in "$OUT"/san_*.log; do
+      echo "== $(basename $f): $(grep -c 'captured the training step' $f) captures, $(grep -c 'overflow replayed' $f) growths, $(tail -1 $f)"
+      grep -E "ERROR SUMMARY|RACECHECK SUMMARY|^=+ (Invalid|Misaligned|Race|Barrier|Error)" $f | sort | uniq -c | head -8
+    done ;;
+
+  recapture)  # -> recapture_<GPU>.md
+    common="--training.steps 200 --metrics.log_freq 1 --parallelism.expert_parallel_degree 2"
+    FROM=0 TMO=300 recipe exact200 2 $common --moe_echo.dispatcher alltoall | tail -3
+    FROM=0 TMO=300 recipe recap200 2 $common --moe_echo.dispatcher nvlink --moe_echo.capacity_factor 1.0 \
+      --training.cuda_graph true --training.sync_debug true | tail -3
+    grep -E "cuda graph|overflow replayed" "$OUT/recap200.log" | grep -v "^\[rank1\]" | head -12
+    python3 -c "
+import json, sys
+a, b = ({r['step']: r['loss'] for r in map(json.loads, open(f))} for f in sys.argv[1:])
+rel = [(abs(b[s] - a[s]) / abs(a[s]), s) for s in sorted(set(a) & set(b))]
+print('largest step difference over steps 1-20: %.2e at step %d' % max(rel[:20]))" "$OUT/exact200.jsonl" "$OUT/recap200.jsonl"
+    python3 benchmarks/loss_match.py "$OUT/exact200.jsonl" "$OUT/recap200.jsonl" --max-rel 2e-2 --tail-rel 1e-2 ;;
 
   layer)  # -> moe_layer_<GPU>.md
     nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv | tee "$OUT/gpu.txt"

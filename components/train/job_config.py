@@ -40,12 +40,9 @@ class Training:
     continues eagerly."""
     cuda_graph_warmup: int = 2
     """Eager steps (real training steps) before the capture."""
-    cuda_graph_after_replay: Literal["eager", "recapture"] = "eager"
-    """After an overflow was replayed eagerly on the exact path: "eager" runs eagerly from then on
-    (safe); "recapture" warms up and captures the step again (capacity may have grown meanwhile).
-    "recapture" ran correctly at EP=2 (debug model; v2lite_1b with one re-capture), but a graphed
-    v2lite_1b EP=2 run once crashed ("misaligned address") after eager replays; not reproduced
-    since, cause not found — hence off."""
+    cuda_graph_after_replay: Literal["eager", "recapture"] = "recapture"
+    """After an overflow was replayed eagerly on the exact path: "recapture" warms up and captures
+    the step again (capacity may have grown meanwhile); "eager" runs eagerly from then on."""
     sync_debug: bool = False
     """Raise on any device-to-host synchronisation inside training steps
     (torch.cuda.set_sync_debug_mode("error")); for checking the sync-free path. With [compile] enable
