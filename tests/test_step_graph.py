@@ -200,3 +200,25 @@ def test_peer_memory_is_counted_and_reported():
     summary = RunSummary()
     summary.peak_mem_gib, summary.peer_mem_gib = 40.0, 12.5
     assert "40.00 GiB + 12.50 GiB of peer (symmetric) buffers" in summary.text({})
+
+
+def test_a_replay_before_the_first_capture_restarts_the_warm_up():
+    """An overflow replayed during the warm-up may grow the capacity; the step that first uses the
+    grown buffers allocates them, so it must run eagerly: the warm-up starts again (recapture), or
+    the graph is off for good ("eager")."""
+    calls = []
+    step = StepGraph(lambda a, b: calls.append(1) or a, torch.device("cuda"), warmup=2, enabled=True,
+                     log=lambda *_: None)
+    assert step.active  # a CUDA device is named; nothing below touches it before a capture
+    step(torch.ones(1), torch.ones(1))
+    step(torch.ones(1), torch.ones(1))
+    assert step.eager_calls == 2  # the next call would capture
+    step.after_replay(recapture=True)
+    assert step.active and step.eager_calls == 0 and step.graph is None
+    step(torch.ones(1), torch.ones(1))
+    step(torch.ones(1), torch.ones(1))  # two warm-up steps again, both eager
+    assert len(calls) == 4 and step.captures == 0
+    step.after_replay(recapture=False)
+    assert not step.active and "cuda_graph_after_replay = 'eager'" in step.reason
+    step(torch.ones(1), torch.ones(1))
+    assert len(calls) == 5

@@ -87,35 +87,44 @@ import json
 for l in open('$OUT/recapture_v2lite_metrics.jsonl'):
     r=json.loads(l); print(r['step'], round(r['loss'],4), r.get('moe/overflow_assignments'), r.get('moe/replayed_steps'))" 2>&1 | tail -8 ;;
 
-  sanitize)  # the graphed EP step under compute-sanitizer, four runs at once (distinct ports)
-    san() {  # tool, port, echo
-      timeout ${TMO:-420} compute-sanitizer --tool $1 --target-processes all --print-limit 10 \
+  sanitize)  # the graphed EP step under compute-sanitizer, four runs at once (distinct ports) -> sanitizer_<GPU>.md
+    # memcheck checks every kernel and reports failed CUDA API calls with their Python frames; racecheck and
+    # synccheck check the kernels named *_kernel (ours and ATen's): NCCL's partial-block barriers and cuBLAS's
+    # asynchronous shared-memory copies are misread by them (and synccheck aborts the run on NCCL's)
+    san() {  # tool, port, echo, extra sanitizer args
+      timeout ${TMO:-450} compute-sanitizer --tool $1 --target-processes all --print-limit 2000 ${4:-} \
         torchrun --nproc_per_node 2 --master_port $2 recipes/pretrain.py --job.config_file train_configs/debug_gpu.toml \
-        --training.steps ${STEPS:-12} --metrics.log_freq 1 --metrics.enable_tensorboard false --checkpoint.enable false \
+        --training.steps ${STEPS:-10} --metrics.log_freq 1 --metrics.enable_tensorboard false --checkpoint.enable false \
         --parallelism.expert_parallel_degree 2 --moe_echo.dispatcher nvlink --moe_echo.echo $3 \
         --moe_echo.debug_hot_experts 1 --moe_echo.bias_update_rate 0 --moe_echo.capacity_factor 1.0 \
         --moe_echo.grow_capacity_after 1 --training.cuda_graph true --job.dump_folder /tmp/san_$1_$3 \
         > "$OUT/san_$1_echo_$3.log" 2>&1
       echo "rc=$?" >> "$OUT/san_$1_echo_$3.log"
     }
-    san memcheck 29610 false & san memcheck 29620 true & san racecheck 29630 true & san synccheck 29640 true & wait
+    ours="--kernel-name kns=_kernel"
+    san memcheck 29610 false & san memcheck 29620 true & san racecheck 29630 true "$ours" & san synccheck 29640 true "$ours" & wait
     for f in "$OUT"/san_*.log; do
       echo "== $(basename $f): $(grep -c 'captured the training step' $f) captures, $(grep -c 'overflow replayed' $f) growths, $(tail -1 $f)"
-      grep -E "ERROR SUMMARY|RACECHECK SUMMARY|^=+ (Invalid|Misaligned|Race|Barrier|Error)" $f | sort | uniq -c | head -8
+      grep -E "ERROR SUMMARY|RACECHECK SUMMARY|cuda graph: off|Error: " $f | grep -v "^=========     " | sort | uniq -c | head -6
+      python3 benchmarks/sanitizer_report.py $f
     done ;;
 
   recapture)  # -> recapture_<GPU>.md
     common="--training.steps 200 --metrics.log_freq 1 --parallelism.expert_parallel_degree 2"
-    FROM=0 TMO=300 recipe exact200 2 $common --moe_echo.dispatcher alltoall | tail -3
-    FROM=0 TMO=300 recipe recap200 2 $common --moe_echo.dispatcher nvlink --moe_echo.capacity_factor 1.0 \
-      --training.cuda_graph true --training.sync_debug true | tail -3
+    for run in exact200 exact200b; do FROM=0 TMO=200 recipe $run 2 $common --moe_echo.dispatcher alltoall | head -1; done
+    nvl="--moe_echo.dispatcher nvlink --moe_echo.capacity_factor 1.0"
+    FROM=0 TMO=200 recipe eager200 2 $common $nvl | head -1
+    FROM=0 TMO=200 recipe recap200 2 $common $nvl --training.cuda_graph true --training.sync_debug true | head -1
     grep -E "cuda graph|overflow replayed" "$OUT/recap200.log" | grep -v "^\[rank1\]" | head -12
-    python3 -c "
+    for pair in "exact200 exact200b" "eager200 recap200" "exact200 recap200"; do
+      set -- $pair; echo "-- $1 vs $2"
+      python3 -c "
 import json, sys
 a, b = ({r['step']: r['loss'] for r in map(json.loads, open(f))} for f in sys.argv[1:])
 rel = [(abs(b[s] - a[s]) / abs(a[s]), s) for s in sorted(set(a) & set(b))]
-print('largest step difference over steps 1-20: %.2e at step %d' % max(rel[:20]))" "$OUT/exact200.jsonl" "$OUT/recap200.jsonl"
-    python3 benchmarks/loss_match.py "$OUT/exact200.jsonl" "$OUT/recap200.jsonl" --max-rel 2e-2 --tail-rel 1e-2 ;;
+print('largest step difference over steps 1-20: %.2e at step %d' % max(rel[:20]))" "$OUT/$1.jsonl" "$OUT/$2.jsonl"
+      python3 benchmarks/loss_match.py "$OUT/$1.jsonl" "$OUT/$2.jsonl" --max-rel 2e-2 --tail-rel 1e-2 | tail -1
+    done ;;
 
   layer)  # -> moe_layer_<GPU>.md
     nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv | tee "$OUT/gpu.txt"

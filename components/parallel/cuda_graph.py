@@ -18,10 +18,12 @@ counters, the overflow flag). The wrapper:
 
 The optimizer must be capturable (``make_capturable``): tensor learning rate (the scheduler fills
 it in place), device step counters. When capture is impossible the wrapper says why once and
-runs eagerly: a backend that sizes buffers on the host (``alltoall``, ``deepep``), no CUDA, or an
-error raised while capturing (reported verbatim; every rank then runs eagerly).
+runs eagerly: a backend that sizes buffers on the host (``alltoall``, ``deepep``), no CUDA, or (one
+process) an error raised while capturing, reported verbatim. A capture that fails in a multi-GPU run
+stops the run with that error: the aborted capture holds FSDP's stream events, so no eager step
+can follow it.
 ``invalidate()`` drops the graph (e.g. after capacities grew); the next calls warm up and
-re-capture.
+re-capture; ``after_replay(recapture)`` applies the run's policy after an overflow replay.
 """
 
 import torch
@@ -49,6 +51,18 @@ class StepGraph:
 
     def invalidate(self) -> None:
         self.graph, self.eager_calls = None, 0
+
+    def after_replay(self, recapture: bool) -> None:
+        """An overflowed step was replayed on the exact path (its capacity may have grown).
+        ``recapture``: drop the graph and warm up again before capturing — also when nothing was
+        captured yet: a grown capacity allocates its buffers (peer memory, pointer tables) on the
+        first step that uses it, which must be an eager one. Otherwise run eagerly from now on."""
+        if not self.active:
+            return
+        if recapture:
+            self.invalidate()
+        else:
+            self.disable("an overflow was replayed on the exact path ([training] cuda_graph_after_replay = 'eager')")
 
     def disable(self, reason: str) -> None:
         """Drop the graph and run eagerly from now on (says why once)."""
@@ -89,6 +103,12 @@ class StepGraph:
             dist.all_reduce(ok, op=dist.ReduceOp.MIN)
         if float(ok) < 1:  # host read at capture time only
             self.reason = error or "capture failed on another rank"
+            if dist.is_initialized() and dist.get_world_size() > 1:
+                # FSDP's and the dispatchers' stream events were recorded inside the aborted
+                # capture: an eager step would wait on them and fail with "invalid argument"
+                raise RuntimeError(f"cuda graph: capture of the training step failed ({self.reason}); a "
+                                   "multi-GPU step cannot continue eagerly after a failed capture — set "
+                                   "[training] cuda_graph = false to train without graphs")
             self.log(f"cuda graph: off — capture failed ({self.reason}); running eagerly")
             return False
         self.graph, self.outputs = graph, outputs

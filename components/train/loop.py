@@ -58,11 +58,7 @@ def fit(run: Run, tr: Training, model, loader, device_step, loss_fn, n_params: i
             logs.summary.capacity_factor = grown
             logs.write(f"step {first}: overflow replayed; capacity_factor grown to {grown:.2f} "
                        "(what the step needed + 10%)")
-        if step_graph.captures and t.cuda_graph_after_replay == "recapture":
-            step_graph.invalidate()  # warm up and capture again (capacity may have grown)
-        elif step_graph.captures:
-            step_graph.disable("an overflow was replayed on the exact path; set [training] "
-                               "cuda_graph_after_replay = 'recapture' to capture the step again")
+        step_graph.after_replay(recapture=t.cuda_graph_after_replay == "recapture")
 
     def before_replay():  # let graph replays finish before eager steps touch FSDP's stream/event state
         if step_graph.captures:
