@@ -5,7 +5,8 @@ found in and the first Python frame of its host backtrace (where the launch or A
 
 Findings in kernels whose names contain an ``--ignore`` substring (vendor libraries the tools are
 known to misread: NCCL's partial-block barriers under synccheck, cuBLAS's and cuDNN's asynchronous
-(TMA) shared-memory copies under racecheck) are counted apart. Exit code 1 when any other finding
+(TMA) shared-memory copies under racecheck), and failed API calls that are probes (NCCL's kernel
+images at init, torch's symmetric-memory fabric-handle check) are counted apart. Exit code 1 when any other finding
 remains.
 """
 
@@ -39,6 +40,8 @@ def findings(lines):
             block[1] = k.group(1)
         if block[1] is None and "Host Frame:" in line and "libnccl" in line:
             block[1] = "nccl (host API call)"  # NCCL probing its kernels at init
+        if block[1] is None and "isFabricSupported" in line:
+            block[1] = "fabric probe (host API call)"  # torch's symmetric memory probing fabric handles
         p = PYFRAME.search(line)
         if p and block[2] is None:
             block[2] = f"{p.group(1)} ({p.group(2).split('/site-packages/')[-1].split('/work/main/')[-1]}:{p.group(3)})"
@@ -52,7 +55,7 @@ def findings(lines):
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("log")
-    ap.add_argument("--ignore", default="nccl,nvjet,cudnn")
+    ap.add_argument("--ignore", default="nccl,nvjet,cudnn,fabric probe")
     a = ap.parse_args()
     ignore = [s for s in a.ignore.split(",") if s]
     with open(a.log, errors="replace") as f:

@@ -10,8 +10,8 @@
 #   tests       1-2  every GPU test + the CPU tests of the step gate, profiler and checkpoints on this torch
 #   graph       4    two GPU pairs at once: graph == eager tests, overflow replay with re-capture (0,1);
 #                    pinned-staging probe, EP tests, v2lite_1b EP=2 graphed with re-capture (2,3)
-#   sanitize    2    compute-sanitizer (memcheck x ECHO off/on, racecheck, synccheck) on the graphed EP=2 nvlink
-#                    debug step that overflows, is replayed, grows capacity and is captured again
+#   sanitize    2    compute-sanitizer (memcheck x ECHO off/on x eager/graphed, racecheck, synccheck) on the EP=2
+#                    nvlink debug step that overflows, is replayed, grows capacity (and is captured again)
 #   recapture   2    v2lite_1b EP=2 nvlink graphed, 200 steps, capacity 1.0 (overflows early) vs the eager
 #                    alltoall exact path: replays, re-captures, per-step losses -> recapture_<GPU>.md
 #   layer       1    MoE layer fwd+bwd vs torchtitan, Megatron-Core (.whl/extra/mcore) and a dense SwiGLU; bf16 and FP8 experts
@@ -91,18 +91,19 @@ for l in open('$OUT/recapture_v2lite_metrics.jsonl'):
     # memcheck checks every kernel and reports failed CUDA API calls with their Python frames; racecheck and
     # synccheck check the kernels named *_kernel (ours and ATen's): NCCL's partial-block barriers and cuBLAS's
     # asynchronous shared-memory copies are misread by them (and synccheck aborts the run on NCCL's)
-    san() {  # tool, port, echo, extra sanitizer args
-      timeout ${TMO:-450} compute-sanitizer --tool $1 --target-processes all --print-limit 2000 ${4:-} \
+    san() {  # tool, port, echo, graph, extra sanitizer args
+      timeout ${TMO:-450} compute-sanitizer --tool $1 --target-processes all --print-limit 2000 ${5:-} \
         torchrun --nproc_per_node 2 --master_port $2 recipes/pretrain.py --job.config_file train_configs/debug_gpu.toml \
         --training.steps ${STEPS:-10} --metrics.log_freq 1 --metrics.enable_tensorboard false --checkpoint.enable false \
         --parallelism.expert_parallel_degree 2 --moe_echo.dispatcher nvlink --moe_echo.echo $3 \
         --moe_echo.debug_hot_experts 1 --moe_echo.bias_update_rate 0 --moe_echo.capacity_factor 1.0 \
-        --moe_echo.grow_capacity_after 1 --training.cuda_graph true --job.dump_folder /tmp/san_$1_$3 \
-        > "$OUT/san_$1_echo_$3.log" 2>&1
-      echo "rc=$?" >> "$OUT/san_$1_echo_$3.log"
+        --moe_echo.grow_capacity_after 1 --training.cuda_graph $4 --job.dump_folder /tmp/san_$1_$3_$4 \
+        > "$OUT/san_$1_echo_$3_graph_$4.log" 2>&1
+      echo "rc=$?" >> "$OUT/san_$1_echo_$3_graph_$4.log"
     }
     ours="--kernel-name kns=_kernel"
-    san memcheck 29610 false & san memcheck 29620 true & san racecheck 29630 true "$ours" & san synccheck 29640 true "$ours" & wait
+    san memcheck 29610 false false & san memcheck 29620 true false & san memcheck 29630 false true &
+    san memcheck 29640 true true & san racecheck 29650 true true "$ours" & san synccheck 29660 true true "$ours" & wait
     for f in "$OUT"/san_*.log; do
       echo "== $(basename $f): $(grep -c 'captured the training step' $f) captures, $(grep -c 'overflow replayed' $f) growths, $(tail -1 $f)"
       grep -E "ERROR SUMMARY|RACECHECK SUMMARY|cuda graph: off|Error: " $f | grep -v "^=========     " | sort | uniq -c | head -6
