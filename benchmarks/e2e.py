@@ -181,7 +181,18 @@ def measure(run: str, a, cfg_path: str, cfg: dict, tok_dir: str, data: str, work
         return {"run": run, "error": "no logged window in the steady state", "folder": dump}
     graph = re.search(r"cuda graph\s+(.*)", log)
     return {"run": run, "tokens_per_s_per_gpu": tps, "windows": len([s for s, _ in vals if s > a.steps // 2]),
-            "graph": graph.group(1).strip() if graph else "", "folder": dump}
+            "graph": graph.group(1).strip() if graph else "", "peak_gib": peak_gib(run, log, dump), "folder": dump}
+
+
+def peak_gib(run: str, log: str, dump: str) -> float | None:
+    """Peak GPU memory of rank 0: torchtitan's logged "memory: X GiB" (max reserved); ours: the
+    allocator's peak plus the symmetric-memory buffers it does not count."""
+    if run.startswith("torchtitan"):
+        seen = [float(v) for v in re.findall(r"memory:\s*([\d.]+)\s*GiB", log)]
+        return max(seen) if seen else None
+    rows = [json.loads(line) for line in open(os.path.join(dump, "metrics.jsonl"))]
+    peaks = [r["memory/peak_gib"] + r.get("memory/peer_gib", 0.0) for r in rows if "memory/peak_gib" in r]
+    return max(peaks) if peaks else None
 
 
 def main():
@@ -264,13 +275,15 @@ def render(path: str) -> str:
 
     def cell(r, c):
         v = r.get(c, "")
+        if v is None:
+            return ""
         if c == "tokens_per_s_per_gpu" and v != "":
             return f"{v:,.0f}"
         if c in ("vs_torchtitan_best", "graph_vs_eager", "compile_vs_graph") and v != "":
             return f"{v:.2f}x"
         return f"{v:.1f}" if isinstance(v, float) else str(v)
 
-    cols = ["config", "gpus", "label", "run", "tokens_per_s_per_gpu", "step_ms", "mfu_pct", "vs_torchtitan_best",
+    cols = ["config", "gpus", "label", "run", "tokens_per_s_per_gpu", "step_ms", "mfu_pct", "peak_gib", "vs_torchtitan_best",
             "graph_vs_eager", "compile_vs_graph", "graph", "error"]
     lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     lines += ["| " + " | ".join(cell(r, c) for c in cols) + " |" for r in d["rows"]]

@@ -23,3 +23,5 @@ def test_config_loads_and_model_builds_on_meta(path):
     n = sum(p.numel() for p in model.parameters())
     if "1b" in os.path.basename(path) or "30b" in os.path.basename(path):
         assert 0.9e9 < n < 1.6e9, n  # the ~1B one-GPU configs
+    if "6b" in os.path.basename(path):
+        assert 6.0e9 < n < 7.2e9, n  # the ~6.6B two-GPU config

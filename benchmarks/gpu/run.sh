@@ -20,7 +20,7 @@
 #   configs     1    40 steps of each GPU config (RECIPES="debug_gpu ..." to pick)
 #   dispatch    2/4+ dispatch + combine at EP=2 on GPUs 0,1, then EP=all GPUs (VDEV=1 adds NVSHMEM vdev)
 #   e2e         1-2  whole-run tokens/s, step ms and MFU vs torchtitan's trainer (no compile / compile), ours
-#                    eager and graphed (CONFIGS="debug_gpu ...", RUNS=..., PART=1gpu | ep2) -> e2e_<GPU>.md
+#                    eager and graphed (CONFIGS="debug_gpu ...", RUNS=..., PART=1gpu | ep2 | fill) -> e2e_<GPU>.md
 #   profile     1    an eager run with [profiling] traces, then the per-step GPU time by category
 #                    (CONFIGS=..., LABEL=before|after, ARGS=extra recipe args) -> step_breakdown_<config>.md
 #   sync        1    debug_gpu: 4 eager steps under sync_debug (the traceback of a host sync, if any), then 6
@@ -169,6 +169,10 @@ print('largest step difference over steps 1-20: %.2e at step %d' % max(rel[:20])
         CUDA_VISIBLE_DEVICES=0 timeout ${TMO:-560} python3 benchmarks/e2e.py --configs $cfg --nproc 1 --runs $runs \
           --steps ${STEPS:-40} --out "$OUT" --work /tmp/e2e ${ARGS:+--ours "$ARGS"} ${LABEL:+--label "$LABEL"} 2>&1 | grep -v '^{' | tail -12
       done
+    elif [ "$PART" = fill ]; then  # the 2-GPU config sized to fill the GPUs (EP=2 set in the config)
+      timeout ${TMO:-560} python3 benchmarks/e2e.py --configs v2lite_6b_2gpu --nproc 2 --runs $runs --label fill \
+        --steps ${STEPS:-30} --out "$OUT" --work /tmp/e2e --titan "--parallelism.expert_parallel_degree 2" \
+        ${ARGS:+--ours "$ARGS"} 2>&1 | grep -v '^{' | tail -12
     else
       timeout ${TMO:-560} python3 benchmarks/e2e.py --configs v2lite_1b_gpu --nproc 2 --runs $runs --label ep2 \
         --steps ${STEPS:-40} --out "$OUT" --work /tmp/e2e --titan "--parallelism.expert_parallel_degree 2" \

@@ -1,0 +1,26 @@
+"""The end-to-end harness's parsing: the steady-state median and each run's peak memory, from a
+torchtitan log line and from the recipe's metrics.jsonl."""
+
+import json
+import os
+import sys
+
+from conftest import ROOT
+
+sys.path.insert(0, ROOT)
+from benchmarks.e2e import peak_gib, steady  # noqa: E402
+
+
+def test_steady_state_is_the_median_of_the_second_half():
+    assert steady([(5, 1.0), (10, 9.0), (15, 3.0), (20, 5.0), (25, 4.0)], steps=20) == 4.0  # steps 15, 20, 25
+    assert steady([(5, 1.0)], steps=20) is None
+
+
+def test_peak_memory_from_torchtitan_log_and_from_our_metrics(tmp_path):
+    log = ("step:  5  loss:  7.1  grad_norm:  1.2  memory: 21.50GiB(15.4%)  tps: 9,000\n"
+           "step: 10  loss:  6.0  grad_norm:  0.9  memory: 23.25GiB(16.6%)  tps: 9,500\n")
+    assert peak_gib("torchtitan_compile", log, str(tmp_path)) == 23.25
+    with open(os.path.join(tmp_path, "metrics.jsonl"), "w") as f:
+        for step, peak in ((5, 18.0), (10, 18.5)):
+            f.write(json.dumps({"step": step, "memory/peak_gib": peak, "memory/peer_gib": 8.75}) + "\n")
+    assert peak_gib("ours_graph", "", str(tmp_path)) == 27.25  # torch's peak + the symmetric buffers
