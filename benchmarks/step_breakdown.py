@@ -11,7 +11,10 @@ category whose rule matches, innermost op first:
     routed experts  grouped GEMMs (``aten::_grouped_mm``) and the expert SwiGLU between them
     dense GEMMs     ``mm`` / ``addmm`` / ``bmm`` / ``linear`` / ``matmul``
     attention       scaled-dot-product / flash / efficient attention kernels
-    dispatch        token permutation, gather / scatter of rows, histogram, sort (the MoE data movement)
+    dispatch        token permutation, gather / scatter of rows, histogram, sort (the MoE data movement;
+                    with EP also the peer-memory copy kernels and their barriers)
+    collectives     NCCL kernels (FSDP's all-gathers and reduce-scatters, the alltoall/padded
+                    dispatchers' all_to_all), by kernel name, whatever op launched them
     router          scores, top-k, bias, normalisation of the gate
     norms           RMSNorm (fused or composite)
     loss            cross-entropy / log-softmax / NLL (also kernels/cross_entropy.py's fused kernels)
@@ -31,8 +34,9 @@ from collections import defaultdict
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-CATEGORIES = ("optimizer", "routed experts", "dense GEMMs", "attention", "dispatch", "router", "norms", "loss",
-              "casts/copies", "other")
+CATEGORIES = ("optimizer", "routed experts", "dense GEMMs", "attention", "dispatch", "collectives", "router", "norms",
+              "loss", "casts/copies", "other")
+COLLECTIVE = re.compile(r"^nccl", re.I)  # decided by the kernel alone: FSDP launches them under copy ops
 # (category, pattern on an op name); tried innermost op first, then outwards
 RULES = [
     ("optimizer", re.compile(r"Optimizer\.(step|zero_grad)|_fused_adamw|_foreach_")),
@@ -52,13 +56,15 @@ KERNEL_RULES = [  # kernel names that say it all (no launching op found, e.g. Tr
     ("routed experts", re.compile(r"grouped|swiglu", re.I)),
     ("attention", re.compile(r"flash|fmha|attention", re.I)),
     ("dense GEMMs", re.compile(r"gemm|sm90_xmma|cutlass|nvjet", re.I)),
-    ("dispatch", re.compile(r"rows|permute|scatter|gather|histogram|radix|sort", re.I)),
+    ("dispatch", re.compile(r"rows|permute|scatter|gather|histogram|radix|sort|_peer_|barrier", re.I)),
     ("norms", re.compile(r"rms|norm", re.I)),
     ("casts/copies", re.compile(r"copy|cat", re.I)),
 ]
 
 
 def classify(stack: list[str], kernel: str) -> str:
+    if COLLECTIVE.search(kernel):
+        return "collectives"
     for name in reversed(stack):  # innermost first
         for cat, rule in RULES:
             if rule.search(name):

@@ -61,3 +61,14 @@ def test_fused_cross_entropy_is_loss(tmp_path):
     ]
     r = breakdown(_trace(tmp_path, events))
     assert abs(r["ms"]["loss"] - 0.36) < 1e-12 and abs(r["pct"]["loss"] - 100) < 1e-9
+
+
+def test_nccl_kernels_are_collectives_whatever_launched_them(tmp_path):
+    """FSDP launches its all-gather under copy ops: the kernel name decides; peer-copy kernels are dispatch."""
+    events = [
+        {"ph": "X", "cat": "user_annotation", "name": "ProfilerStep#1", "ts": 0, "dur": 1000, "tid": 1},
+        _op("aten::copy_", 10, 50), _launch(1, 20), _kernel(1, 100, 300, "ncclDevKernel_AllGather_RING_LL(x)"),
+        _launch(2, 70), _kernel(2, 400, 100, "_peer_scatter_kernel"),  # launched outside any op
+    ]
+    r = breakdown(_trace(tmp_path, events))
+    assert abs(r["ms"]["collectives"] - 0.3) < 1e-12 and abs(r["ms"]["dispatch"] - 0.1) < 1e-12

@@ -21,8 +21,9 @@
 #   dispatch    2/4+ dispatch + combine at EP=2 on GPUs 0,1, then EP=all GPUs (VDEV=1 adds NVSHMEM vdev)
 #   e2e         1-2  whole-run tokens/s, step ms and MFU vs torchtitan's trainer (no compile / compile), ours
 #                    eager and graphed (CONFIGS="debug_gpu ...", RUNS=..., PART=1gpu | ep2 | fill) -> e2e_<GPU>.md
-#   profile     1    an eager run with [profiling] traces, then the per-step GPU time by category
-#                    (CONFIGS=..., LABEL=before|after, ARGS=extra recipe args) -> step_breakdown_<config>.md
+#   profile     1-2  an eager run with [profiling] traces, then rank 0's per-step GPU time by category
+#                    (CONFIGS=..., LABEL=before|after, ARGS=extra recipe args, NPROC=2 with
+#                    ARGS="--parallelism.expert_parallel_degree 2 ...") -> step_breakdown_<config>.md
 #   sync        1    debug_gpu: 4 eager steps under sync_debug (the traceback of a host sync, if any), then 6
 #                    graphed steps (whether the capture succeeds, and its error if not)
 #   dp_vs_ep    2    v2lite_1b: plain data parallel vs EP=2 (padded, alltoall)
@@ -174,7 +175,7 @@ print('largest step difference over steps 1-20: %.2e at step %d' % max(rel[:20])
         --steps ${STEPS:-30} --out "$OUT" --work /tmp/e2e --titan "--parallelism.expert_parallel_degree 2" \
         ${ARGS:+--ours "$ARGS"} 2>&1 | grep -v '^{' | tail -12
     else
-      timeout ${TMO:-560} python3 benchmarks/e2e.py --configs v2lite_1b_gpu --nproc 2 --runs $runs --label ep2 \
+      timeout ${TMO:-560} python3 benchmarks/e2e.py --configs v2lite_1b_gpu --nproc 2 --runs $runs --label ${LABEL:-ep2} \
         --steps ${STEPS:-40} --out "$OUT" --work /tmp/e2e --titan "--parallelism.expert_parallel_degree 2" \
         --ours "--parallelism.expert_parallel_degree 2 --moe_echo.dispatcher nvlink --moe_echo.capacity_factor 1.5 ${ARGS:-}" \
         2>&1 | grep -v '^{' | tail -12
@@ -183,7 +184,7 @@ print('largest step difference over steps 1-20: %.2e at step %d' % max(rel[:20])
 
   profile)  # -> step_breakdown_<config>.md: the eager step's GPU time by category
     for cfg in ${CONFIGS:-v2lite_1b_gpu}; do
-      CFG=train_configs/$cfg.toml FROM=0 recipe "prof_${cfg}_${LABEL:-now}" 1 --training.steps 14 --metrics.log_freq 2 \
+      CFG=train_configs/$cfg.toml FROM=0 recipe "prof_${cfg}_${LABEL:-now}" ${NPROC:-1} --training.steps 14 --metrics.log_freq 2 \
         --profiling.enable_profiling true --profiling.profile_freq 12 --profiling.profiler_warmup 8 \
         --profiling.profiler_active 4 ${ARGS:-} | tail -2
       trace=$(ls /tmp/run_prof_${cfg}_${LABEL:-now}/profile_traces/iteration_*/rank0_trace.json | tail -1)
