@@ -20,7 +20,9 @@
 #   configs     1    40 steps of each GPU config (RECIPES="debug_gpu ..." to pick)
 #   dispatch    2/4+ dispatch + combine at EP=2 on GPUs 0,1, then EP=all GPUs (VDEV=1 adds NVSHMEM vdev)
 #   e2e         1-2  whole-run tokens/s, step ms and MFU vs torchtitan's trainer (no compile / compile), ours
-#                    eager and graphed (CONFIGS="debug_gpu ...", RUNS=..., PART=1gpu | ep2 | fill) -> e2e_<GPU>.md
+#                    eager and graphed (CONFIGS="debug_gpu ...", RUNS=..., PART=1gpu | ep2 | fill | variants:
+#                    VARIANTS="label=recipe args;..." at EP=2, e.g. "noreshard=--parallelism.fsdp_reshard_after_forward never")
+#                    -> e2e_<GPU>.md
 #   profile     1-2  an eager run with [profiling] traces, then rank 0's per-step GPU time by category
 #                    (CONFIGS=..., LABEL=before|after, ARGS=extra recipe args, NPROC=2 with
 #                    ARGS="--parallelism.expert_parallel_degree 2 ...") -> step_breakdown_<config>.md
@@ -169,6 +171,14 @@ print('largest step difference over steps 1-20: %.2e at step %d' % max(rel[:20])
       for cfg in ${CONFIGS:-debug_gpu v2lite_1b_gpu qwen3_30b_a3b_small_gpu}; do
         CUDA_VISIBLE_DEVICES=0 timeout ${TMO:-560} python3 benchmarks/e2e.py --configs $cfg --nproc 1 --runs $runs \
           --steps ${STEPS:-40} --out "$OUT" --work /tmp/e2e ${ARGS:+--ours "$ARGS"} ${LABEL:+--label "$LABEL"} 2>&1 | grep -v '^{' | tail -12
+      done
+    elif [ "$PART" = variants ]; then  # VARIANTS="label=recipe args;label=recipe args" at EP=2, one row each
+      IFS=';' read -ra vs <<< "${VARIANTS:?VARIANTS=\"label=args;...\"}"
+      for v in "${vs[@]}"; do
+        timeout ${TMO:-200} python3 benchmarks/e2e.py --configs v2lite_1b_gpu --nproc 2 --runs ${RUNS:-ours_graph} \
+          --label "${v%%=*}" --steps ${STEPS:-30} --out "$OUT" --work /tmp/e2e \
+          --ours "--parallelism.expert_parallel_degree 2 --moe_echo.dispatcher nvlink --moe_echo.capacity_factor 1.5 ${v#*=}" \
+          2>&1 | grep -v '^{' | tail -3
       done
     elif [ "$PART" = fill ]; then  # the 2-GPU config sized to fill the GPUs (EP=2 set in the config)
       timeout ${TMO:-560} python3 benchmarks/e2e.py --configs v2lite_6b_2gpu --nproc 2 --runs $runs --label fill \
