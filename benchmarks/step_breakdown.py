@@ -53,7 +53,9 @@ RULES = [
 KERNEL_RULES = [  # kernel names that say it all (no launching op found, e.g. Triton kernels launched from Python)
     ("optimizer", re.compile(r"adam", re.I)),
     ("loss", re.compile(r"cross_entropy|nll_loss", re.I)),
-    ("routed experts", re.compile(r"grouped|swiglu", re.I)),
+    # CUTLASS 3 grouped GEMMs (torch._grouped_mm's kernels) are "pointer-array" kernels over a
+    # GroupProblemShape; launched from a backward without a recorded op they were counted as dense
+    ("routed experts", re.compile(r"grouped|swiglu|PtrArray|GroupProblemShape", re.I)),
     ("attention", re.compile(r"flash|fmha|attention", re.I)),
     ("dense GEMMs", re.compile(r"gemm|sm90_xmma|cutlass|nvjet", re.I)),
     ("dispatch", re.compile(r"rows|permute|scatter|gather|histogram|radix|sort|_peer_|barrier", re.I)),

@@ -72,3 +72,16 @@ def test_nccl_kernels_are_collectives_whatever_launched_them(tmp_path):
     ]
     r = breakdown(_trace(tmp_path, events))
     assert abs(r["ms"]["collectives"] - 0.3) < 1e-12 and abs(r["ms"]["dispatch"] - 0.1) < 1e-12
+
+
+def test_cutlass_grouped_gemm_without_an_op_is_routed_experts(tmp_path):
+    name = ("_ZN7cutlass13device_kernelIN2at4cuda6detail25enable_3x_kernel_for_sm9xINS_4gemm6kernel13GemmUniversal"
+            "INS5_15GroupProblemShapeIN4cute5tupleIJiiiEEEEENS5_10collective13CollectiveMmaINS5_"
+            "41MainloopSm90ArrayTmaGmmaWarpSpecializedEEEvE")
+    events = [
+        {"ph": "X", "cat": "user_annotation", "name": "ProfilerStep#1", "ts": 0, "dur": 1000, "tid": 1},
+        _launch(1, 20), _kernel(1, 100, 300, name),
+        _launch(2, 30), _kernel(2, 400, 100, "_ZN7cutlass13device_kernelIN2at4cuda6detail25enable_3x_kernel_for_sm9xIdense"),
+    ]
+    r = breakdown(_trace(tmp_path, events))
+    assert abs(r["ms"]["routed experts"] - 0.3) < 1e-12 and abs(r["ms"]["dense GEMMs"] - 0.1) < 1e-12
