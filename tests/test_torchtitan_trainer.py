@@ -38,13 +38,22 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _torchrun(script: str, dump: str, args: list[str]) -> str:
+# torchtitan's trainer on CPU/gloo now and then aborts one rank while the process exits, after every
+# step ran and was logged (seen once in several CI runs: all 6 losses in its TensorBoard file, then
+# "terminate called without an active exception" on rank 1). Tolerated for its run only; the losses
+# checked below must still all be there.
+TEARDOWN_ABORT = "terminate called without an active exception"
+
+
+def _torchrun(script: str, dump: str, args: list[str], teardown_abort_ok: bool = False) -> str:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(_free_port()),
            script, "--job.config_file", CONFIG, "--job.dump_folder", dump, *COMMON, *args]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     p = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT, timeout=600)
     out = p.stdout + p.stderr
-    assert p.returncode == 0, f"exit {p.returncode}: {' '.join(cmd)}\n{out[-4000:]}"
+    ok = p.returncode == 0 or (teardown_abort_ok and TEARDOWN_ABORT in out and "Traceback (most recent call last)"
+                               not in out.split(TEARDOWN_ABORT)[0])
+    assert ok, f"exit {p.returncode}: {' '.join(cmd)}\n{out[-4000:]}"
     return out
 
 
@@ -65,7 +74,8 @@ def _our_losses(dump: str) -> list[float]:
 @pytest.mark.slow
 @pytest.mark.skipif(torch.cuda.is_available(), reason="CPU (gloo) check; GPUs: benchmarks/gpu suite 'titan'")
 def test_torchtitan_trainer_runs_our_ep_and_matches_the_recipe(tmp_path):
-    titan_out = _torchrun(os.path.join(ROOT, "tests", "torchtitan_cpu_main.py"), str(tmp_path / "titan"), TITAN)
+    titan_out = _torchrun(os.path.join(ROOT, "tests", "torchtitan_cpu_main.py"), str(tmp_path / "titan"), TITAN,
+                          teardown_abort_ok=True)
     # our parallelize_fn ran: our dispatcher, ECHO, experts EP-sharded (8 experts, 4 per rank)
     line = next((l for l in titan_out.splitlines() if l.startswith("moe_echo parallelize_fn:")), None)
     assert line is not None, titan_out[-3000:]
