@@ -17,7 +17,8 @@ same byte-level HF tokenizer, batch, sequence length, AdamW (fused, same lr / wa
 compute with fp32 master weights; no checkpoints, no activation checkpointing.
 
 tokens/s per GPU is the median of the logged windows after the first half of the run (the
-steady state). MFU uses one formula for every run, torchtitan's:
+steady state); ``replays`` counts our overflowed steps replayed inside that window (non-zero: the
+figure includes replays and re-captures, run longer or with a larger capacity_factor). MFU uses one formula for every run, torchtitan's:
 
     flops_per_token = 6 · (active parameters − embedding) + 6 · layers · heads · (d_qk + d_v) · seq_len
                       (torchtitan's ``get_moe_model_nparams_and_flops``: active = dense + router + shared
@@ -140,6 +141,14 @@ def steady(values: list[tuple[int, float]], steps: int) -> float | None:
     return statistics.median(late) if late else None
 
 
+def replays_in_steady(rows: list[dict], steps: int) -> int:
+    """Overflowed steps replayed inside the steady window (``moe/replayed_steps`` is cumulative): a
+    non-zero count means that window also paid for replays and re-captures, not only the step."""
+    total = [(r["step"], r["moe/replayed_steps"]) for r in rows if "moe/replayed_steps" in r]
+    before = [v for s, v in total if s <= steps // 2]
+    return int(total[-1][1] - (before[-1] if before else 0)) if total else 0
+
+
 def command(run: str, a, cfg_path: str, cfg: dict, dump: str, tok_dir: str, data: str) -> list[str]:
     launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(a.nproc),
                 "--master_port", str(29500 + os.getpid() % 1000)]
@@ -176,12 +185,13 @@ def measure(run: str, a, cfg_path: str, cfg: dict, tok_dir: str, data: str, work
     else:
         rows = [json.loads(line) for line in open(os.path.join(dump, "metrics.jsonl"))]
         vals = [(r["step"], r["tokens_per_s"] / a.nproc) for r in rows if "tokens_per_s" in r]  # untimed: replayed
+    replays = None if run.startswith("torchtitan") else replays_in_steady(rows, a.steps)
     tps = steady(vals, a.steps)
     if tps is None:
         return {"run": run, "error": "no logged window in the steady state", "folder": dump}
     graph = re.search(r"cuda graph\s+(.*)", log)
     return {"run": run, "tokens_per_s_per_gpu": tps, "windows": len([s for s, _ in vals if s > a.steps // 2]),
-            "graph": graph.group(1).strip() if graph else "", "peak_gib": peak_gib(run, log, dump), "folder": dump}
+            "graph": graph.group(1).strip() if graph else "", "replays": replays, "peak_gib": peak_gib(run, log, dump), "folder": dump}
 
 
 def peak_gib(run: str, log: str, dump: str) -> float | None:
@@ -284,7 +294,7 @@ def render(path: str) -> str:
         return f"{v:.1f}" if isinstance(v, float) else str(v)
 
     cols = ["config", "gpus", "label", "run", "tokens_per_s_per_gpu", "step_ms", "mfu_pct", "peak_gib", "vs_torchtitan_best",
-            "graph_vs_eager", "compile_vs_graph", "graph", "error"]
+            "graph_vs_eager", "compile_vs_graph", "replays", "graph", "error"]
     lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     lines += ["| " + " | ".join(cell(r, c) for c in cols) + " |" for r in d["rows"]]
     text = (f"End-to-end training throughput on {d['env']['gpu']} (benchmarks/e2e.py; torch {d['env']['torch']}; "

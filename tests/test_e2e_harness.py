@@ -8,7 +8,7 @@ import sys
 from conftest import ROOT
 
 sys.path.insert(0, ROOT)
-from benchmarks.e2e import peak_gib, steady  # noqa: E402
+from benchmarks.e2e import peak_gib, replays_in_steady, steady  # noqa: E402
 
 
 def test_steady_state_is_the_median_of_the_second_half():
@@ -24,3 +24,12 @@ def test_peak_memory_from_torchtitan_log_and_from_our_metrics(tmp_path):
         for step, peak in ((5, 18.0), (10, 18.5)):
             f.write(json.dumps({"step": step, "memory/peak_gib": peak, "memory/peer_gib": 8.75}) + "\n")
     assert peak_gib("ours_graph", "", str(tmp_path)) == 27.25  # torch's peak + the symmetric buffers
+
+
+def test_replays_inside_the_steady_window_are_counted():
+    # cumulative moe/replayed_steps as the recipe logs it: 4 replays before step 10, 2 more after
+    rows = [{"step": s, "moe/replayed_steps": float(v)} for s, v in ((5, 1), (10, 4), (15, 4), (20, 6))]
+    assert replays_in_steady(rows, steps=20) == 2  # only steps 11-20 count
+    assert replays_in_steady(rows[:2], steps=20) == 0  # nothing logged after the first half
+    assert replays_in_steady(rows, steps=8) == 6  # no row before the window: every replay counts
+    assert replays_in_steady([{"step": 5, "loss": 1.0}], steps=20) == 0  # a run without the metric
