@@ -11,10 +11,14 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [ROOT, os.path.join(ROOT, "tests")]
 
 
-def run(rank, world, port, fn_name, kwargs, result_dir):
+def run(rank, world, port, fn_names, kwargs, result_dir):
+    """Run each of ``fn_names`` (one name or several, in order) in one process group; ``done_<fn><rank>``
+    marks each one that passed on this rank, ``ok<rank>`` the whole run, ``err<rank>`` a failure."""
     try:
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
-        globals()[fn_name](rank, world, **kwargs)
+        for fn_name in [fn_names] if isinstance(fn_names, str) else fn_names:
+            globals()[fn_name](rank, world, **kwargs)
+            open(os.path.join(result_dir, f"done_{fn_name}{rank}"), "w").close()
         dist.barrier()
         open(os.path.join(result_dir, f"ok{rank}"), "w").close()
     except BaseException:

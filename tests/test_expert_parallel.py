@@ -10,6 +10,7 @@ import sys
 import pytest
 import torch.multiprocessing as mp
 
+from background import Runs, selected
 from components.parallel.mesh import parallel_dims
 from components.errors import UserError
 from conftest import ROOT
@@ -18,9 +19,10 @@ pytestmark = pytest.mark.slow  # end-to-end runs in subprocesses
 
 
 def spawn(world, fn_name, tmp_path, **kwargs):
-    """Run ep_worker.<fn_name> on ``world`` gloo processes. A worker that dies without a Python error
-    (seen rarely on 2-core CI machines: a gloo thread aborting at start-up) is retried once; any
-    assertion or exception inside a worker fails the test at once."""
+    """Run ep_worker.<fn_name> (or each of a list of names in turn, in one process group) on ``world``
+    gloo processes. A worker that dies without a Python error (seen rarely on 2-core CI machines: a
+    gloo thread aborting at start-up) is retried once; any assertion or exception inside a worker
+    fails the test at once."""
     for attempt in range(2):
         try:
             return _spawn_once(world, fn_name, os.path.join(tmp_path, f"try{attempt}"), **kwargs)
@@ -52,14 +54,50 @@ def _spawn_once(world, fn_name, tmp_path, **kwargs):
     assert sorted(f for f in os.listdir(tmp_path) if f.startswith("ok")) == [f"ok{r}" for r in range(world)]
 
 
+# (test, world sizes, ep_worker check): the checks of one world size run in one launch, in this
+# order (process start-up and imports are most of their time)
+EP_CHECKS = [
+    ("test_layer_at_ep_equals_ep1_for_both_backends_and_adversarial_routing", (2, 4), "layer_equivalence_all"),
+    ("test_padded_overflow_is_detected_and_counted", (2,), "padded_overflow"),
+    ("test_echo_on_equals_ep1_for_both_backends_and_adversarial_routing", (2, 4), "echo_equivalence_all"),
+]
+
+
+@pytest.fixture(scope="module")
+def ep_check(request, tmp_path_factory):
+    """``ep_check(world, name)`` fails if ep_worker.<name> failed at that world size."""
+    launched = {}
+
+    def check(world, name):
+        if world not in launched:
+            names = [n for test, worlds, n in EP_CHECKS if world in worlds and n == name or
+                     world in worlds and {str(world), ""} & selected(request, test)]
+            tmp = tmp_path_factory.mktemp(f"ep{world}")
+            try:
+                spawn(world, names, tmp)
+                launched[world] = (names, None, tmp)
+            except AssertionError as err:
+                launched[world] = (names, str(err), tmp)
+        names, error, tmp = launched[world]
+        if error is None:
+            return
+        attempt = max(d for d in os.listdir(tmp) if d.startswith("try"))
+        done = os.listdir(os.path.join(tmp, attempt))
+        if all(f"done_{name}{r}" in done for r in range(world)):
+            return  # passed before a later check of the same launch failed
+        raise AssertionError(f"{name} at world {world} (checks of this launch: {', '.join(names)}):\n{error}")
+
+    return check
+
+
 @pytest.mark.parametrize("world", [2, 4])
-def test_layer_at_ep_equals_ep1_for_both_backends_and_adversarial_routing(tmp_path, world):
+def test_layer_at_ep_equals_ep1_for_both_backends_and_adversarial_routing(ep_check, world):
     """alltoall and padded × random / all tokens to one expert / experts with no tokens, fp64."""
-    spawn(world, "layer_equivalence_all", tmp_path)
+    ep_check(world, "layer_equivalence_all")
 
 
-def test_padded_overflow_is_detected_and_counted(tmp_path):
-    spawn(2, "padded_overflow", tmp_path)
+def test_padded_overflow_is_detected_and_counted(ep_check):
+    ep_check(2, "padded_overflow")
 
 
 # --- recipe under torchrun ------------------------------------------------------------------------
@@ -155,10 +193,12 @@ def test_bad_parallelism_is_a_one_line_error(world, par, experts, expect):
 
 
 def test_bad_parallelism_in_the_recipe_exits_2(tmp_path):
-    p = recipe(tmp_path, 1, "--parallelism.expert_parallel_degree", "2", check=False)
+    runs = Runs({"ep": lambda: recipe(tmp_path / "ep", 1, "--parallelism.expert_parallel_degree", "2", check=False),
+                 "padded": lambda: recipe(tmp_path / "padded", 1, "--moe_echo.dispatcher", "padded", check=False)})
+    p = runs["ep"]
     lines = [l for l in p.stderr.splitlines() if l.strip()]
     assert p.returncode == 2 and len(lines) == 1 and "expert_parallel_degree = 2" in lines[0], p.stderr[-2000:]
-    p = recipe(tmp_path, 1, "--moe_echo.dispatcher", "padded", check=False)
+    p = runs["padded"]
     assert p.returncode == 2 and "needs [parallelism] expert_parallel_degree > 1" in p.stderr
 
 
@@ -177,11 +217,11 @@ def test_activation_checkpointing_and_compile_keep_the_losses(tmp_path, ep1_loss
 
 
 @pytest.mark.parametrize("world", [2, 4])
-def test_echo_on_equals_ep1_for_both_backends_and_adversarial_routing(tmp_path, world):
+def test_echo_on_equals_ep1_for_both_backends_and_adversarial_routing(ep_check, world):
     """ECHO changes where work runs, never the math: fp64 outputs and every gradient agree with
     EP=1 (random, all tokens to one expert, one hot expert per rank, empty experts, more hot
     experts than slots)."""
-    spawn(world, "echo_equivalence_all", tmp_path)
+    ep_check(world, "echo_equivalence_all")
 
 
 def test_training_with_echo_matches_echo_off(tmp_path):
@@ -218,17 +258,26 @@ def _final_weights(dump):
     return torch.load(out, weights_only=False)["app"]["model"]
 
 
+OVERFLOW = ["--training.local_batch_size", "4", "--parallelism.expert_parallel_degree", "2", "--training.steps", "8",
+            "--moe_echo.debug_hot_experts", "1", "--moe_echo.bias_update_rate", "0", "--checkpoint.interval", "8"]
+
+
+@pytest.fixture(scope="module")
+def overflow_exact(tmp_path_factory):
+    """The exact (alltoall) run the overflowing runs must reproduce: its losses and final weights."""
+    dump = tmp_path_factory.mktemp("exact")
+    recipe(dump, 2, *OVERFLOW, "--moe_echo.dispatcher", "alltoall")
+    return losses(dump), _final_weights(dump)
+
+
 @pytest.mark.parametrize("grow", [0, 1])
-def test_overflow_is_gated_and_replayed_never_dropped(tmp_path, grow):
+def test_overflow_is_gated_and_replayed_never_dropped(tmp_path, overflow_exact, grow):
     """A tiny padded capacity with a hot expert overflows: every such step is gated on the device
     and replayed on the exact path. Losses and final weights equal an exact (alltoall) run; with
     grow_capacity_after = 1 the capacity grows until the padded path stops overflowing."""
     import torch
 
-    common = ["--training.local_batch_size", "4", "--parallelism.expert_parallel_degree", "2", "--training.steps", "8",
-              "--moe_echo.debug_hot_experts", "1", "--moe_echo.bias_update_rate", "0", "--checkpoint.interval", "8"]
-    recipe(tmp_path / "exact", 2, *common, "--moe_echo.dispatcher", "alltoall")
-    p = recipe(tmp_path / "padded", 2, *common, "--moe_echo.dispatcher", "padded", "--moe_echo.capacity_factor",
+    p = recipe(tmp_path / "padded", 2, *OVERFLOW, "--moe_echo.dispatcher", "padded", "--moe_echo.capacity_factor",
                "1.0", "--moe_echo.grow_capacity_after", str(grow))
     assert "gated and replayed" in p.stdout
     with open(os.path.join(tmp_path / "padded", "metrics.jsonl")) as f:
@@ -241,10 +290,11 @@ def test_overflow_is_gated_and_replayed_never_dropped(tmp_path, grow):
         assert replayed == list(range(1, 9))
         untimed = [r["step"] for r in rows if "tokens_per_s" not in r]  # replayed back to back: no 0-s windows
         assert untimed and len(untimed) < len(rows) and set(untimed) <= set(replayed)
-    exact, padded = losses(tmp_path / "exact"), losses(tmp_path / "padded")
+    exact, w_exact = overflow_exact
+    padded = losses(tmp_path / "padded")
     for step in exact:
         assert padded[step] == pytest.approx(exact[step], rel=1e-5), step
-    w_exact, w_padded = _final_weights(tmp_path / "exact"), _final_weights(tmp_path / "padded")
+    w_padded = _final_weights(tmp_path / "padded")
     assert set(w_exact) == set(w_padded)
     for k in w_exact:
         torch.testing.assert_close(w_padded[k], w_exact[k], rtol=1e-4, atol=1e-6, msg=lambda m: f"{k}: {m}")

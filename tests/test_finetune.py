@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from safetensors.torch import save_file
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
+from background import Runs, selected
 from conftest import ROOT
 from test_recipe import CONFIG, SMALL, losses, run
 
@@ -53,13 +54,42 @@ def _model(cfg, seed, name="deepseek_v3"):
     return build_model(name, FAMILIES[name], cfg.moe_echo, seq_len=cfg.training.seq_len, seed=seed)
 
 
-@pytest.fixture(scope="module")
-def pretrained(tmp_path_factory):
-    dump = tmp_path_factory.mktemp("pre")
+def _pretrain(dump):
     run(dump, "--training.steps", "4", "--checkpoint.interval", "4", *QUIET)
     step_dir = os.path.join(dump, "checkpoint", "step-4")
     assert os.path.isfile(os.path.join(step_dir, "COMPLETE"))
     return step_dir
+
+
+@pytest.fixture(scope="module")
+def launches(request, tmp_path_factory, hf_models):
+    """This module's launches that need no earlier one, started together in the order the tests read
+    them (each spends ~10 s importing on one core); ``launches[name]`` is (result, its folder)."""
+    jobs = {}
+
+    def add(test_name, name, fn):
+        if selected(request, test_name):
+            dump = tmp_path_factory.mktemp(name)
+            jobs[name] = lambda: (fn(dump), dump)
+
+    qwen_folder = hf_models["qwen3"][1]
+    add("test_finetune_from_dcp_starts_from_pretrained_weights_and_resume_wins", "pretrained", _pretrain)
+    add("test_finetune_from_hf_end_to_end", "from_hf", lambda d: finetune(
+        d, "--model.name", "qwen3", "--model.flavor", "tiny_moe", "--checkpoint.initial_load_in_hf", "true",
+        "--checkpoint.initial_load_path", qwen_folder))
+    add("test_finetune_without_initial_load_path_is_one_line_error", "no_path", lambda d: finetune(d, check=False))
+    add("test_finetune_from_missing_path_is_one_line_error", "missing_path", lambda d: finetune(
+        d, "--checkpoint.initial_load_path", str(d / "no_such_step-7"), check=False))
+    add("test_finetune_from_other_model_family_is_one_line_error", "other_family", lambda d: finetune(
+        d, "--checkpoint.initial_load_in_hf", "true", "--checkpoint.initial_load_path", qwen_folder, check=False))
+    runs = Runs(jobs)
+    yield runs
+    runs.close()
+
+
+@pytest.fixture(scope="module")
+def pretrained(launches):
+    return launches["pretrained"][0]
 
 
 def test_finetune_from_dcp_starts_from_pretrained_weights_and_resume_wins(tmp_path, pretrained):
@@ -154,29 +184,27 @@ def test_hf_safetensors_round_trip_is_exact(hf_models, name):
                 assert torch.equal(b, dict(original.named_buffers())[k]), k
 
 
-def test_finetune_from_hf_end_to_end(tmp_path, hf_models):
-    _, folder = hf_models["qwen3"]
-    p = finetune(tmp_path, "--model.name", "qwen3", "--model.flavor", "tiny_moe",
-                 "--checkpoint.initial_load_in_hf", "true", "--checkpoint.initial_load_path", folder)
+def test_finetune_from_hf_end_to_end(launches):
+    p, dump = launches["from_hf"]
     assert "initial weights:" in p.stdout and "safetensors" in p.stdout and "run summary" in p.stdout
-    assert sorted(losses(tmp_path)) == [1, 2, 3]
+    assert sorted(losses(dump)) == [1, 2, 3]
 
 
-def test_finetune_without_initial_load_path_is_one_line_error(tmp_path):
-    line = one_line_error(finetune(tmp_path, check=False))
+def test_finetune_without_initial_load_path_is_one_line_error(launches):
+    line = one_line_error(launches["no_path"][0])
     assert "--checkpoint.initial_load_path" in line
 
 
-def test_finetune_from_missing_path_is_one_line_error(tmp_path):
-    missing = str(tmp_path / "no_such_step-7")
-    line = one_line_error(finetune(tmp_path, "--checkpoint.initial_load_path", missing, check=False))
+def test_finetune_from_missing_path_is_one_line_error(launches):
+    p, dump = launches["missing_path"]
+    missing = str(dump / "no_such_step-7")
+    line = one_line_error(p)
     assert missing in line
 
 
-def test_finetune_from_other_model_family_is_one_line_error(tmp_path, hf_models):
+def test_finetune_from_other_model_family_is_one_line_error(launches, hf_models):
     _, qwen_folder = hf_models["qwen3"]  # into the config's deepseek_v3/tiny
-    p = finetune(tmp_path, "--checkpoint.initial_load_in_hf", "true", "--checkpoint.initial_load_path", qwen_folder,
-                 check=False)
+    p, _ = launches["other_family"]
     line = one_line_error(p)
     assert qwen_folder in line and "deepseek_v3" in line
     assert "Traceback" not in p.stderr

@@ -3,10 +3,12 @@
 import os
 import subprocess
 import sys
+from functools import partial
 
 import pytest
 import torch
 
+from background import Runs, selected
 from components.moe_echo.row_ops import gather_rows, weighted_combine
 from conftest import ROOT
 from kernels import moe_rows
@@ -87,18 +89,35 @@ needs_cpu_interpreter = pytest.mark.skipif(
     torch.cuda.is_available(), reason="CUDA present: the real kernels are tested instead (gpu tests)")
 
 
-def run_in_interpreter(script: str, marker: str) -> str:
-    """Run ``script`` in a fresh process with TRITON_INTERPRET=1 (kernels on CPU tensors); its stdout."""
-    pytest.importorskip("triton")
+def _interpret(script: str) -> subprocess.CompletedProcess:
     env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": ROOT}
-    p = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, cwd=ROOT, timeout=600)
+    return subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, cwd=ROOT, timeout=600)
+
+
+def run_in_interpreter(script: str, marker: str, done: subprocess.CompletedProcess | None = None) -> str:
+    """Run ``script`` in a fresh process with TRITON_INTERPRET=1 (kernels on CPU tensors), or take
+    ``done``, its finished run; its stdout."""
+    pytest.importorskip("triton")
+    p = _interpret(script) if done is None else done
     assert marker in p.stdout, p.stderr[-3000:]
     return p.stdout
 
 
+@pytest.fixture(scope="module")
+def interpreted(request):
+    """This module's interpreter scripts, started together, the longest first (each uses one core)."""
+    scripts = {"test_planner_kernel_equals_torch_loop_in_interpreter": _PLANNER_SCRIPT,
+               "test_fill_kernel_equals_torch_in_interpreter": _FILL_SCRIPT,
+               "test_triton_kernels_in_interpreter": _INTERPRET_SCRIPT,
+               "test_swiglu_kernel_in_interpreter": _SWIGLU_SCRIPT}
+    runs = Runs({test: partial(_interpret, script) for test, script in scripts.items() if selected(request, test)})
+    yield runs
+    runs.close()
+
+
 @needs_cpu_interpreter
-def test_triton_kernels_in_interpreter():
-    run_in_interpreter(_INTERPRET_SCRIPT, "INTERPRET-OK")
+def test_triton_kernels_in_interpreter(interpreted, request):
+    run_in_interpreter(_INTERPRET_SCRIPT, "INTERPRET-OK", interpreted[request.node.originalname])
 
 
 @pytest.mark.gpu
@@ -133,8 +152,8 @@ print("SWIGLU-OK")
 
 
 @needs_cpu_interpreter
-def test_swiglu_kernel_in_interpreter():
-    run_in_interpreter(_SWIGLU_SCRIPT, "SWIGLU-OK")
+def test_swiglu_kernel_in_interpreter(interpreted, request):
+    run_in_interpreter(_SWIGLU_SCRIPT, "SWIGLU-OK", interpreted[request.node.originalname])
 
 
 @pytest.mark.gpu
@@ -207,8 +226,8 @@ print("PLANNER-OK")
 
 
 @needs_cpu_interpreter
-def test_planner_kernel_equals_torch_loop_in_interpreter():
-    run_in_interpreter(_PLANNER_SCRIPT, "PLANNER-OK")
+def test_planner_kernel_equals_torch_loop_in_interpreter(interpreted, request):
+    run_in_interpreter(_PLANNER_SCRIPT, "PLANNER-OK", interpreted[request.node.originalname])
 
 
 def fill_cases():
@@ -280,10 +299,10 @@ print("FILL-OK", sorted(seen))
 
 
 @needs_cpu_interpreter
-def test_fill_kernel_equals_torch_in_interpreter():
+def test_fill_kernel_equals_torch_in_interpreter(interpreted, request):
     """fill_search (the Triton kernels) equals the torch reference in every output, and the cases take
     every arithmetic tier, both search rounds, the stop at step 0 and experts split over slots."""
-    out = run_in_interpreter(_FILL_SCRIPT, "FILL-OK")
+    out = run_in_interpreter(_FILL_SCRIPT, "FILL-OK", interpreted[request.node.originalname])
     for path in ("int32 keys", "int64 keys", "int64 values", "round 2", "nothing moves", "split expert"):
         assert repr(path) in out, (path, out)
 

@@ -4,12 +4,15 @@ torchtitan key is honoured or refused, and metrics never mix runs."""
 
 import json
 import os
+import socket
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
 
+from background import Runs, selected
 from components.train.optim import build_optimizer
 from components.train.overflow import StepGate, StepPipeline
 from conftest import ROOT
@@ -83,33 +86,97 @@ def test_beta2_changes_the_update():
     assert not torch.equal(*outs)
 
 
+def _diverging(dump):
+    return run(dump, "--optimizer.lr", "1e30", "--lr_scheduler.warmup_steps", "0", "--training.steps", "12",
+               "--checkpoint.interval", "5", "--checkpoint.keep_latest_k", "2", "--metrics.log_freq", "1", check=False)
+
+
+def _nan_weights(dump):
+    return run(dump, "--training.steps", "12", "--checkpoint.interval", "5", "--checkpoint.keep_latest_k", "1",
+               "--metrics.log_freq", "1", env={"MOE_ECHO_FAULT_NAN_AT_STEP": "7"}, check=False)
+
+
+MORE_BAD = {"lr_inf": (("--optimizer.lr", "inf"), "finite"),
+            "async_checkpoint": (("--checkpoint.async_mode", "async"), "not supported by this recipe")}
+
+
+def _bad_bytes_toml(dump):
+    bad = dump / "bad.toml"
+    bad.write_bytes(b"[training]\nsteps = 2\n# \xff\xfe\n")
+    return subprocess.run([sys.executable, RECIPE, "--job.config_file", str(bad)], capture_output=True, text=True,
+                          timeout=300)
+
+
+def _dump_folder_is_a_file(dump):
+    f = dump / "a_file"
+    f.write_text("x")
+    return _bad(dump, "--job.dump_folder", str(f))
+
+
+def _hung_peer(dump):
+    t0 = time.monotonic()
+    p = _torchrun(dump, "--training.steps", "30", "--checkpoint.enable", "false", "--comm.train_timeout_seconds",
+                  "15", env={"MOE_ECHO_FAULT_STOP_AT_STEP": "4"})
+    return p, time.monotonic() - t0
+
+
+def _profiled(dump):
+    return run(dump, "--training.steps", "4", "--checkpoint.interval", "4", "--checkpoint.last_save_in_hf",
+               "--profiling.enable_profiling", "--profiling.profile_freq", "2", "--profiling.profiler_warmup", "0",
+               "--metrics.enable_tensorboard", "false")
+
+
+@pytest.fixture(scope="module")
+def launches(request, tmp_path_factory):
+    """This module's independent launches, started together: the hung-peer run first (it mostly
+    waits for its timeout), then in the order the tests read them. Each job gets its own folder."""
+    jobs = {}
+
+    def add(test_name, name, fn):
+        if selected(request, test_name):
+            dump = tmp_path_factory.mktemp(name)
+            jobs[name] = lambda: (fn(dump), dump)
+
+    if not torch.cuda.is_available():
+        add("test_a_hung_peer_ends_the_run_within_the_timeout_after_a_hang_report", "hung_peer", _hung_peer)
+    add("test_diverging_run_stops_with_exit_3_and_saves_no_nonfinite_checkpoint", "diverging", _diverging)
+    add("test_nonfinite_weights_are_named_and_the_last_good_checkpoint_is_kept", "nan_weights", _nan_weights)
+    for case in selected(request, "test_more_bad_input_is_one_line_exit_2"):
+        args = MORE_BAD[case][0]
+        add("test_more_bad_input_is_one_line_exit_2", case, lambda dump, args=args: _bad(dump, *args))
+    add("test_bad_bytes_in_toml_and_dump_folder_that_is_a_file", "bad_bytes", _bad_bytes_toml)
+    add("test_bad_bytes_in_toml_and_dump_folder_that_is_a_file", "dump_is_file", _dump_folder_is_a_file)
+    add("test_profiling_and_hf_export_keys_are_honoured", "profiled", _profiled)
+    runs = Runs(jobs)
+    yield runs
+    runs.close()
+
+
 @pytest.mark.slow
-def test_diverging_run_stops_with_exit_3_and_saves_no_nonfinite_checkpoint(tmp_path):
-    p = run(tmp_path, "--optimizer.lr", "1e30", "--lr_scheduler.warmup_steps", "0", "--training.steps", "12",
-            "--checkpoint.interval", "5", "--checkpoint.keep_latest_k", "2", "--metrics.log_freq", "1", check=False)
+def test_diverging_run_stops_with_exit_3_and_saves_no_nonfinite_checkpoint(launches):
+    p, dump = launches["diverging"]
     lines = [l for l in p.stderr.splitlines() if l.startswith("error:")]
     assert p.returncode == 3, p.stderr[-2000:]
     assert "Traceback" not in p.stderr and len(lines) == 1, p.stderr[-2000:]
     assert "consecutive non-finite steps" in lines[0] and "first non-finite: " in lines[0]
-    rows = [json.loads(l) for l in open(os.path.join(tmp_path, "metrics.jsonl"))]
+    rows = [json.loads(l) for l in open(os.path.join(dump, "metrics.jsonl"))]
     stop = rows[-1]["step"]
     assert stop < 12 and rows[-1]["nonfinite_skipped_steps"] >= 3
-    ckpt = os.path.join(tmp_path, "checkpoint")
+    ckpt = os.path.join(dump, "checkpoint")
     for name in os.listdir(ckpt) if os.path.isdir(ckpt) else []:
         assert int(name.split("-")[1]) < stop - 2  # only from before the non-finite streak
 
 
 @pytest.mark.slow
-def test_nonfinite_weights_are_named_and_the_last_good_checkpoint_is_kept(tmp_path):
-    p = run(tmp_path, "--training.steps", "12", "--checkpoint.interval", "5", "--checkpoint.keep_latest_k", "1",
-            "--metrics.log_freq", "1", env={"MOE_ECHO_FAULT_NAN_AT_STEP": "7"}, check=False)
+def test_nonfinite_weights_are_named_and_the_last_good_checkpoint_is_kept(launches):
+    p, dump = launches["nan_weights"]
     lines = [l for l in p.stderr.splitlines() if l.startswith("error:")]
     assert p.returncode == 3 and len(lines) == 1, p.stderr[-2000:]
     assert "step 9: 3 consecutive" in lines[0], lines[0]
     assert "layers.1.moe.experts" in lines[0], lines[0]  # where the NaN weight sits (first MoE layer)
     assert "weights themselves are not finite" in lines[0]
-    assert sorted(os.listdir(os.path.join(tmp_path, "checkpoint"))) == ["step-5"]
-    rows = {r["step"]: r for r in map(json.loads, open(os.path.join(tmp_path, "metrics.jsonl")))}
+    assert sorted(os.listdir(os.path.join(dump, "checkpoint"))) == ["step-5"]
+    rows = {r["step"]: r for r in map(json.loads, open(os.path.join(dump, "metrics.jsonl")))}
     assert rows[6]["nonfinite_skipped_steps"] == 0 and rows[9]["nonfinite_skipped_steps"] == 3
 
 
@@ -201,27 +268,30 @@ def test_more_bad_input_is_a_user_error_before_any_work(tmp_path, args, toml_ext
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("args, expect", [(("--optimizer.lr", "inf"), "finite"),
-                                          (("--checkpoint.async_mode", "async"), "not supported by this recipe")])
-def test_more_bad_input_is_one_line_exit_2(tmp_path, args, expect):
-    assert expect in _bad(tmp_path, *args)
+@pytest.mark.parametrize("case", list(MORE_BAD))
+def test_more_bad_input_is_one_line_exit_2(launches, case):
+    line, _ = launches[case]
+    assert MORE_BAD[case][1] in line
 
 
 @pytest.mark.slow
-def test_bad_bytes_in_toml_and_dump_folder_that_is_a_file(tmp_path):
-    bad = tmp_path / "bad.toml"
-    bad.write_bytes(b"[training]\nsteps = 2\n# \xff\xfe\n")
-    p = subprocess.run([sys.executable, RECIPE, "--job.config_file", str(bad)], capture_output=True, text=True)
+def test_bad_bytes_in_toml_and_dump_folder_that_is_a_file(launches):
+    p, _ = launches["bad_bytes"]
     assert p.returncode == 2 and "UTF-8" in p.stderr and "Traceback" not in p.stderr
-    f = tmp_path / "a_file"
-    f.write_text("x")
-    assert "existing file" in _bad(tmp_path, "--job.dump_folder", str(f))
+    line, _ = launches["dump_is_file"]
+    assert "existing file" in line
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def _torchrun(tmp_path, *args, env=None, timeout=300):
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", RECIPE, "--job.config_file",
-           CONFIG, "--job.dump_folder", str(tmp_path / "out"), *SMALL, "--parallelism.expert_parallel_degree", "2",
-           *args]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(_free_port()),
+           RECIPE, "--job.config_file", CONFIG, "--job.dump_folder", str(tmp_path / "out"), *SMALL,
+           "--parallelism.expert_parallel_degree", "2", *args]
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout,
                           env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})})
 
@@ -242,13 +312,8 @@ def test_bad_key_under_torchrun_is_one_error_line_and_every_rank_exits_2(tmp_pat
 
 @pytest.mark.slow
 @pytest.mark.skipif(torch.cuda.is_available(), reason="gloo on CPU; under NCCL the watchdog aborts the process")
-def test_a_hung_peer_ends_the_run_within_the_timeout_after_a_hang_report(tmp_path):
-    import time
-
-    t0 = time.monotonic()
-    p = _torchrun(tmp_path, "--training.steps", "30", "--checkpoint.enable", "false", "--comm.train_timeout_seconds",
-                  "15", env={"MOE_ECHO_FAULT_STOP_AT_STEP": "4"})
-    elapsed = time.monotonic() - t0
+def test_a_hung_peer_ends_the_run_within_the_timeout_after_a_hang_report(launches):
+    (p, elapsed), _ = launches["hung_peer"]
     assert p.returncode != 0 and elapsed < 240, (elapsed, p.stderr[-3000:])
     report = p.stderr.find("no training step has finished")
     error = p.stderr.find("error: [rank 0] a collective timed out")
@@ -257,20 +322,18 @@ def test_a_hung_peer_ends_the_run_within_the_timeout_after_a_hang_report(tmp_pat
 
 
 @pytest.mark.slow
-def test_profiling_and_hf_export_keys_are_honoured(tmp_path):
+def test_profiling_and_hf_export_keys_are_honoured(launches):
     from components.moe_echo.config import MoEEchoConfig
     from components.moe_echo.models import build_model
     from components.train.hf_weights import load_initial_weights
 
-    p = run(tmp_path, "--training.steps", "4", "--checkpoint.interval", "4", "--checkpoint.last_save_in_hf",
-            "--profiling.enable_profiling", "--profiling.profile_freq", "2", "--profiling.profiler_warmup", "0",
-            "--metrics.enable_tensorboard", "false")
-    traces = sorted(os.listdir(os.path.join(tmp_path, "profile_traces")))
+    p, dump = launches["profiled"]
+    traces = sorted(os.listdir(os.path.join(dump, "profile_traces")))
     assert traces == ["iteration_2", "iteration_4"], traces
-    with open(os.path.join(tmp_path, "profile_traces", "iteration_4", "rank0_trace.json")) as f:
+    with open(os.path.join(dump, "profile_traces", "iteration_4", "rank0_trace.json")) as f:
         assert json.load(f)["traceEvents"]
     assert "HF export:" in p.stdout
-    ckpt = os.path.join(tmp_path, "checkpoint")
+    ckpt = os.path.join(dump, "checkpoint")
     dcp_model, hf_model = (build_model("deepseek_v3", "tiny", MoEEchoConfig(), seq_len=64, seed=s) for s in (1, 2))
     load_initial_weights(dcp_model, os.path.join(ckpt, "step-4"), False, "deepseek_v3")
     load_initial_weights(hf_model, os.path.join(ckpt, "step-4-hf"), True, "deepseek_v3")
