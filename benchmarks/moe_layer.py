@@ -137,10 +137,14 @@ def run_case(T, D, H, E, K, routing, dev):
         PROFILED.append(True)
         from torch.profiler import ProfilerActivity, profile
 
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            fwd_bwd(ours)()
-            torch.cuda.synchronize()
-        print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=22, max_name_column_width=60))
+        for precision in ("bf16", "fp8") if FP8 else ("bf16",):
+            ours.experts.precision = precision
+            with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                fwd_bwd(ours)()
+                torch.cuda.synchronize()
+            print(f"our layer, {precision} experts:")
+            print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=22, max_name_column_width=60))
+        ours.experts.precision = "bf16"
     t_theirs = time_ms(fwd_bwd(theirs))
     t_dense = time_ms(dense_once)
     tf = lambda ms: flops / (ms * 1e-3) / 1e12
@@ -190,7 +194,7 @@ def fp8_row(row: dict, gemm8: float) -> dict:
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=None, help="results folder (default benchmarks/results)")
-    ap.add_argument("--profile", action="store_true", help="print the top CUDA kernels of our layer (first case)")
+    ap.add_argument("--profile", action="store_true", help="print the top CUDA kernels of our layer, bf16 and FP8 experts (first case)")
     ap.add_argument("--quick", action="store_true", help="T=4096 only (smoke run)")
     ap.add_argument("--no-fp8", action="store_true", help="skip the FP8-experts rows")
     ap.add_argument("--megatron-dispatcher", default="allgather", choices=["allgather", "alltoall"],

@@ -1,29 +1,34 @@
 """FP8 (e4m3) quantisation for the scaled grouped GEMMs of FP8 experts (Triton on CUDA, torch elsewhere).
 
-Scales are dequantisation multipliers rounded up to a power of two (x ≈ q · s exactly representable
-rescaling; |x| / s ≤ 448): s = 2^ceil(log2(amax / 448)), s = 1 where amax = 0.
+Scales are dequantisation multipliers rounded up to a power of two (x ≈ q · s, an exact rescaling;
+|x| / s ≤ 448): s = 2^ceil(log2(amax / 448)), s = 1 where amax = 0.
 
-    quant_rows(x_RC, src_M=None) -> (q_MC fp8, s_M fp32)
-        one scale per output row over its C columns; row m reads x[src[m]] (a gather: -1 gives a zero
-        row), or x[m] without src. Used for the left operand of 2d×3d grouped GEMMs and for weights.
-    quant_cols(x_RC, in_start_G, counts_G, out_start_G, n_out, group_stride=0) -> (qT fp8, s_GC fp32)
-        one scale per (group g, column c) over the group's rows x[in_start[g] : in_start[g] + counts[g]];
-        written transposed: qT[base_g + c · n_out + i] for i < round_up(counts[g], 16) (zeros past
-        counts[g]), base_g = g · group_stride + out_start[g]. Two uses:
-          - activations for the weight-gradient GEMMs (2d×2d, groups along tokens): qT is [C, n_out]
-            with group g at columns out_start[g] (16-aligned), group_stride = 0;
-          - weights [G·R, C] transposed per expert into [G, C, R] (out_start = 0, group_stride = C·R).
+    quant_rows(x_RC, n_valid=None) -> (q_RC fp8, s_R fp32)
+        one scale per row over its C columns (the left operand of a 2d×3d grouped GEMM). Rows at or
+        past the device scalar n_valid (fixed-capacity padding no GEMM reads) are skipped: unspecified.
+    expert_scales(*w_EOI) -> s_E fp32
+        one scale per expert over every element of its matrices in all the given weights (w1 and w3
+        share one, so their FP8 copies can be stacked along the GEMM's reduction dimension).
+    cast_experts(w_EOI, s_E, out_EPI, row0)      out[e, row0 + o, i]  = fp8(w[e, o, i] / s[e])
+    cast_experts_t(w_EOI, s_E, out_EIP, col0)    out[e, i, col0 + o]  = fp8(w[e, o, i] / s[e])
+        the weights' FP8 copies in the layout each GEMM needs (Hopper FP8 GEMMs read both operands
+        along the reduction dimension): as stored for the forward, transposed for the input gradient.
+    swiglu_quant(ab_MJ, n_valid=None) -> (h_MH bf16, q_MH fp8, s_M)          J = 2H, ab = [a | b]
+        h = silu(a) · b in fp32, written in bf16 and as FP8 rows (one scale per row).
+    swiglu_quant_bwd(dh_MH, ab_MJ, n_valid=None) -> (da_MH, db_MH bf16, q_MJ fp8, s_M)
+        da = dh·b·σ(a)·(1 + a(1 − σ(a))), db = dh·silu(a): bf16 each (the weight-gradient GEMMs) and
+        [da | db] as FP8 rows with one scale per row (the input-gradient GEMM, reduction over 2H).
 
 Everything is read from device memory: no host sync, fixed output shapes (CUDA-graph capturable).
 """
 
 import torch
+import torch.nn.functional as F
 
-from .moe_rows import _with_zero_row, triton
+from .moe_rows import triton
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0
-ALIGN = 16  # rows per group of an FP8 grouped GEMM's token dimension must be a multiple of this
 
 
 def pow2_scale(amax: torch.Tensor) -> torch.Tensor:
@@ -40,32 +45,34 @@ def _cast(x: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
 # --- torch reference (CPU, and the check for the kernels) ---------------------------------------
 
 def _on_kernels(x: torch.Tensor) -> bool:
-    """Triton for every CUDA tensor, whatever its float dtype (the torch path reads counts on the host).
+    """Triton for every CUDA tensor, whatever its float dtype (the torch path is the CPU reference).
     Not under TRITON_INTERPRET: the interpreter's float8 conversion does not round to nearest even."""
     return triton is not None and x.is_cuda
 
 
-def quant_rows_torch(x_RC, src_M=None):
-    if src_M is not None:
-        x_RC, src_M = _with_zero_row(x_RC, src_M)
-        x_RC = x_RC[src_M]
-    s_M = pow2_scale(x_RC.abs().amax(1) if x_RC.shape[1] else x_RC.new_zeros(x_RC.shape[0]))
-    return _cast(x_RC, s_M[:, None]), s_M
+def quant_rows_torch(x_RC):
+    s_R = pow2_scale(x_RC.abs().amax(1) if x_RC.shape[1] else x_RC.new_zeros(x_RC.shape[0]))
+    return _cast(x_RC, s_R[:, None]), s_R
 
 
-def quant_cols_torch(x_RC, in_start_G, counts_G, out_start_G, n_out, group_stride=0):
-    G, C = counts_G.shape[0], x_RC.shape[1]
-    size = n_out * C if group_stride == 0 else G * group_stride
-    qT = torch.zeros(size, dtype=FP8, device=x_RC.device)
-    s_GC = torch.ones(G, C, dtype=torch.float32, device=x_RC.device)
-    for g, (i0, n, o0) in enumerate(zip(in_start_G.tolist(), counts_G.tolist(), out_start_G.tolist())):
-        if n == 0:
-            continue
-        blk_nC = x_RC[i0:i0 + n].float()
-        s_GC[g] = pow2_scale(blk_nC.abs().amax(0))
-        idx_Cn = g * group_stride + o0 + torch.arange(C)[:, None] * n_out + torch.arange(n)[None, :]
-        qT[idx_Cn.reshape(-1)] = _cast(blk_nC, s_GC[g]).t().reshape(-1)
-    return qT, s_GC
+def expert_scales_torch(*ws):
+    amax_E = torch.stack([w.detach().abs().flatten(1).amax(1).float() for w in ws]).amax(0)
+    return pow2_scale(amax_E)
+
+
+def swiglu_quant_torch(ab_MJ):
+    a, b = ab_MJ.float().chunk(2, dim=1)
+    h = F.silu(a) * b
+    q, s = quant_rows_torch(h)
+    return h.to(torch.bfloat16), q, s
+
+
+def swiglu_quant_bwd_torch(dh_MH, ab_MJ):
+    a, b = ab_MJ.float().chunk(2, dim=1)
+    g, sig = dh_MH.float(), torch.sigmoid(a)
+    da, db = g * b * sig * (1 + a * (1 - sig)), g * a * sig
+    q, s = quant_rows_torch(torch.cat([da, db], 1))
+    return da.to(torch.bfloat16), db.to(torch.bfloat16), q, s
 
 
 # --- Triton kernels -----------------------------------------------------------------------------
@@ -81,78 +88,175 @@ if triton is not None:
         return tl.where(amax > 0, s, 1.0)
 
     @triton.jit
-    def _quant_rows_kernel(x_ptr, src_ptr, q_ptr, s_ptr, C, HAS_SRC: tl.constexpr, BLOCK_C: tl.constexpr):
-        m = tl.program_id(0).to(tl.int64)
-        if HAS_SRC:
-            src = tl.load(src_ptr + m).to(tl.int64)
-        else:
-            src = m
-        offs = tl.arange(0, BLOCK_C)
-        present = (tl.zeros([BLOCK_C], dtype=tl.int64) + src) >= 0  # src -1: a zero row
-        amax = tl.zeros([BLOCK_C], dtype=tl.float32)
-        for c0 in range(0, C, BLOCK_C):
-            mask = (c0 + offs < C) & present
-            amax = tl.maximum(amax, tl.abs(tl.load(x_ptr + src * C + c0 + offs, mask=mask, other=0.0).to(tl.float32)))
-        s = _pow2_scale(tl.max(amax, axis=0))
-        for c0 in range(0, C, BLOCK_C):
-            mask = (c0 + offs < C) & present
-            v = tl.load(x_ptr + src * C + c0 + offs, mask=mask, other=0.0).to(tl.float32)
-            q = tl.clamp(v / s, -448.0, 448.0)
-            tl.store(q_ptr + m * C + c0 + offs, q.to(q_ptr.dtype.element_ty), mask=c0 + offs < C)
-        tl.store(s_ptr + m, s)
+    def _valid(m, n_valid_ptr, HAS_N: tl.constexpr):
+        if HAS_N:
+            return m < tl.load(n_valid_ptr).to(tl.int64)
+        return m >= 0
 
     @triton.jit
-    def _quant_cols_kernel(x_ptr, in_start_ptr, counts_ptr, out_start_ptr, q_ptr, s_ptr, C, n_out, group_stride,
-                           BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
-        g = tl.program_id(1)
-        cols = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
-        cmask = cols < C
-        i0 = tl.load(in_start_ptr + g).to(tl.int64)
-        n = tl.load(counts_ptr + g).to(tl.int32)
-        n_pad = (n + 15) // 16 * 16
-        base = g.to(tl.int64) * group_stride + tl.load(out_start_ptr + g).to(tl.int64)
-        rows = tl.arange(0, BLOCK_R)
-        amax = tl.zeros([BLOCK_C], dtype=tl.float32)
-        for r0 in range(0, n, BLOCK_R):
-            mask = ((r0 + rows) < n)[:, None] & cmask[None, :]
-            v = tl.load(x_ptr + (i0 + r0 + rows)[:, None] * C + cols[None, :], mask=mask, other=0.0)
-            amax = tl.maximum(amax, tl.max(tl.abs(v.to(tl.float32)), axis=0))
-        s = _pow2_scale(amax)
-        for r0 in range(0, n_pad, BLOCK_R):
-            mask = ((r0 + rows) < n)[:, None] & cmask[None, :]
-            v = tl.load(x_ptr + (i0 + r0 + rows)[:, None] * C + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-            q = tl.clamp(v / s[None, :], -448.0, 448.0)
-            out = base + cols[None, :].to(tl.int64) * n_out + (r0 + rows)[:, None]
-            tl.store(q_ptr + out, q.to(q_ptr.dtype.element_ty), mask=((r0 + rows) < n_pad)[:, None] & cmask[None, :])
-        tl.store(s_ptr + g * C + cols, s, mask=cmask)
+    def _quant_rows_kernel(x_ptr, q_ptr, s_ptr, n_valid_ptr, C, HAS_N: tl.constexpr, BLOCK_C: tl.constexpr):
+        m = tl.program_id(0).to(tl.int64)
+        if _valid(m, n_valid_ptr, HAS_N):
+            offs = tl.arange(0, BLOCK_C)
+            amax = tl.zeros([BLOCK_C], dtype=tl.float32)
+            for c0 in range(0, C, BLOCK_C):
+                v = tl.load(x_ptr + m * C + c0 + offs, mask=c0 + offs < C, other=0.0).to(tl.float32)
+                amax = tl.maximum(amax, tl.abs(v))
+            s = _pow2_scale(tl.max(amax, axis=0))
+            for c0 in range(0, C, BLOCK_C):
+                mask = c0 + offs < C
+                v = tl.load(x_ptr + m * C + c0 + offs, mask=mask, other=0.0).to(tl.float32)
+                q = tl.clamp(v / s, -448.0, 448.0)
+                tl.store(q_ptr + m * C + c0 + offs, q.to(q_ptr.dtype.element_ty), mask=mask)
+            tl.store(s_ptr + m, s)
+
+    @triton.jit
+    def _expert_amax_kernel(w_ptr, amax_ptr, n_per_e, BLOCK: tl.constexpr):
+        e = tl.program_id(1).to(tl.int64)
+        offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        v = tl.load(w_ptr + e * n_per_e + offs, mask=offs < n_per_e, other=0.0).to(tl.float32)
+        tl.atomic_max(amax_ptr + e, tl.max(tl.abs(v), axis=0))
+
+    @triton.jit
+    def _cast_experts_kernel(w_ptr, s_ptr, out_ptr, n_per_e, out_per_e, out_off, BLOCK: tl.constexpr):
+        e = tl.program_id(1).to(tl.int64)
+        offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        mask = offs < n_per_e
+        s = tl.load(s_ptr + e)
+        v = tl.load(w_ptr + e * n_per_e + offs, mask=mask, other=0.0).to(tl.float32)
+        q = tl.clamp(v / s, -448.0, 448.0)
+        tl.store(out_ptr + e * out_per_e + out_off + offs, q.to(out_ptr.dtype.element_ty), mask=mask)
+
+    @triton.jit
+    def _cast_experts_t_kernel(w_ptr, s_ptr, out_ptr, O, I, P, col0, BLOCK_O: tl.constexpr, BLOCK_I: tl.constexpr):
+        e = tl.program_id(2).to(tl.int64)
+        o = tl.program_id(0) * BLOCK_O + tl.arange(0, BLOCK_O)
+        i = tl.program_id(1) * BLOCK_I + tl.arange(0, BLOCK_I)
+        mask = (o[:, None] < O) & (i[None, :] < I)
+        s = tl.load(s_ptr + e)
+        v = tl.load(w_ptr + e * O * I + o[:, None].to(tl.int64) * I + i[None, :], mask=mask, other=0.0)
+        q = tl.clamp(v.to(tl.float32) / s, -448.0, 448.0).to(out_ptr.dtype.element_ty)
+        dst = out_ptr + e * I * P + i[:, None].to(tl.int64) * P + col0 + o[None, :]
+        tl.store(dst, tl.trans(q), mask=(i[:, None] < I) & (o[None, :] < O))
+
+    @triton.jit
+    def _swiglu_quant_kernel(ab_ptr, h_ptr, q_ptr, s_ptr, n_valid_ptr, H, HAS_N: tl.constexpr, BLOCK_H: tl.constexpr):
+        m = tl.program_id(0).to(tl.int64)
+        if _valid(m, n_valid_ptr, HAS_N):
+            c = tl.arange(0, BLOCK_H)
+            mask = c < H
+            a = tl.load(ab_ptr + m * 2 * H + c, mask=mask, other=0.0).to(tl.float32)
+            b = tl.load(ab_ptr + m * 2 * H + H + c, mask=mask, other=0.0).to(tl.float32)
+            h = a * tl.sigmoid(a) * b
+            s = _pow2_scale(tl.max(tl.abs(h), axis=0))
+            tl.store(h_ptr + m * H + c, h.to(h_ptr.dtype.element_ty), mask=mask)
+            tl.store(q_ptr + m * H + c, tl.clamp(h / s, -448.0, 448.0).to(q_ptr.dtype.element_ty), mask=mask)
+            tl.store(s_ptr + m, s)
+
+    @triton.jit
+    def _swiglu_quant_bwd_kernel(dh_ptr, ab_ptr, da_ptr, db_ptr, q_ptr, s_ptr, n_valid_ptr, H, HAS_N: tl.constexpr,
+                                 BLOCK_H: tl.constexpr):
+        m = tl.program_id(0).to(tl.int64)
+        if _valid(m, n_valid_ptr, HAS_N):
+            c = tl.arange(0, BLOCK_H)
+            mask = c < H
+            g = tl.load(dh_ptr + m * H + c, mask=mask, other=0.0).to(tl.float32)
+            a = tl.load(ab_ptr + m * 2 * H + c, mask=mask, other=0.0).to(tl.float32)
+            b = tl.load(ab_ptr + m * 2 * H + H + c, mask=mask, other=0.0).to(tl.float32)
+            sig = tl.sigmoid(a)
+            da = g * b * sig * (1 + a * (1 - sig))
+            db = g * a * sig
+            s = _pow2_scale(tl.maximum(tl.max(tl.abs(da), axis=0), tl.max(tl.abs(db), axis=0)))
+            tl.store(da_ptr + m * H + c, da.to(da_ptr.dtype.element_ty), mask=mask)
+            tl.store(db_ptr + m * H + c, db.to(db_ptr.dtype.element_ty), mask=mask)
+            tl.store(q_ptr + m * 2 * H + c, tl.clamp(da / s, -448.0, 448.0).to(q_ptr.dtype.element_ty), mask=mask)
+            tl.store(q_ptr + m * 2 * H + H + c, tl.clamp(db / s, -448.0, 448.0).to(q_ptr.dtype.element_ty),
+                     mask=mask)
+            tl.store(s_ptr + m, s)
 
 
-def quant_rows(x_RC: torch.Tensor, src_M: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def _row_warps(block: int) -> int:
+    return 4 if block <= 2048 else 8
+
+
+def quant_rows(x_RC: torch.Tensor, n_valid: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     if not _on_kernels(x_RC):
-        return quant_rows_torch(x_RC, src_M)
+        return quant_rows_torch(x_RC)
     x_RC = x_RC.contiguous()
-    M = x_RC.shape[0] if src_M is None else src_M.shape[0]
-    C = x_RC.shape[1]
-    q_MC = torch.empty(M, C, dtype=FP8, device=x_RC.device)
-    s_M = torch.empty(M, dtype=torch.float32, device=x_RC.device)
-    if M:
+    R, C = x_RC.shape
+    q_RC = torch.empty(R, C, dtype=FP8, device=x_RC.device)
+    s_R = torch.empty(R, dtype=torch.float32, device=x_RC.device)
+    if R:
         BLOCK_C = min(4096, triton.next_power_of_2(C))
-        _quant_rows_kernel[(M,)](x_RC, src_M if src_M is not None else s_M, q_MC, s_M, C, HAS_SRC=src_M is not None,
-                                 BLOCK_C=BLOCK_C, num_warps=4 if BLOCK_C <= 2048 else 8)
-    return q_MC, s_M
+        _quant_rows_kernel[(R,)](x_RC, q_RC, s_R, n_valid if n_valid is not None else s_R, C,
+                                 HAS_N=n_valid is not None, BLOCK_C=BLOCK_C, num_warps=_row_warps(BLOCK_C))
+    return q_RC, s_R
 
 
-def quant_cols(x_RC, in_start_G, counts_G, out_start_G, n_out: int, group_stride: int = 0):
-    if not _on_kernels(x_RC):
-        return quant_cols_torch(x_RC, in_start_G, counts_G, out_start_G, n_out, group_stride)
-    x_RC = x_RC.contiguous()
-    G, C = counts_G.shape[0], x_RC.shape[1]
-    size = n_out * C if group_stride == 0 else G * group_stride
-    # positions no group covers stay unwritten: for the token layout they are past every group's end
-    # (offsets stop there), for weights every position is covered
-    qT = torch.empty(size, dtype=FP8, device=x_RC.device)
-    s_GC = torch.empty(G, C, dtype=torch.float32, device=x_RC.device)
-    BLOCK_C, BLOCK_R = 64, 64
-    _quant_cols_kernel[(triton.cdiv(C, BLOCK_C), G)](x_RC, in_start_G, counts_G, out_start_G, qT, s_GC, C, n_out,
-                                                     group_stride, BLOCK_R=BLOCK_R, BLOCK_C=BLOCK_C, num_warps=4)
-    return qT, s_GC
+def expert_scales(*ws: torch.Tensor) -> torch.Tensor:
+    """s_E: one power-of-two scale per expert over all of ``ws`` (each [E, ...], contiguous)."""
+    if not _on_kernels(ws[0]):
+        return expert_scales_torch(*ws)
+    E = ws[0].shape[0]
+    amax_E = torch.zeros(E, dtype=torch.float32, device=ws[0].device)
+    BLOCK = 4096
+    for w in ws:
+        w = w.detach().contiguous()
+        n = w[0].numel()
+        _expert_amax_kernel[(triton.cdiv(n, BLOCK), E)](w, amax_E, n, BLOCK=BLOCK, num_warps=8)
+    return pow2_scale(amax_E)
+
+
+def cast_experts(w_EOI: torch.Tensor, s_E: torch.Tensor, out_EPI: torch.Tensor, row0: int) -> None:
+    """out[e, row0:row0+O, :] = fp8(w[e] / s[e]) (out [E, P, I] contiguous)."""
+    E, O, I = w_EOI.shape
+    if not _on_kernels(w_EOI):
+        out_EPI[:, row0:row0 + O] = _cast(w_EOI.detach(), s_E[:, None, None])
+        return
+    w = w_EOI.detach().contiguous()
+    BLOCK = 4096
+    _cast_experts_kernel[(triton.cdiv(O * I, BLOCK), E)](w, s_E, out_EPI, O * I, out_EPI[0].numel(), row0 * I,
+                                                         BLOCK=BLOCK, num_warps=8)
+
+
+def cast_experts_t(w_EOI: torch.Tensor, s_E: torch.Tensor, out_EIP: torch.Tensor, col0: int) -> None:
+    """out[e, :, col0:col0+O] = fp8(w[e] / s[e])ᵀ (out [E, I, P] contiguous)."""
+    E, O, I = w_EOI.shape
+    if not _on_kernels(w_EOI):
+        out_EIP[:, :, col0:col0 + O] = _cast(w_EOI.detach(), s_E[:, None, None]).transpose(1, 2)
+        return
+    w = w_EOI.detach().contiguous()
+    BO, BI = 64, 64
+    _cast_experts_t_kernel[(triton.cdiv(O, BO), triton.cdiv(I, BI), E)](w, s_E, out_EIP, O, I, out_EIP.shape[2], col0,
+                                                                         BLOCK_O=BO, BLOCK_I=BI, num_warps=4)
+
+
+def swiglu_quant(ab_MJ: torch.Tensor, n_valid: torch.Tensor | None = None):
+    if not _on_kernels(ab_MJ):
+        return swiglu_quant_torch(ab_MJ)
+    ab_MJ = ab_MJ.contiguous()
+    M, H = ab_MJ.shape[0], ab_MJ.shape[1] // 2
+    h = torch.empty(M, H, dtype=torch.bfloat16, device=ab_MJ.device)
+    q = torch.empty(M, H, dtype=FP8, device=ab_MJ.device)
+    s = torch.empty(M, dtype=torch.float32, device=ab_MJ.device)
+    if M:
+        B = triton.next_power_of_2(H)
+        _swiglu_quant_kernel[(M,)](ab_MJ, h, q, s, n_valid if n_valid is not None else s, H,
+                                   HAS_N=n_valid is not None, BLOCK_H=B, num_warps=_row_warps(B))
+    return h, q, s
+
+
+def swiglu_quant_bwd(dh_MH: torch.Tensor, ab_MJ: torch.Tensor, n_valid: torch.Tensor | None = None):
+    if not _on_kernels(ab_MJ):
+        return swiglu_quant_bwd_torch(dh_MH, ab_MJ)
+    dh_MH, ab_MJ = dh_MH.contiguous(), ab_MJ.contiguous()
+    M, H = dh_MH.shape
+    da = torch.empty(M, H, dtype=torch.bfloat16, device=ab_MJ.device)
+    db = torch.empty_like(da)
+    q = torch.empty(M, 2 * H, dtype=FP8, device=ab_MJ.device)
+    s = torch.empty(M, dtype=torch.float32, device=ab_MJ.device)
+    if M:
+        B = triton.next_power_of_2(H)
+        _swiglu_quant_bwd_kernel[(M,)](dh_MH, ab_MJ, da, db, q, s, n_valid if n_valid is not None else s, H,
+                                       HAS_N=n_valid is not None, BLOCK_H=B, num_warps=_row_warps(B))
+    return da, db, q, s

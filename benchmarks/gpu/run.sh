@@ -16,7 +16,7 @@
 #                    alltoall exact path: replays, re-captures, per-step losses -> recapture_<GPU>.md
 #   layer       1    MoE layer fwd+bwd vs torchtitan, Megatron-Core (.whl/extra/mcore) and a dense SwiGLU; bf16 and FP8 experts
 #                    (+ the layer/kernel tests)
-#   fp8         1    FP8 experts: their tests, v2lite_1b 300 steps bf16 vs fp8 (loss curves), e2e bf16 vs fp8
+#   fp8         1    FP8 experts: their tests, v2lite_1b 300 steps bf16 vs fp8 vs bf16 compiled (loss curves), e2e bf16 vs fp8
 #   configs     1    40 steps of each GPU config (RECIPES="debug_gpu ..." to pick)
 #   dispatch    2/4+ dispatch + combine at EP=2 on GPUs 0,1, then EP=all GPUs (VDEV=1 adds NVSHMEM vdev)
 #   e2e         1-2  whole-run tokens/s, step ms and MFU vs torchtitan's trainer (no compile / compile), ours
@@ -142,8 +142,12 @@ print('largest step difference over steps 1-20: %.2e at step %d' % max(rel[:20])
     python3 -m pytest tests/test_fp8_experts.py -p no:warnings -q -rfEs 2>&1 | tee "$OUT/fp8_tests.log" | tail -5
     TMO=240 recipe loss_bf16 1 --training.steps 300 --training.cuda_graph true
     TMO=240 recipe loss_fp8 1 --training.steps 300 --training.cuda_graph true --moe_echo.expert_precision fp8
-    python3 benchmarks/loss_match.py "$OUT/loss_bf16.jsonl" "$OUT/loss_fp8.jsonl"
-    python3 benchmarks/e2e.py --configs v2lite_1b_gpu --runs ours_graph --out "$OUT/e2e" | tail -3
+    # the control: the same bf16 math with other rounding (compiled dense parts) shows how far two equivalent runs drift
+    TMO=300 recipe loss_bf16_compile 1 --training.steps 300 --training.cuda_graph true --compile.enable true
+    for r in loss_fp8 loss_bf16_compile; do
+      echo "-- bf16 vs $r"; python3 benchmarks/loss_match.py "$OUT/loss_bf16.jsonl" "$OUT/$r.jsonl" | tail -1
+    done
+    python3 benchmarks/e2e.py --configs v2lite_1b_gpu --runs ours_graph --label bf16_ref --out "$OUT/e2e" | tail -3
     python3 benchmarks/e2e.py --configs v2lite_1b_gpu --runs ours_graph --ours "--moe_echo.expert_precision fp8" \
       --label fp8 --out "$OUT/e2e" | tail -4 ;;
 

@@ -1,34 +1,32 @@
-"""Grouped SwiGLU experts with FP8 (e4m3) GEMMs: forward, input gradient and weight gradient.
+"""Grouped SwiGLU experts with FP8 (e4m3) GEMMs for the forward and the input gradient.
 
     fp8_grouped_swiglu(x_ND, w1_EHD, w2_EDH, w3_EHD, counts_E) -> y_ND   (bf16; same contract as
-    experts.grouped_swiglu: rows expert-major, rows past sum(counts) unspecified in y, zero in dx)
+    experts.grouped_swiglu: rows expert-major, rows at or past sum(counts) unspecified in y and dx)
 
-Scaling (dequantisation multipliers, powers of two, computed on the device):
-- activations and output gradients: one scale per row for the 2d×3d GEMMs (forward, input
-  gradient), one per (expert, column) over the expert's rows for the weight-gradient GEMMs;
-- weights: one scale per (expert, output row), taken along the GEMM's reduction dimension, in
-  each of the two layouts the forward and the input gradient need.
-The nine GEMMs are ``torch._scaled_grouped_mm`` (Hopper rowwise FP8, fp32 accumulation, bf16 out).
-Weights stay in their own dtype (fp32 masters or bf16 parameters); only their FP8 copies are
-made per call.
+GEMMs (``torch._scaled_grouped_mm``: Hopper FP8, fp32 accumulation, bf16 out):
+    forward         [a | b] = x @ [w1; w3]ᵀ  (one GEMM, N = 2H),   y = h @ w2ᵀ
+    input gradient  dh = dy @ w2,   dx = [da | db] @ [w1; w3]      (one GEMM, reduction over 2H)
+The three weight-gradient GEMMs stay in bf16 (``torch._grouped_mm`` on the bf16 x, h, dy, da, db):
+FP8 there needs per-(expert, column) scales of the token operands, i.e. five more transposing
+passes over tensors as large as the GEMMs' inputs, for ~1.3× on a third of the FLOPs.
 
-Layout: FP8 weight-gradient GEMMs need every expert's row count to be a multiple of 16, so inside
-this function each expert's rows sit at a 16-aligned start (``AlignedRows``; pad rows are zero).
-The quantisation kernels gather into that layout and the results are gathered back, so the
-dispatcher's layout is untouched. Sizes are static (round_up(N, 16) + 16·E rows): no host read, capturable.
+Scaling (dequantisation multipliers, powers of two, computed on the device): activations and
+output gradients one scale per row; weights one scale per expert (w1 and w3 share it), so the
+plain copy (forward) and the transposed copy (input gradient) come from one amax pass. The FP8
+weight copies are made per call; weights stay in their own dtype (fp32 masters or bf16 parameters).
+Expert groups need no alignment (the 2d×3d FP8 GEMMs accept any row counts); rows past sum(counts)
+are skipped by every pass.
 
-Off CUDA the GEMMs are emulated (dequantise, fp32 matmul per expert): the same quantisation and
-layout, so CPU tests check everything but the tensor-core kernel.
+Off CUDA the GEMMs are emulated (dequantise, fp32 matmul per expert): the same quantisation, so CPU
+tests check everything but the tensor-core kernels.
 """
-
-from dataclasses import dataclass
 
 import torch
 
 from components.errors import UserError
-from kernels.fp8 import ALIGN, quant_cols, quant_rows
-from kernels.moe_rows import gather_sum
-from kernels.swiglu import swiglu_bwd, swiglu_fwd
+from kernels.fp8 import FP8, cast_experts, cast_experts_t, expert_scales, quant_rows, swiglu_quant, swiglu_quant_bwd
+
+ALIGN = 16  # FP8 GEMM operands: dim and hidden_dim must be multiples of 16 (16-byte rows)
 
 
 def check_fp8_supported(device: torch.device) -> None:
@@ -47,136 +45,72 @@ def check_fp8_supported(device: torch.device) -> None:
         )
 
 
-@dataclass
-class AlignedRows:
-    """Where each expert's rows go when every expert starts at a multiple of 16.
-
-    start_E / start_al_E: first row of expert e in the dispatcher's / the aligned layout;
-    offs_al_E: int32 end of each expert's (16-padded) rows in the aligned layout (GEMM offsets);
-    src_M: for each of the M = round_up(N, 16) + 16·E aligned rows, its dispatcher row (-1: padding);
-    dst_N1: for each dispatcher row, its aligned row (-1: past sum(counts)), shaped [N, 1].
-    """
-
-    counts_E: torch.Tensor
-    start_E: torch.Tensor
-    start_al_E: torch.Tensor
-    offs_al_E: torch.Tensor
-    src_M: torch.Tensor
-    dst_N1: torch.Tensor
-
-    @staticmethod
-    def build(counts_E: torch.Tensor, N: int) -> "AlignedRows":
-        E = counts_E.shape[0]
-        counts_E = counts_E.to(torch.int64)
-        end_E = torch.cumsum(counts_E, 0)
-        end_al_E = torch.cumsum((counts_E + ALIGN - 1) // ALIGN * ALIGN, 0)
-        start_E, start_al_E = end_E - counts_E, end_al_E - (counts_E + ALIGN - 1) // ALIGN * ALIGN
-        M = (N + ALIGN - 1) // ALIGN * ALIGN + ALIGN * E  # rows are a GEMM stride: a multiple of 16
-        r_M = torch.arange(M, device=counts_E.device)
-        e_M = torch.searchsorted(end_al_E, r_M, right=True).clamp(max=E - 1)
-        i_M = r_M - start_al_E[e_M]
-        src_M = torch.where((r_M < end_al_E[-1]) & (i_M < counts_E[e_M]), start_E[e_M] + i_M, -1)
-        n_N = torch.arange(N, device=counts_E.device)
-        e_N = torch.searchsorted(end_E, n_N, right=True).clamp(max=E - 1)
-        dst_N = torch.where(n_N < end_E[-1], n_N - start_E[e_N] + start_al_E[e_N], -1)
-        return AlignedRows(counts_E, start_E, start_al_E, end_al_E.to(torch.int32), src_M, dst_N.view(N, 1))
-
-    @property
-    def rows(self) -> int:
-        return self.src_M.shape[0]
-
-
 def scaled_grouped_mm(a_q, b_q, s_a, s_b, offs):
-    """``torch._scaled_grouped_mm`` (bf16 out) on CUDA; off CUDA the same product emulated in fp32.
-    2d×3d: a [M, K], b [E, K, N] -> [M, N]; 2d×2d: a [P, M], b [M, Q] grouped on M -> [E, P, Q]."""
+    """``torch._scaled_grouped_mm`` (2d×3d, bf16 out) on CUDA; off CUDA the same product emulated in fp32.
+    a [M, K] (rows grouped by offs), b [E, K, N], s_a [M], s_b [E, N] -> [M, N] (rows past offs[-1]: zero on CPU,
+    unspecified on CUDA)."""
     if a_q.is_cuda:
         return torch._scaled_grouped_mm(a_q, b_q, s_a, s_b, offs=offs, out_dtype=torch.bfloat16, use_fast_accum=True)
     ends = offs.tolist()  # host read: the emulation is for CPU tests only
-    starts = [0] + ends[:-1]
-    if b_q.dim() == 3:
-        out = torch.zeros(a_q.shape[0], b_q.shape[2])
-        for e, (i0, i1) in enumerate(zip(starts, ends)):
-            a = a_q[i0:i1].float() * s_a[i0:i1, None]
-            out[i0:i1] = a @ (b_q[e].float() * s_b[e][None, :])
-        return out.to(torch.bfloat16)
-    P, Q = a_q.shape[0], b_q.shape[1]
-    s_a, s_b = s_a.view(-1, P), s_b.view(-1, Q)
-    out = torch.stack([(a_q[:, i0:i1].float() * s_a[e][:, None]) @ (b_q[i0:i1].float() * s_b[e][None, :])
-                       for e, (i0, i1) in enumerate(zip(starts, ends))])
+    out = torch.zeros(a_q.shape[0], b_q.shape[2])
+    for e, (i0, i1) in enumerate(zip([0] + ends[:-1], ends)):
+        out[i0:i1] = (a_q[i0:i1].float() * s_a[i0:i1, None]) @ (b_q[e].float() * s_b[e][None, :])
     return out.to(torch.bfloat16)
 
 
-def _weight_rows(w_EON):
-    """FP8 copy of w [E, O, I] scaled per (e, o) over I, as the 2d×3d GEMM's [E, I, O] operand."""
-    E, O, I = w_EON.shape
-    q, s = quant_rows(w_EON.reshape(E * O, I))
-    return q.view(E, O, I).transpose(-2, -1), s.view(E, O)
+def grouped_wgrad(a_MP, b_MQ, offs):
+    """Σ over each expert's rows of aᵀ b: [E, P, Q] (bf16 ``torch._grouped_mm`` on CUDA; fp32 loop off CUDA).
+    An expert without rows gets zeros."""
+    if a_MP.is_cuda:
+        return torch._grouped_mm(a_MP.t(), b_MQ, offs=offs)
+    ends = offs.tolist()
+    return torch.stack([a_MP[i0:i1].float().t() @ b_MQ[i0:i1].float()
+                        for i0, i1 in zip([0] + ends[:-1], ends)]).to(torch.bfloat16)
 
 
-def _weight_cols(w_EON):
-    """FP8 copy of w [E, O, I] scaled per (e, i) over O, as the 2d×3d GEMM's [E, O, I] operand."""
-    E, O, I = w_EON.shape
-    ar = torch.arange(E, device=w_EON.device)
-    q, s = quant_cols(w_EON.reshape(E * O, I), ar * O, torch.full_like(ar, O), torch.zeros_like(ar), O, I * O)
-    return q.view(E, I, O).transpose(-2, -1), s
-
-
-def _token_cols(x_RC, lay: AlignedRows, aligned_input: bool):
-    """FP8 copy of x [rows, C] scaled per (expert, c) over the expert's rows, as the 2d×2d GEMM's
-    transposed operand [C, M] in the aligned layout; scales flattened [E·C]."""
-    q, s = quant_cols(x_RC, lay.start_al_E if aligned_input else lay.start_E, lay.counts_E, lay.start_al_E, lay.rows)
-    return q.view(x_RC.shape[1], lay.rows), s.reshape(-1)
-
-
-def _to_dispatch_rows(y_MC, lay: AlignedRows):
-    """Rows of the aligned layout back in the dispatcher's order (zero past sum(counts))."""
-    return gather_sum(y_MC, lay.dst_N1)
+def _per_column(s_E: torch.Tensor, n: int) -> torch.Tensor:
+    """A per-expert scale as the [E, N] per-output-column scale the GEMM reads."""
+    return s_E[:, None].expand(-1, n).contiguous()
 
 
 class _Fp8GroupedSwiGLU(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x_ND, w1_EHD, w2_EDH, w3_EHD, counts_E):
-        lay = AlignedRows.build(counts_E, x_ND.shape[0])
-        offs = lay.offs_al_E
-        x_q, x_s = quant_rows(x_ND, lay.src_M)
-        w1_q, w1_s = _weight_rows(w1_EHD)
-        w3_q, w3_s = _weight_rows(w3_EHD)
-        a_MH = scaled_grouped_mm(x_q, w1_q, x_s, w1_s, offs)
-        b_MH = scaled_grouped_mm(x_q, w3_q, x_s, w3_s, offs)
-        h_MH = swiglu_fwd(a_MH, b_MH)
-        h_q, h_s = quant_rows(h_MH)
-        w2_q, w2_s = _weight_rows(w2_EDH)
-        y_MD = scaled_grouped_mm(h_q, w2_q, h_s, w2_s, offs)
-        ctx.save_for_backward(x_ND, w1_EHD, w2_EDH, w3_EHD, a_MH, b_MH, h_MH)
-        ctx.lay = lay
-        return _to_dispatch_rows(y_MD, lay)
+        E, H, D = w1_EHD.shape
+        offs_E = torch.cumsum(counts_E, 0, dtype=torch.int32)
+        used = offs_E[-1:]
+        s13_E, s2_E = expert_scales(w1_EHD, w3_EHD), expert_scales(w2_EDH)
+        w13_q = torch.empty(E, 2 * H, D, dtype=FP8, device=x_ND.device)  # [w1; w3] as stored: K-major for x @ ·ᵀ
+        cast_experts(w1_EHD, s13_E, w13_q, 0)
+        cast_experts(w3_EHD, s13_E, w13_q, H)
+        w2_q = torch.empty(E, D, H, dtype=FP8, device=x_ND.device)
+        cast_experts(w2_EDH, s2_E, w2_q, 0)
+        x_q, x_s = quant_rows(x_ND, used)
+        ab_MJ = scaled_grouped_mm(x_q, w13_q.transpose(-2, -1), x_s, _per_column(s13_E, 2 * H), offs_E)
+        h_MH, h_q, h_s = swiglu_quant(ab_MJ, used)
+        y_ND = scaled_grouped_mm(h_q, w2_q.transpose(-2, -1), h_s, _per_column(s2_E, D), offs_E)
+        ctx.save_for_backward(x_ND, w1_EHD, w2_EDH, w3_EHD, ab_MJ, h_MH, offs_E, s13_E, s2_E)
+        return y_ND
 
     @staticmethod
     def backward(ctx, dy_ND):
-        x_ND, w1_EHD, w2_EDH, w3_EHD, a_MH, b_MH, h_MH = ctx.saved_tensors
-        lay: AlignedRows = ctx.lay
-        offs = lay.offs_al_E
-        dy_q, dy_s = quant_rows(dy_ND.to(torch.bfloat16), lay.src_M)
-        w2_q, w2_s = _weight_cols(w2_EDH)
-        dh_MH = scaled_grouped_mm(dy_q, w2_q, dy_s, w2_s, offs)
-        da_MH, db_MH = swiglu_bwd(dh_MH, a_MH, b_MH)
-        da_q, da_s = quant_rows(da_MH)
-        db_q, db_s = quant_rows(db_MH)
-        w1_q, w1_s = _weight_cols(w1_EHD)
-        w3_q, w3_s = _weight_cols(w3_EHD)
-        dx_MD = scaled_grouped_mm(da_q, w1_q, da_s, w1_s, offs)
-        dx_MD += scaled_grouped_mm(db_q, w3_q, db_s, w3_s, offs)
-        dx_ND = _to_dispatch_rows(dx_MD, lay).to(x_ND.dtype)
-
-        x_T, x_Ts = _token_cols(x_ND, lay, aligned_input=False)
-        dy_T, dy_Ts = _token_cols(dy_ND, lay, aligned_input=False)
-        h_T, h_Ts = _token_cols(h_MH, lay, aligned_input=True)
-        da_T, da_Ts = _token_cols(da_MH, lay, aligned_input=True)
-        db_T, db_Ts = _token_cols(db_MH, lay, aligned_input=True)
-        dw1 = scaled_grouped_mm(da_T, x_T.t(), da_Ts, x_Ts, offs)
-        dw3 = scaled_grouped_mm(db_T, x_T.t(), db_Ts, x_Ts, offs)
-        dw2 = scaled_grouped_mm(dy_T, h_T.t(), dy_Ts, h_Ts, offs)
-        return dx_ND, dw1.to(w1_EHD.dtype), dw2.to(w2_EDH.dtype), dw3.to(w3_EHD.dtype), None
+        x_ND, w1_EHD, w2_EDH, w3_EHD, ab_MJ, h_MH, offs_E, s13_E, s2_E = ctx.saved_tensors
+        E, H, D = w1_EHD.shape
+        used = offs_E[-1:]
+        dy_ND = dy_ND.to(torch.bfloat16).contiguous()
+        dy_q, dy_s = quant_rows(dy_ND, used)
+        w2t_q = torch.empty(E, H, D, dtype=FP8, device=dy_ND.device)  # w2ᵀ: K-major for dy @ w2
+        cast_experts_t(w2_EDH, s2_E, w2t_q, 0)
+        dh_MH = scaled_grouped_mm(dy_q, w2t_q.transpose(-2, -1), dy_s, _per_column(s2_E, H), offs_E)
+        da_MH, db_MH, dab_q, dab_s = swiglu_quant_bwd(dh_MH, ab_MJ, used)
+        w13t_q = torch.empty(E, D, 2 * H, dtype=FP8, device=dy_ND.device)  # [w1; w3]ᵀ: K-major for [da|db] @ ·
+        cast_experts_t(w1_EHD, s13_E, w13t_q, 0)
+        cast_experts_t(w3_EHD, s13_E, w13t_q, H)
+        dx_ND = scaled_grouped_mm(dab_q, w13t_q.transpose(-2, -1), dab_s, _per_column(s13_E, D), offs_E)
+        dw1 = grouped_wgrad(da_MH, x_ND, offs_E)
+        dw3 = grouped_wgrad(db_MH, x_ND, offs_E)
+        dw2 = grouped_wgrad(dy_ND, h_MH, offs_E)
+        return dx_ND.to(x_ND.dtype), dw1.to(w1_EHD.dtype), dw2.to(w2_EDH.dtype), dw3.to(w3_EHD.dtype), None
 
 
 def fp8_grouped_swiglu(x_ND, w1_EHD, w2_EDH, w3_EHD, counts_E):
@@ -184,4 +118,4 @@ def fp8_grouped_swiglu(x_ND, w1_EHD, w2_EDH, w3_EHD, counts_E):
     E, H, D = w1_EHD.shape
     if D % ALIGN or H % ALIGN:
         raise UserError(f"FP8 experts need dim and hidden_dim divisible by {ALIGN}; got dim={D}, hidden_dim={H}")
-    return _Fp8GroupedSwiGLU.apply(x_ND.to(torch.bfloat16), w1_EHD, w2_EDH, w3_EHD, counts_E)
+    return _Fp8GroupedSwiGLU.apply(x_ND.to(torch.bfloat16).contiguous(), w1_EHD, w2_EDH, w3_EHD, counts_E)
