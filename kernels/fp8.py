@@ -6,9 +6,11 @@ Scales are dequantisation multipliers rounded up to a power of two (x ≈ q · s
     quant_rows(x_RC, n_valid=None) -> (q_RC fp8, s_R fp32)
         one scale per row over its C columns (the left operand of a 2d×3d grouped GEMM). Rows at or
         past the device scalar n_valid (fixed-capacity padding no GEMM reads) are skipped: unspecified.
-    expert_scales(*w_EOI) -> s_E fp32
-        one scale per expert over every element of its matrices in all the given weights (w1 and w3
-        share one, so their FP8 copies can be stacked along the GEMM's reduction dimension).
+    cast_experts_scaled(ws, out_EPI, hint_E) -> s_E
+        one scale per expert over every element of its matrices in all of ws (w1 and w3 share one, so
+        their FP8 copies stack along the GEMM's reduction dimension), and the stacked plain copy
+        out[e] = fp8([w_0; w_1; …][e] / s[e]): one pass over the weights when hint_E (the previous call's
+        scales, updated in place) is right, plus a pass over only the experts whose scale moved.
     cast_experts(w_EOI, s_E, out_EPI, row0)      out[e, row0 + o, i]  = fp8(w[e, o, i] / s[e])
     cast_experts_t(w_EOI, s_E, out_EIP, col0)    out[e, i, col0 + o]  = fp8(w[e, o, i] / s[e])
         the weights' FP8 copies in the layout each GEMM needs (Hopper FP8 GEMMs read both operands
@@ -111,13 +113,6 @@ if triton is not None:
             tl.store(s_ptr + m, s)
 
     @triton.jit
-    def _expert_amax_kernel(w_ptr, amax_ptr, n_per_e, BLOCK: tl.constexpr):
-        e = tl.program_id(1).to(tl.int64)
-        offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-        v = tl.load(w_ptr + e * n_per_e + offs, mask=offs < n_per_e, other=0.0).to(tl.float32)
-        tl.atomic_max(amax_ptr + e, tl.max(tl.abs(v), axis=0))
-
-    @triton.jit
     def _cast_experts_kernel(w_ptr, s_ptr, out_ptr, n_per_e, out_per_e, out_off, BLOCK: tl.constexpr):
         e = tl.program_id(1).to(tl.int64)
         offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
@@ -126,6 +121,28 @@ if triton is not None:
         v = tl.load(w_ptr + e * n_per_e + offs, mask=mask, other=0.0).to(tl.float32)
         q = tl.clamp(v / s, -448.0, 448.0)
         tl.store(out_ptr + e * out_per_e + out_off + offs, q.to(out_ptr.dtype.element_ty), mask=mask)
+
+    @triton.jit
+    def _cast_amax_kernel(w_ptr, hint_ptr, out_ptr, amax_ptr, n_per_e, out_per_e, out_off, BLOCK: tl.constexpr):
+        e = tl.program_id(1).to(tl.int64)
+        offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        mask = offs < n_per_e
+        s = tl.load(hint_ptr + e)
+        v = tl.load(w_ptr + e * n_per_e + offs, mask=mask, other=0.0).to(tl.float32)
+        tl.store(out_ptr + e * out_per_e + out_off + offs, tl.clamp(v / s, -448.0, 448.0).to(out_ptr.dtype.element_ty),
+                 mask=mask)
+        tl.atomic_max(amax_ptr + e, tl.max(tl.abs(v), axis=0))
+
+    @triton.jit
+    def _recast_kernel(w_ptr, hint_ptr, s_ptr, out_ptr, n_per_e, out_per_e, out_off, BLOCK: tl.constexpr):
+        e = tl.program_id(1).to(tl.int64)
+        s = tl.load(s_ptr + e)
+        if s != tl.load(hint_ptr + e):  # the predicted scale was wrong for this expert: cast again
+            offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+            mask = offs < n_per_e
+            v = tl.load(w_ptr + e * n_per_e + offs, mask=mask, other=0.0).to(tl.float32)
+            tl.store(out_ptr + e * out_per_e + out_off + offs,
+                     tl.clamp(v / s, -448.0, 448.0).to(out_ptr.dtype.element_ty), mask=mask)
 
     @triton.jit
     def _cast_experts_t_kernel(w_ptr, s_ptr, out_ptr, O, I, P, col0, BLOCK_O: tl.constexpr, BLOCK_I: tl.constexpr):
@@ -193,18 +210,36 @@ def quant_rows(x_RC: torch.Tensor, n_valid: torch.Tensor | None = None) -> tuple
     return q_RC, s_R
 
 
-def expert_scales(*ws: torch.Tensor) -> torch.Tensor:
-    """s_E: one power-of-two scale per expert over all of ``ws`` (each [E, ...], contiguous)."""
+def cast_experts_scaled(ws: tuple[torch.Tensor, ...], out_EPI: torch.Tensor, hint_E: torch.Tensor) -> torch.Tensor:
+    """out[e] = fp8([ws[0]; ws[1]; …][e] / s[e]) stacked along dim 1, s = expert_scales_torch(*ws), returned.
+    ``hint_E`` (fp32 [E], device) is the scale guessed for each expert — the previous call's; it is
+    overwritten with s. A wrong guess costs one more pass over that expert's weights, never accuracy."""
     if not _on_kernels(ws[0]):
-        return expert_scales_torch(*ws)
+        s_E = expert_scales_torch(*ws)
+        row = 0
+        for w in ws:
+            cast_experts(w, s_E, out_EPI, row)
+            row += w.shape[1]
+        hint_E.copy_(s_E)
+        return s_E
     E = ws[0].shape[0]
-    amax_E = torch.zeros(E, dtype=torch.float32, device=ws[0].device)
+    amax_E = torch.zeros(E, dtype=torch.float32, device=out_EPI.device)
     BLOCK = 4096
+    ws = [w.detach().contiguous() for w in ws]
+    row, starts = 0, []
     for w in ws:
-        w = w.detach().contiguous()
         n = w[0].numel()
-        _expert_amax_kernel[(triton.cdiv(n, BLOCK), E)](w, amax_E, n, BLOCK=BLOCK, num_warps=8)
-    return pow2_scale(amax_E)
+        starts.append(row * w.shape[2])
+        _cast_amax_kernel[(triton.cdiv(n, BLOCK), E)](w, hint_E, out_EPI, amax_E, n, out_EPI[0].numel(), starts[-1],
+                                                      BLOCK=BLOCK, num_warps=8)
+        row += w.shape[1]
+    s_E = pow2_scale(amax_E)
+    for w, start in zip(ws, starts):
+        n = w[0].numel()
+        _recast_kernel[(triton.cdiv(n, BLOCK), E)](w, hint_E, s_E, out_EPI, n, out_EPI[0].numel(), start,
+                                                   BLOCK=BLOCK, num_warps=8)
+    hint_E.copy_(s_E)
+    return s_E
 
 
 def cast_experts(w_EOI: torch.Tensor, s_E: torch.Tensor, out_EPI: torch.Tensor, row0: int) -> None:

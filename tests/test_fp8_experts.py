@@ -61,12 +61,10 @@ def test_expert_scales_and_weight_casts_in_both_layouts():
     E, H, D = 3, 24, 40
     w1, w3 = torch.randn(E, H, D, generator=g), torch.randn(E, H, D, generator=g) * 0.01
     w3[1] *= 1e5  # expert 1's w3 is large: its shared scale follows it, other experts' do not
-    s = fp8.expert_scales_torch(w1, w3)
+    plain, hint = torch.zeros(E, 2 * H, D, dtype=FP8), torch.zeros(E)
+    s = fp8.cast_experts_scaled((w1, w3), plain, hint)
     assert torch.equal(s, pow2_scale(torch.maximum(w1.abs().amax((1, 2)), w3.abs().amax((1, 2)))))
-    assert s[1] > 100 * s[0]
-    plain = torch.zeros(E, 2 * H, D, dtype=FP8)
-    fp8.cast_experts(w1, s, plain, 0)
-    fp8.cast_experts(w3, s, plain, H)
+    assert torch.equal(hint, s) and s[1] > 100 * s[0]
     tr = torch.zeros(E, D, 2 * H, dtype=FP8)
     fp8.cast_experts_t(w1, s, tr, 0)
     fp8.cast_experts_t(w3, s, tr, H)
@@ -155,7 +153,8 @@ hopper = pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_devi
 @pytest.mark.gpu
 @hopper
 def test_triton_quantisers_equal_torch_reference():
-    """quant_rows, expert_scales and both weight casts bit-exact against the torch reference; the fused
+    """quant_rows and both weight casts (the plain one whatever the scale guess) bit-exact against the
+    torch reference; the fused
     SwiGLU quantisers within bf16 rounding (sigmoid differs in the last bits); rows at or past n_valid
     are skipped."""
     g = torch.Generator().manual_seed(2)
@@ -170,14 +169,22 @@ def test_triton_quantisers_equal_torch_reference():
     assert torch.equal(s[:250].cpu(), quant_rows_torch(x)[1][:250])
     E, H, D = 5, 192, 320
     w1, w3 = torch.randn(E, H, D, generator=g), torch.randn(E, H, D, generator=g) * 3
-    s13 = fp8.expert_scales(w1.cuda(), w3.cuda())
-    assert torch.equal(s13.cpu(), fp8.expert_scales_torch(w1, w3))
-    for cast, shape in ((fp8.cast_experts, (E, 2 * H, D)), (fp8.cast_experts_t, (E, D, 2 * H))):
-        out, ref = torch.zeros(shape, dtype=FP8, device="cuda"), torch.zeros(shape, dtype=FP8)
-        for w, at in ((w1, 0), (w3, H)):
-            cast(w.cuda(), s13, out, at)
-            cast(w, s13.cpu(), ref, at)
+    s13 = fp8.expert_scales_torch(w1, w3)
+    ref = torch.zeros(E, 2 * H, D, dtype=FP8)
+    fp8.cast_experts(w1, s13, ref, 0)
+    fp8.cast_experts(w3, s13, ref, H)
+    wrong = s13.clone()
+    wrong[1], wrong[3] = s13[1] * 2, s13[3] / 4  # the guess too large for one expert, too small for another
+    for guess in (torch.zeros(E), s13, wrong):  # no guess, the right one, partly wrong: the same bytes
+        hint, out = guess.cuda(), torch.zeros(E, 2 * H, D, dtype=FP8, device="cuda")
+        s = fp8.cast_experts_scaled((w1.cuda(), w3.cuda()), out, hint)
+        assert torch.equal(s.cpu(), s13) and torch.equal(hint.cpu(), s13)
         assert torch.equal(out.cpu().view(torch.uint8), ref.view(torch.uint8))
+    out, ref = torch.zeros(E, D, 2 * H, dtype=FP8, device="cuda"), torch.zeros(E, D, 2 * H, dtype=FP8)
+    for w, at in ((w1, 0), (w3, H)):
+        fp8.cast_experts_t(w.cuda(), s13.cuda(), out, at)
+        fp8.cast_experts_t(w, s13, ref, at)
+    assert torch.equal(out.cpu().view(torch.uint8), ref.view(torch.uint8))
     ab = (torch.randn(300, 2 * H, generator=g) * 4).to(torch.bfloat16)
     h, q, s = fp8.swiglu_quant(ab.cuda())
     hr, qr, sr = fp8.swiglu_quant_torch(ab)
@@ -204,6 +211,30 @@ def test_fp8_experts_gpu_equal_the_emulated_path(case):
     assert _rel(gpu[1][:used].cpu(), cpu[1][:used]) < 0.02
     for d, dc in zip(gpu[2], cpu[2]):
         assert _rel(d.cpu(), dc) < 0.02
+
+
+@pytest.mark.gpu
+@hopper
+def test_fp8_experts_do_not_depend_on_the_scale_guess():
+    """Cold guess (zeros), the guess a previous call left, and a stale guess after the weights moved:
+    output and gradients bitwise the same as with a fresh guess (on the rows that are read)."""
+    x, ws, counts, gy = _experts_case([40, 3, 0, 77, 16, 9], D=256, H=128, device="cuda")
+    E, used = len(ws[0]), int(counts.sum())
+
+    def flat(r):  # y and dx on the used rows (rows past them are unspecified), every weight gradient
+        return [r[0][:used], r[1][:used], *r[2]]
+
+    hint = torch.zeros(2, E, device="cuda")
+    cold = _run(lambda *a: fp8_grouped_swiglu(*a, torch.zeros(2, E, device="cuda")), x, ws, counts, gy)
+    _run(lambda *a: fp8_grouped_swiglu(*a, hint), x, ws, counts, gy)  # leaves this call's scales in hint
+    warm = _run(lambda *a: fp8_grouped_swiglu(*a, hint), x, ws, counts, gy)
+    for a, b in zip(flat(cold), flat(warm)):
+        assert torch.equal(a, b)
+    ws2 = [w * 5 for w in ws]  # the weights moved past the guessed scales
+    stale = _run(lambda *a: fp8_grouped_swiglu(*a, hint), x, ws2, counts, gy)
+    fresh = _run(lambda *a: fp8_grouped_swiglu(*a, torch.zeros(2, E, device="cuda")), x, ws2, counts, gy)
+    for a, b in zip(flat(stale), flat(fresh)):
+        assert torch.equal(a, b)
 
 
 @pytest.mark.gpu

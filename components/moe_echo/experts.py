@@ -74,8 +74,17 @@ class GroupedExperts(nn.Module):
         if extend is not None:
             weights = tuple(extend(w, i) for i, w in enumerate(weights))
         if self.precision == "fp8":
-            return fp8_grouped_swiglu(x_ND, *weights, counts_e)
+            return fp8_grouped_swiglu(x_ND, *weights, counts_e, self._fp8_scale_hint(weights[0]))
         return grouped_swiglu(x_ND, *weights, counts_e)
+
+    def _fp8_scale_hint(self, w1: torch.Tensor) -> torch.Tensor:
+        """The FP8 weight scales of the previous step ([2, experts incl. echo slots], device; not saved):
+        the FP8 path guesses with them and corrects on the device where they moved."""
+        E = w1.shape[0]
+        hint = getattr(self, "_fp8_hint", None)
+        if hint is None or hint.shape[1] != E or hint.device != w1.device:
+            hint = self._fp8_hint = torch.zeros(2, E, dtype=torch.float32, device=w1.device)
+        return hint
 
     def local_weights(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(w1, w2, w3) of this rank's experts as plain tensors (differentiable)."""

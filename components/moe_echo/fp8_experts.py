@@ -12,7 +12,9 @@ passes over tensors as large as the GEMMs' inputs, for ~1.3× on a third of the 
 
 Scaling (dequantisation multipliers, powers of two, computed on the device): activations and
 output gradients one scale per row; weights one scale per expert (w1 and w3 share it), so the
-plain copy (forward) and the transposed copy (input gradient) come from one amax pass. The FP8
+plain copy (forward) and the transposed copy (input gradient) share it. The forward copy is cast
+with the previous call's scale while the amax is taken, and cast again only where the scale moved
+(``kernels.fp8.cast_experts_scaled``): exact current scaling without a separate amax pass. The FP8
 weight copies are made per call; weights stay in their own dtype (fp32 masters or bf16 parameters).
 Expert groups need no alignment (the 2d×3d FP8 GEMMs accept any row counts); rows past sum(counts)
 are skipped by every pass.
@@ -24,7 +26,7 @@ tests check everything but the tensor-core kernels.
 import torch
 
 from components.errors import UserError
-from kernels.fp8 import FP8, cast_experts, cast_experts_t, expert_scales, quant_rows, swiglu_quant, swiglu_quant_bwd
+from kernels.fp8 import FP8, cast_experts_scaled, cast_experts_t, quant_rows, swiglu_quant, swiglu_quant_bwd
 
 ALIGN = 16  # FP8 GEMM operands: dim and hidden_dim must be multiples of 16 (16-byte rows)
 
@@ -75,16 +77,14 @@ def _per_column(s_E: torch.Tensor, n: int) -> torch.Tensor:
 
 class _Fp8GroupedSwiGLU(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x_ND, w1_EHD, w2_EDH, w3_EHD, counts_E):
+    def forward(ctx, x_ND, w1_EHD, w2_EDH, w3_EHD, counts_E, hint_2E):
         E, H, D = w1_EHD.shape
         offs_E = torch.cumsum(counts_E, 0, dtype=torch.int32)
         used = offs_E[-1:]
-        s13_E, s2_E = expert_scales(w1_EHD, w3_EHD), expert_scales(w2_EDH)
         w13_q = torch.empty(E, 2 * H, D, dtype=FP8, device=x_ND.device)  # [w1; w3] as stored: K-major for x @ ·ᵀ
-        cast_experts(w1_EHD, s13_E, w13_q, 0)
-        cast_experts(w3_EHD, s13_E, w13_q, H)
+        s13_E = cast_experts_scaled((w1_EHD, w3_EHD), w13_q, hint_2E[0])
         w2_q = torch.empty(E, D, H, dtype=FP8, device=x_ND.device)
-        cast_experts(w2_EDH, s2_E, w2_q, 0)
+        s2_E = cast_experts_scaled((w2_EDH,), w2_q, hint_2E[1])
         x_q, x_s = quant_rows(x_ND, used)
         ab_MJ = scaled_grouped_mm(x_q, w13_q.transpose(-2, -1), x_s, _per_column(s13_E, 2 * H), offs_E)
         h_MH, h_q, h_s = swiglu_quant(ab_MJ, used)
@@ -110,12 +110,16 @@ class _Fp8GroupedSwiGLU(torch.autograd.Function):
         dw1 = grouped_wgrad(da_MH, x_ND, offs_E)
         dw3 = grouped_wgrad(db_MH, x_ND, offs_E)
         dw2 = grouped_wgrad(dy_ND, h_MH, offs_E)
-        return dx_ND.to(x_ND.dtype), dw1.to(w1_EHD.dtype), dw2.to(w2_EDH.dtype), dw3.to(w3_EHD.dtype), None
+        return dx_ND.to(x_ND.dtype), dw1.to(w1_EHD.dtype), dw2.to(w2_EDH.dtype), dw3.to(w3_EHD.dtype), None, None
 
 
-def fp8_grouped_swiglu(x_ND, w1_EHD, w2_EDH, w3_EHD, counts_E):
-    """SwiGLU experts with FP8 GEMMs (see the module docstring); x_ND bf16, D and H multiples of 16."""
+def fp8_grouped_swiglu(x_ND, w1_EHD, w2_EDH, w3_EHD, counts_E, scale_hint_2E=None):
+    """SwiGLU experts with FP8 GEMMs (see the module docstring); x_ND bf16, D and H multiples of 16.
+    ``scale_hint_2E``: fp32 [2, E] on the device, the weight scales ([w1; w3], w2) of the previous call,
+    updated in place — kept by the caller across steps it saves the weights' amax pass (zeros: no guess)."""
     E, H, D = w1_EHD.shape
     if D % ALIGN or H % ALIGN:
         raise UserError(f"FP8 experts need dim and hidden_dim divisible by {ALIGN}; got dim={D}, hidden_dim={H}")
-    return _Fp8GroupedSwiGLU.apply(x_ND.to(torch.bfloat16).contiguous(), w1_EHD, w2_EDH, w3_EHD, counts_E)
+    if scale_hint_2E is None:
+        scale_hint_2E = torch.zeros(2, E, dtype=torch.float32, device=x_ND.device)
+    return _Fp8GroupedSwiGLU.apply(x_ND.to(torch.bfloat16).contiguous(), w1_EHD, w2_EDH, w3_EHD, counts_E, scale_hint_2E)
