@@ -23,11 +23,11 @@ class MoEEchoConfig:
     run's shape on this machine and use the fastest (cached)."""
 
     expert_precision: Literal["bf16", "fp8"] = "bf16"
-    """Precision of the routed experts' GEMMs. ``fp8``: e4m3 with power-of-two scales per row (per
-    expert and column for the weight gradients) computed on the device, forward and backward, on
-    Hopper or newer GPUs; master weights, router, dispatch and combine stay as they are. Measured on
-    H100 it is slower than bf16 today (layer 0.62–0.78×, v2lite_1b step 0.90×: the quantisation
-    passes cost more than the faster GEMMs save; docs/performance.md), with losses within 1% of bf16."""
+    """Precision of the routed experts' GEMMs. ``fp8``: e4m3 GEMMs for the forward and the input
+    gradient (power-of-two scales per row for activations, per expert for weights, computed on the
+    device), bf16 GEMMs for the weight gradients; Hopper or newer GPUs. Master weights, router,
+    dispatch and combine stay as they are. Measured on H100: layer 0.97–1.10× bf16, v2lite_1b step
+    1.02× (docs/performance.md); 300-step losses within the drift of two equivalent bf16 runs."""
 
     on_overflow: Literal["replay", "stop"] = "replay"
     """When a fixed-capacity (padded) buffer overflowed: ``replay`` — the step is gated on the device
