@@ -17,6 +17,7 @@ names the one measured. Its outputs are cross-checked like torchtitan's (``megat
 ``megatron_out_rel_diff``). Without megatron-core the column is empty and the reason is printed.
 
     python benchmarks/moe_layer.py [--out DIR] [--megatron-dispatcher allgather|alltoall]
+                                   [--tokens T] [--case I ...] [--routing balanced|skewed ...]
 """
 
 import argparse
@@ -196,6 +197,11 @@ def main():
     ap.add_argument("--out", default=None, help="results folder (default benchmarks/results)")
     ap.add_argument("--profile", action="store_true", help="print the top CUDA kernels of our layer, bf16 and FP8 experts (first case)")
     ap.add_argument("--quick", action="store_true", help="T=4096 only (smoke run)")
+    ap.add_argument("--tokens", type=int, default=None, help="T for every case (default: each case's own)")
+    ap.add_argument("--case", type=int, action="append", default=None,
+                    help="index into CASES to run (repeatable; default all)")
+    ap.add_argument("--routing", choices=["balanced", "skewed"], action="append", default=None,
+                    help="routing to run (repeatable; default both)")
     ap.add_argument("--no-fp8", action="store_true", help="skip the FP8-experts rows")
     ap.add_argument("--megatron-dispatcher", default="allgather", choices=["allgather", "alltoall"],
                     help="Megatron's token dispatcher (at EP=1 both permute locally; allgather is its default)")
@@ -217,9 +223,10 @@ def main():
     gemm = plain_gemm_tflops(dev)
     gemm8 = plain_fp8_gemm_tflops(dev) if FP8 else None
     print(f"plain GEMM 16384x4096x4096: bf16 {gemm:.0f} TFLOP/s, fp8 rowwise {gemm8 or 0:.0f} TFLOP/s", flush=True)
-    for T, D, H, E, K in CASES:
-        for routing in ("balanced", "skewed"):
-            row = run_case(4096 if a.quick else T, D, H, E, K, routing, dev)
+    cases = [CASES[i] for i in a.case] if a.case else CASES
+    for T, D, H, E, K in cases:
+        for routing in a.routing or ("balanced", "skewed"):
+            row = run_case(4096 if a.quick else a.tokens or T, D, H, E, K, routing, dev)
             row.update(precision="bf16", plain_gemm_tflops=gemm, frac_of_peak_gemm=row["ours_tflops"] / gemm)
             rows.append(row)
             print(rows[-1], flush=True)
@@ -233,7 +240,8 @@ def main():
             "fp8_speedup_vs_bf16", "routing_agree", "out_rel_diff", "fp8_out_rel_diff", "megatron_path",
             "megatron_routing_agree", "megatron_out_rel_diff"]
     table = markdown_table(rows, cols)
-    stem = write_results("moe_layer", env, rows, table, a.out)
+    name = "moe_layer" if not (a.tokens or a.case or a.routing) else f"moe_layer_T{a.tokens or 'x'}"  # partial runs apart
+    stem = write_results(name, env, rows, table, a.out)
     print(f"\nMoE layer fwd+bwd, {env['gpu']}, torch {env['torch']}  ({stem}.json)\n{table}")
     if MEGATRON["ok"]:
         megatron_layer.teardown_megatron()
