@@ -1,5 +1,7 @@
 """How closely one run's loss curve tracks another's: the logged steps both runs share, the largest
-per-step relative difference, and the mean relative difference over the last third of the run.
+per-step relative difference, the mean per-step relative difference over the last third of the run
+(the two gated), and the signed relative difference of the two runs' mean losses over that third
+(``tail_loss_rel``: the other run's tail mean over the reference's, minus 1; reported, not gated).
 
     python benchmarks/loss_match.py REFERENCE/metrics.jsonl OTHER/metrics.jsonl [--max-rel 0.025 --tail-rel 0.01]
 
@@ -23,8 +25,12 @@ def compare(ref: dict[int, float], other: dict[int, float]) -> dict:
     rel = [abs(other[s] - ref[s]) / abs(ref[s]) for s in steps]
     tail = [r for s, r in zip(steps, rel) if s > steps[-1] * 2 // 3]
     worst = max(range(len(steps)), key=rel.__getitem__)
+    tail_steps = [s for s in steps if s > steps[-1] * 2 // 3]
+    ref_tail, other_tail = (sum(d[s] for s in tail_steps) / len(tail_steps) for d in (ref, other))
     return {"steps": len(steps), "last_step": steps[-1], "max_rel": rel[worst], "max_rel_step": steps[worst],
-            "tail_mean_rel": sum(tail) / len(tail), "ref_last": ref[steps[-1]], "other_last": other[steps[-1]]}
+            "tail_mean_rel": sum(tail) / len(tail), "tail_loss_rel": other_tail / ref_tail - 1,
+            "ref_tail_loss": ref_tail, "other_tail_loss": other_tail,
+            "ref_last": ref[steps[-1]], "other_last": other[steps[-1]]}
 
 
 def main():
@@ -39,7 +45,8 @@ def main():
     ok = r["max_rel"] <= a.max_rel and r["tail_mean_rel"] <= a.tail_rel
     print(f"loss curves {'match' if ok else 'DIFFER'}: largest step difference {100 * r['max_rel']:.2f}% "
           f"(bound {100 * a.max_rel:.1f}%), mean over the last third {100 * r['tail_mean_rel']:.2f}% "
-          f"(bound {100 * a.tail_rel:.1f}%) over {r['steps']} logged steps")
+          f"(bound {100 * a.tail_rel:.1f}%) over {r['steps']} logged steps; mean loss over the last third "
+          f"{r['other_tail_loss']:.4f} vs {r['ref_tail_loss']:.4f} ({100 * r['tail_loss_rel']:+.2f}%)")
     sys.exit(0 if ok else 1)
 
 

@@ -293,3 +293,5 @@ def test_loss_match_reports_the_largest_and_tail_differences(tmp_path):
     r = compare(losses(str(ref)), losses(str(other)))
     assert r["steps"] == 15 and r["max_rel_step"] == 7 and abs(r["max_rel"] - 0.05) < 1e-9
     assert abs(r["tail_mean_rel"] - 0.002) < 1e-9
+    assert abs(r["tail_loss_rel"] - 0.002) < 1e-9  # every shared tail step 0.2% higher: the tail means too
+    assert r["other_tail_loss"] > r["ref_tail_loss"]
