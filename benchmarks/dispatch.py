@@ -5,9 +5,12 @@ ceiling), all in one run; plus nvlink's time against the SMs (CTAs) its kernels 
 
     torchrun --nproc_per_node 2 benchmarks/dispatch.py [--out DIR]
 
-Bytes counted = rows that leave the busiest rank × D × 2 B, twice (dispatch there, combine back);
-GB/s = those bytes / the slowest rank's time. The peer copy moves the same bytes with
-one cudaMemcpy-style copy into the peer GPU each way. E=64, K=8, bf16.
+Bytes each backend moves, twice (dispatch there, combine back), × D × 2 B, from the busiest rank:
+``alltoall``, ``padded`` and ``vdev`` send one row per (token, choice) on another rank (``remote_MB``);
+``nvlink`` sends one row per (token, other rank it goes to) (``remote_token_MB``). GB/s = a backend's
+bytes / the slowest rank's time. The ceiling (``peer_copy_ms``) moves nvlink's bytes with one
+cudaMemcpy-style copy into the peer GPU each way; ``slot_copy_ms`` moves the per-choice bytes.
+E=64, K=8, bf16.
 
 The sync-free backends also run captured in a CUDA graph (``*_graph_ms``: how the training step
 runs them, without the host's launch cost); alltoall cannot be captured (it reads the split sizes
@@ -140,6 +143,11 @@ def main():
                 dist.all_reduce(need, op=dist.ReduceOp.MAX)
                 cf = max(1.0, math.ceil(float(need) * world / (T * K) * 20) / 20)  # no drops, 0.05 steps
                 nbytes = int(2 * remote_rows * D * 2)
+                dest_TR = (ids // e).unsqueeze(-1) == torch.arange(world, device=dev)
+                tokens_R = dest_TR.any(1).sum(0)  # tokens this rank sends to each rank
+                remote_tokens = torch.tensor(float(tokens_R.sum() - tokens_R[rank]), device=dev)
+                dist.all_reduce(remote_tokens, op=dist.ReduceOp.MAX)
+                tok_bytes = int(2 * float(remote_tokens) * D * 2)
 
                 def bench(disp, graph=False, dispatch_only=False):
                     def fn():
@@ -181,9 +189,11 @@ def main():
                             same = torch.equal(combined(nvlink(sms, bt)), ref)  # same fp32 sums: bitwise equal
                             ms = bench(nvlink(sms, bt), graph=True)
                             sweep.append({"T": T, "D": D, "routing": kind, "nvlink_sms": sms, "block_t": bt,
-                                          "graph_ms": ms, "GBs": nbytes / (ms * 1e-3) / 1e9, "equal": same})
-                own = int(2 * float(T * K - dest_counts[rank]) * D * 2)
-                t_copy = slowest(peer_copy_ms(max(own // 2, 2), rank, world))
+                                          "graph_ms": ms, "GBs": tok_bytes / (ms * 1e-3) / 1e9, "equal": same})
+                own_slots = int(2 * float(T * K - dest_counts[rank]) * D * 2)
+                own_tokens = int(2 * float(tokens_R.sum() - tokens_R[rank]) * D * 2)
+                t_copy = slowest(peer_copy_ms(max(own_tokens // 2, 2), rank, world))
+                t_slot_copy = slowest(peer_copy_ms(max(own_slots // 2, 2), rank, world))
                 # vdev baseline: exact splits of the rank-major send buffer
                 from components.moe_echo.ep_layout import send_layout
 
@@ -192,18 +202,20 @@ def main():
                 t_vdev, note = (None, "skipped (--no-vdev)") if a.no_vdev else vdev_ms(x_send, lay.counts_Re.sum(1),
                                                                                          group)
                 vdev_note = vdev_note or note
-                gbs = lambda ms: nbytes / (ms * 1e-3) / 1e9 if ms else float("nan")
+                gbs = lambda ms: nbytes / (ms * 1e-3) / 1e9 if ms else float("nan")  # per-choice rows
+                tok_gbs = lambda ms: tok_bytes / (ms * 1e-3) / 1e9  # nvlink's rows: one per (token, rank)
                 row = {
                     "T": T, "D": D, "routing": kind, "ranks": world, "remote_MB": nbytes / 2 / 1e6,
+                    "remote_token_MB": tok_bytes / 2 / 1e6, "slot_copy_ms": t_slot_copy,
                     "padded_cf": cf, "padded_rows_per_peer": padded_capacity(T, K, world, cf),
                     "alltoall_ms": t_a2a, "padded_ms": t_pad, "nvlink_ms": t_nv, "nvlink_sms": int(a.sms),
                     "nvlink_graph_ms": t_nv_g, "nvlink_dispatch_graph_ms": t_nv_disp_g, "padded_graph_ms": t_pad_g,
-                    "nvlink_GBs": gbs(t_nv), "nvlink_graph_GBs": gbs(t_nv_g), "nvlink_vs_alltoall": t_a2a / t_nv,
+                    "nvlink_GBs": tok_gbs(t_nv), "nvlink_graph_GBs": tok_gbs(t_nv_g), "nvlink_vs_alltoall": t_a2a / t_nv,
                     "nvlink_graph_vs_alltoall": t_a2a / t_nv_g, "nvlink_frac_of_ceiling": t_copy / t_nv,
                     "nvlink_graph_frac_of_ceiling": t_copy / t_nv_g,
                     "vdev_ms": slowest(t_vdev) if t_vdev else float("nan"), "peer_copy_ms": t_copy,
                     "alltoall_GBs": gbs(t_a2a), "padded_GBs": gbs(t_pad),
-                    "vdev_GBs": gbs(t_vdev) if t_vdev else float("nan"), "peer_copy_GBs": gbs(t_copy),
+                    "vdev_GBs": gbs(t_vdev) if t_vdev else float("nan"), "peer_copy_GBs": tok_gbs(t_copy),
                     "padded_vs_alltoall": t_a2a / t_pad, "padded_frac_of_ceiling": t_copy / t_pad,
                 }
                 rows.append(row)
@@ -214,8 +226,8 @@ def main():
         env["ranks"] = world
         env["vdev"] = vdev_note or "ran"
         env["nvlink_sms_sweep"] = sweep
-        cols = ["T", "D", "routing", "remote_MB", "alltoall_ms", "padded_ms", "nvlink_ms", "vdev_ms", "peer_copy_ms",
-                "padded_graph_ms", "nvlink_graph_ms", "nvlink_dispatch_graph_ms", "alltoall_GBs", "nvlink_GBs",
+        cols = ["T", "D", "routing", "remote_MB", "remote_token_MB", "alltoall_ms", "padded_ms", "nvlink_ms", "vdev_ms",
+                "slot_copy_ms", "peer_copy_ms", "padded_graph_ms", "nvlink_graph_ms", "nvlink_dispatch_graph_ms", "alltoall_GBs", "nvlink_GBs",
                 "nvlink_graph_GBs", "peer_copy_GBs", "nvlink_vs_alltoall", "nvlink_graph_vs_alltoall",
                 "nvlink_frac_of_ceiling", "nvlink_graph_frac_of_ceiling", "padded_vs_alltoall"]
         table = markdown_table(rows, cols)

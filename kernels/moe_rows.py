@@ -1,12 +1,13 @@
 """Row gather-reduce kernels for MoE permutation and combine (Triton on CUDA, torch elsewhere).
 
-    gather_sum(src_ND, idx_TK, w_TK=None) -> out_TD
+    gather_sum(src_ND, idx_TK, w_TK=None, out=None) -> out_TD
         out[t] = Σ_k w[t, k] · src[idx[t, k]]   (w = 1 when None; idx = -1 contributes nothing — a slot
         that was not sent), accumulated in fp32 (fp64 for
         fp64 inputs), written in src's dtype. Used by combine (forward) and by the backward of the
         dispatch gather (each token's K row-gradients summed without atomics).
-    combine_backward(g_TD, y_ND, w_TK, idx_TK) -> (grad_y_ND, grad_w_TK)
-        grad_y[idx[t, k]] = w[t, k] · g[t]   (rows that no (t, k) maps to are zero)
+    combine_backward(g_TD, y_ND, w_TK, idx_TK, grad_y_out=None) -> (grad_y_ND, grad_w_TK)
+        grad_y[idx[t, k]] = w[t, k] · g[t]   (rows that no (t, k) maps to are zero; left as they are
+                                               when written into ``grad_y_out``)
         grad_w[t, k]      = <g[t], y[idx[t, k]]>  (fp32; 0 where idx = -1)
 
 One pass over the rows each: no [T, K, D] intermediate, no fp32 copy of y, no atomics.
@@ -34,7 +35,7 @@ def _with_zero_row(src_ND, idx_TK):
     """src with a zero row appended, and idx with -1 redirected to it."""
     N = src_ND.shape[0]
     src = torch.cat([src_ND, src_ND.new_zeros(1, src_ND.shape[1])])
-    return src, torch.where(idx_TK < 0, N, idx_TK)
+    return src, torch.where(idx_TK < 0, N, idx_TK).long()
 
 
 def gather_sum_torch(src_ND, idx_TK, w_TK=None):
@@ -105,13 +106,15 @@ def _use_triton(*ts) -> bool:
     return all(t.is_cuda for t in ts) or os.environ.get("TRITON_INTERPRET") == "1"
 
 
-def gather_sum(src_ND, idx_TK, w_TK=None):
+def gather_sum(src_ND, idx_TK, w_TK=None, out=None):
+    """``out`` (optional, contiguous [T, D]): written in place (e.g. a peer-visible buffer)."""
     if not _use_triton(src_ND):
-        return gather_sum_torch(src_ND, idx_TK, w_TK)
+        res = gather_sum_torch(src_ND, idx_TK, w_TK)
+        return res if out is None else out.copy_(res)
     T, K = idx_TK.shape
     D = src_ND.shape[1]
     src_ND, idx_TK = src_ND.contiguous(), idx_TK.contiguous()
-    out_TD = torch.empty(T, D, dtype=src_ND.dtype, device=src_ND.device)
+    out_TD = torch.empty(T, D, dtype=src_ND.dtype, device=src_ND.device) if out is None else out
     if T == 0:
         return out_TD
     BLOCK_D = min(1024, triton.next_power_of_2(D))
@@ -121,16 +124,28 @@ def gather_sum(src_ND, idx_TK, w_TK=None):
     return out_TD
 
 
-def combine_backward(g_TD, y_ND, w_TK, idx_TK, allow_missing: bool = True):
-    """``allow_missing=False`` promises idx is a permutation of all N = T·K rows (skips zero-fill)."""
+def combine_backward(g_TD, y_ND, w_TK, idx_TK, allow_missing: bool = True, grad_y_out=None):
+    """``allow_missing=False`` promises idx is a permutation of all N = T·K rows (skips zero-fill);
+    ``grad_y_out`` ([N, D], contiguous) receives the rows some (t, k) maps to and keeps the others."""
     if not _use_triton(g_TD, y_ND):
-        return combine_backward_torch(g_TD, y_ND, w_TK, idx_TK)
+        grad_y_ND, grad_w_TK = combine_backward_torch(g_TD, y_ND, w_TK, idx_TK)
+        if grad_y_out is None:
+            return grad_y_ND, grad_w_TK
+        flat = idx_TK.reshape(-1)
+        hit = flat[flat >= 0].long()
+        grad_y_out.index_copy_(0, hit, grad_y_ND.index_select(0, hit))
+        return grad_y_out, grad_w_TK
     T, K = idx_TK.shape
     N, D = y_ND.shape
     g_TD, y_ND, w_TK, idx_TK = (t.contiguous() for t in (g_TD, y_ND, w_TK, idx_TK))
     # every row is written when the rows are exactly the T*K slots (local dispatch: idx is a
     # permutation); otherwise zero-fill the rows no slot maps to
-    grad_y_ND = torch.empty_like(y_ND) if (N == T * K and not allow_missing) else torch.zeros_like(y_ND)
+    if grad_y_out is not None:
+        grad_y_ND = grad_y_out
+    elif N == T * K and not allow_missing:
+        grad_y_ND = torch.empty_like(y_ND)
+    else:
+        grad_y_ND = torch.zeros_like(y_ND)
     grad_w_TK = torch.empty(T, K, dtype=w_TK.dtype, device=w_TK.device)
     if T == 0:
         return grad_y_ND, grad_w_TK

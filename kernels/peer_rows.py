@@ -6,10 +6,9 @@ per rank, readable on the device) and a (rank, row) pair per (token, choice) slo
 
     peer_scatter(x_TD, rank_TK, row_TK, ptrs_R, scale_TK=None)
         peer[rank[t, k]][row[t, k]] = x[t] (· scale[t, k])       row = -1: slot not sent
+                                                                   rank_TK None: every slot to peer 0
     peer_gather_sum(rank_TK, row_TK, ptrs_R, peers, w_TK=None, out_dtype=None) -> out_TD
         out[t] = Σ_k w[t, k] · peer[rank[t, k]][row[t, k]]   (fp32 accumulate; -1 adds nothing)
-    peer_combine_backward(g_TD, rank_TK, row_TK, y_ptrs_R, y_peers, gy_ptrs_R, gy_peers, w_TK) -> grad_w_TK
-        peer_gy[rank][row] = w[t, k] · g[t];  grad_w[t, k] = <g[t], peer_y[rank][row]>  (fp32)
 
 The kernels run a persistent grid of ``programs`` CTAs (the SMs the transfer may occupy); each CTA
 walks tokens t = pid, pid + programs, ... and moves whole rows (BLOCK_D >= D), issuing the K row
@@ -34,6 +33,8 @@ except ImportError:  # CPU-only installs may lack triton
 
 def peer_scatter_torch(x_TD, rank_TK, row_TK, peers, scale_TK=None):
     T, K = row_TK.shape
+    if rank_TK is None:
+        rank_TK = torch.zeros_like(row_TK)
     vals_TKD = x_TD.unsqueeze(1).expand(T, K, -1)
     if scale_TK is not None:
         acc = torch.promote_types(x_TD.dtype, torch.float32)
@@ -41,7 +42,7 @@ def peer_scatter_torch(x_TD, rank_TK, row_TK, peers, scale_TK=None):
     vals_ND, rank_N, row_N = vals_TKD.reshape(T * K, -1), rank_TK.reshape(-1), row_TK.reshape(-1)
     for r, buf in enumerate(peers):
         sel = (rank_N == r) & (row_N >= 0)
-        buf.index_copy_(0, row_N[sel], vals_ND[sel].to(buf.dtype))
+        buf.index_copy_(0, row_N[sel].long(), vals_ND[sel].to(buf.dtype))
 
 
 def _stacked(rank_TK, row_TK, peers):
@@ -57,22 +58,14 @@ def peer_gather_sum_torch(rank_TK, row_TK, peers, w_TK=None):
     return gather_sum_torch(src, idx, w_TK)
 
 
-def peer_combine_backward_torch(g_TD, rank_TK, row_TK, y_peers, gy_peers, w_TK):
-    y, idx = _stacked(rank_TK, row_TK, y_peers)
-    acc = torch.promote_types(y.dtype, torch.float32)
-    rows = y.index_select(0, idx.clamp(min=0).reshape(-1)).view(*idx.shape, -1).to(acc)
-    grad_w_TK = (rows * g_TD.to(acc).unsqueeze(1)).sum(-1) * (idx >= 0)
-    peer_scatter_torch(g_TD, rank_TK, row_TK, gy_peers, w_TK)
-    return grad_w_TK.to(w_TK.dtype)
-
-
 # --- Triton kernels ------------------------------------------------------------------------------
 
 if triton is not None:
 
     @triton.jit
     def _peer_scatter_kernel(x_ptr, rank_ptr, row_ptr, ptrs_ptr, buf_like, scale_ptr, T, D, K: tl.constexpr,
-                             HAS_SCALE: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr):
+                             HAS_SCALE: tl.constexpr, ONE_DEST: tl.constexpr, BLOCK_T: tl.constexpr,
+                             BLOCK_D: tl.constexpr):
         ty = buf_like.dtype.element_ty
         cols = tl.arange(0, BLOCK_D)[None, :]
         in_row = cols < D
@@ -82,7 +75,11 @@ if triton is not None:
             x = tl.load(x_ptr + t_T[:, None] * D + cols, mask=ok_T[:, None] & in_row)
             for k in tl.static_range(K):
                 row_T = tl.load(row_ptr + t_T * K + k, mask=ok_T, other=-1).to(tl.int64)
-                dst_T = tl.load(ptrs_ptr + tl.load(rank_ptr + t_T * K + k, mask=ok_T, other=0)).to(tl.pointer_type(ty))
+                if ONE_DEST:
+                    dst_T = tl.load(ptrs_ptr + tl.zeros_like(t_T)).to(tl.pointer_type(ty))
+                else:
+                    dst_T = tl.load(ptrs_ptr + tl.load(rank_ptr + t_T * K + k, mask=ok_T, other=0)).to(
+                        tl.pointer_type(ty))
                 v = x
                 if HAS_SCALE:
                     s_T = tl.load(scale_ptr + t_T * K + k, mask=ok_T, other=0.0).to(tl.float32)
@@ -109,27 +106,6 @@ if triton is not None:
                 acc += v
             tl.store(out_ptr + t_T[:, None] * D + cols, acc.to(out_ptr.dtype.element_ty), mask=ok_T[:, None] & in_row)
 
-    @triton.jit
-    def _peer_combine_bwd_kernel(g_ptr, rank_ptr, row_ptr, y_ptrs, gy_ptrs, buf_like, w_ptr, gw_ptr, T, D,
-                                 K: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr):
-        ty = buf_like.dtype.element_ty
-        cols = tl.arange(0, BLOCK_D)[None, :]
-        in_row = cols < D
-        for b in range(tl.program_id(0).to(tl.int64), tl.cdiv(T, BLOCK_T), tl.num_programs(0).to(tl.int64)):
-            t_T = b * BLOCK_T + tl.arange(0, BLOCK_T)
-            ok_T = t_T < T
-            g = tl.load(g_ptr + t_T[:, None] * D + cols, mask=ok_T[:, None] & in_row, other=0.0).to(tl.float32)
-            for k in tl.static_range(K):
-                row_T = tl.load(row_ptr + t_T * K + k, mask=ok_T, other=-1).to(tl.int64)
-                r_T = tl.load(rank_ptr + t_T * K + k, mask=ok_T, other=0)
-                m = (row_T >= 0)[:, None] & in_row
-                y_src = tl.load(y_ptrs + r_T).to(tl.pointer_type(ty))
-                y = tl.load(y_src[:, None] + row_T[:, None] * D + cols, mask=m, other=0.0).to(tl.float32)
-                w_T = tl.load(w_ptr + t_T * K + k, mask=ok_T, other=0.0).to(tl.float32)
-                gy_dst = tl.load(gy_ptrs + r_T).to(tl.pointer_type(ty))
-                tl.store(gy_dst[:, None] + row_T[:, None] * D + cols, (w_T[:, None] * g).to(ty), mask=m)
-                tl.store(gw_ptr + t_T * K + k, tl.sum(g * y, axis=1).to(gw_ptr.dtype.element_ty), mask=ok_T)
-
 
 def use_triton(t: torch.Tensor) -> bool:
     if triton is None or t.dtype == torch.float64:
@@ -149,7 +125,8 @@ def _launch(T: int, D: int, programs: int, block_t: int | None):
 
 
 def peer_scatter(x_TD, rank_TK, row_TK, ptrs_R, peers, scale_TK=None, programs: int = 32, block_t: int | None = None):
-    """``peers`` (list of tensors) is used by the torch path, ``ptrs_R`` by the kernel."""
+    """``peers`` (list of tensors) is used by the torch path, ``ptrs_R`` by the kernel; ``rank_TK``
+    None writes every slot into ``peers[0]`` / ``ptrs_R[0]`` (a local scatter)."""
     if not use_triton(x_TD):
         return peer_scatter_torch(x_TD, rank_TK, row_TK, peers, scale_TK)
     T, K = row_TK.shape
@@ -158,8 +135,9 @@ def peer_scatter(x_TD, rank_TK, row_TK, ptrs_R, peers, scale_TK=None, programs: 
     D = x_TD.shape[1]
     grid, meta = _launch(T, D, programs, block_t)
     scale = scale_TK.contiguous() if scale_TK is not None else row_TK  # dummy pointer without scale
-    _peer_scatter_kernel[grid](x_TD.contiguous(), rank_TK.contiguous(), row_TK.contiguous(), ptrs_R, peers[0], scale, T, D,
-                               K=K, HAS_SCALE=scale_TK is not None, **meta)
+    rank = rank_TK.contiguous() if rank_TK is not None else row_TK  # dummy pointer with one destination
+    _peer_scatter_kernel[grid](x_TD.contiguous(), rank, row_TK.contiguous(), ptrs_R, peers[0], scale, T, D,
+                               K=K, HAS_SCALE=scale_TK is not None, ONE_DEST=rank_TK is None, **meta)
 
 
 def peer_gather_sum(rank_TK, row_TK, ptrs_R, peers, w_TK=None, out_dtype=None, programs: int = 32,
@@ -176,18 +154,3 @@ def peer_gather_sum(rank_TK, row_TK, ptrs_R, peers, w_TK=None, out_dtype=None, p
     _peer_gather_sum_kernel[grid](out_TD, rank_TK.contiguous(), row_TK.contiguous(), ptrs_R, peers[0], w, T, D, K=K,
                                   HAS_W=w_TK is not None, **meta)
     return out_TD
-
-
-def peer_combine_backward(g_TD, rank_TK, row_TK, y_ptrs_R, y_peers, gy_ptrs_R, gy_peers, w_TK, programs: int = 32,
-                          block_t: int | None = None):
-    if not use_triton(g_TD):
-        return peer_combine_backward_torch(g_TD, rank_TK, row_TK, y_peers, gy_peers, w_TK)
-    T, K = row_TK.shape
-    grad_w_TK = torch.zeros(T, K, dtype=w_TK.dtype, device=w_TK.device)
-    if T == 0:
-        return grad_w_TK
-    D = g_TD.shape[1]
-    grid, meta = _launch(T, D, programs, block_t)
-    _peer_combine_bwd_kernel[grid](g_TD.contiguous(), rank_TK.contiguous(), row_TK.contiguous(), y_ptrs_R, gy_ptrs_R,
-                                   gy_peers[0], w_TK.contiguous(), grad_w_TK, T, D, K=K, **meta)
-    return grad_w_TK

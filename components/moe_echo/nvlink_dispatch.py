@@ -1,27 +1,37 @@
-"""``nvlink`` dispatcher: tokens written straight into the owning peers' receive buffers.
+"""``nvlink`` dispatcher: each token crosses NVLink once per rank that holds any of its experts.
 
-R ranks, X = R·e ids (e = local experts, echo slots included), T tokens, K choices per rank.
-Every rank holds, in symmetric memory (``symmetric.py``), per MoE layer:
+R ranks, X = R·e ids (e = local experts, echo slots included), T tokens per rank (the same on every
+rank), K choices. Each token moves once per destination rank, not once per (token, choice): the
+owner expands it into its experts' rows locally and, in combine, sums its experts' weighted outputs
+for the token before the sum crosses back (as DeepEP's and HybridEP's intranode kernels do). At
+K=6 over 2 ranks that is ~3× fewer bytes on the wire than one row per choice.
 
-    counts [R, X] int64    row s = rank s's routed rows per id (each rank writes its row everywhere)
-    x      [N_cap, D]      receive buffer, local-expert-major: expert j's rows from source 0, then
-                           source 1, ...; N_cap = round_up(capacity_factor · T · K, 128)
-    y      [N_cap, D]      expert outputs, read back by the sources at combine
-and, shared by all layers, the backward's ``grad_y`` and ``grad_x`` of the same shape.
+Per MoE layer every rank holds, in symmetric memory (``symmetric.py``):
 
-    dispatch:  counts ─write to all peers─► barrier ─► layout (device) ─► scatter rows to peers ─► barrier
-               (row of slot (t, k) with id x on rank r = start of x on r + rows of x from lower
-               sources + rank of (t, k) among this rank's rows for x; rows >= N_cap are not sent)
-    combine:   y_ND ─copy─► y buffer ─► barrier ─► y_TD[t] = Σ_k w · peer_y[rank][row] (fp32)
-    backward:  combine: w·g written to peers' grad_y, grad_w = <g, peer_y row> ─► barrier
-               dispatch: grad_x_ND ─copy─► grad_x buffer ─► barrier ─► Σ_k peer rows
+    counts   [R, X]      row s = rank s's routed rows per id (each rank writes its row everywhere)
+    tok      [R·T, D]    row s·T + t = source s's token t (dispatch), then this rank's weighted sum of
+                         its experts' outputs for that token (combine)
+    meta_row [R·T, K]    row s·T + t = where each choice of source s's token t lands in ``x`` (-1: not here)
+    meta_w   [R·T, K]    its routing weights
+    x        [N_cap, D]  expert-major rows (expert j's rows from source 0, then source 1, ...),
+                         N_cap = round_up(capacity_factor · T · K, 128); local, filled from ``tok``
+and, shared by all layers, the backward's token-row gradients (``grad_tok`` [R·T, D]), ``grad_y``
+[N_cap, D] and ``grad_w`` [R·T, K].
+
+    dispatch:  counts ─write to all peers─► barrier ─► layout (device) ─► token rows + meta to the
+               ranks they go to ─► barrier ─► local expand tok → x
+    combine:   tok[s·T+t] = Σ_k w · y[row] (owner, local) ─► barrier ─► y_TD[t] = Σ_r peer_r tok[s·T+t]
+    backward:  combine: g[t] to every rank t went to ─► barrier ─► owner: grad_y[row] = w · g,
+               grad_w = <g, y[row]> ─► barrier ─► sources read their grad_w
+               dispatch: grad_tok[s·T+t] = Σ_k grad_x[row] (owner) ─► barrier ─► Σ_r peer rows
 
 No host read anywhere (counts, offsets and overflow stay on the device); every shape comes from
 the capacity, so the step can be captured in a CUDA graph. Assignments that do not fit are not
 sent and are counted in ``handle.dropped`` — the training loop gates the step and replays it (never
-a silent drop). Buffer reuse is race-free because each layer's x/y buffers are only rewritten one
-full step later, and each shared backward buffer is rewritten only after a barrier that every
-reader of its previous contents has passed.
+a silent drop). Buffer reuse is race-free: a layer's buffers are rewritten one full step later
+(``tok`` within a step too, by its owner, after every peer's write into it passed a barrier); each
+source only writes and reads its own region s·T.. of a peer's shared buffers, and each shared
+backward buffer is rewritten only after a barrier that every reader of its previous contents has passed.
 """
 
 import itertools
@@ -29,7 +39,8 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels.peer_rows import peer_combine_backward, peer_gather_sum, peer_scatter
+from kernels.moe_rows import combine_backward, gather_sum
+from kernels.peer_rows import peer_gather_sum, peer_scatter
 
 from .dispatcher import DispatchHandle, ExpertParallel, FixedCapacity, capacity_rows
 from .ep_layout import SendLayout, send_layout
@@ -80,19 +91,34 @@ def nvlink_layout(ids_TK: torch.Tensor, lay: SendLayout, counts_RX: torch.Tensor
     return (flat_N // num_local).view(T, K), row_N.view(T, K), counts_e, dropped, needed
 
 
+def token_routes(rank_TK: torch.Tensor, row_TK: torch.Tensor, ranks: int, rank: int):
+    """Each token's trip to each rank: (rank_TR = r, row_TR = rank·T + t in r's ``tok`` where any
+    choice of token t was sent to r, else -1). Device only."""
+    T = rank_TK.shape[0]
+    r_R = torch.arange(ranks, device=rank_TK.device)
+    sent_TR = ((rank_TK.unsqueeze(-1) == r_R) & (row_TK >= 0).unsqueeze(-1)).any(1)
+    row_TR = torch.where(sent_TR, (rank * T + torch.arange(T, device=rank_TK.device)).unsqueeze(1), -1)
+    return r_R.expand(T, ranks).contiguous(), row_TR
+
+
 @dataclass
 class NVLinkHandle(DispatchHandle):
     rank_TK: torch.Tensor
     row_TK: torch.Tensor
+    rank_TR: torch.Tensor  # token routes (``token_routes``)
+    row_TR: torch.Tensor
     w_TK: torch.Tensor
     out_dtype: torch.dtype
-    x_buf: SymmBuffer
-    y_buf: SymmBuffer
     x_dtype: torch.dtype
+    meta_row: SymmBuffer  # [R·T, K] int32: where source s's token t's choices land here (-1: not here)
+    meta_w: SymmBuffer  # [R·T, K]: their routing weights
+    tok: SymmBuffer  # [R·T, D]: received tokens (dispatch), then this rank's partial sums (combine)
 
 
 class NVLinkDispatcher(FixedCapacity, ExpertParallel):
     """Sync-free dispatch over peer memory (NVLink); ``programs`` = CTAs (≈ SMs) the copy kernels use."""
+
+    LOCAL_PROGRAMS = 4096  # CTAs of the kernels that only touch this rank's memory (expand, sums)
 
     def __init__(self, num_experts: int, group, ep_size: int, capacity_factor: float, programs: int = 32,
                  workspace=None, name: str | None = None, block_t: int | None = None):
@@ -105,8 +131,11 @@ class NVLinkDispatcher(FixedCapacity, ExpertParallel):
         # buffer names must agree across ranks: layers are built in the same order on every rank
         self.name = name or f"nvlink{next(_instance_ids)}"
 
-    def _shared(self, role: str, rows: int, D: int, dtype, device) -> SymmBuffer:
-        return self.ws.buffer(f"shared/{role}/{rows}x{D}/{dtype}", (rows, D), dtype, device)
+    def _shared(self, role: str, shape: tuple, dtype, device) -> SymmBuffer:
+        return self.ws.buffer(f"shared/{role}/{'x'.join(map(str, shape))}/{dtype}", shape, dtype, device)
+
+    def _tok(self, rows: int, D: int, dtype, device) -> SymmBuffer:
+        return self.ws.buffer(f"{self.name}/tok/{dtype}", (rows, D), dtype, device)
 
     def dispatch(self, x_TD, ids_TK, w_TK):
         T, K = ids_TK.shape
@@ -119,55 +148,76 @@ class NVLinkDispatcher(FixedCapacity, ExpertParallel):
         counts_RX = all_gather_rows(self.ws, f"{self.name}/counts", lay.counts_Re.reshape(X))
         rank_TK, row_TK, counts_e, dropped, needed = nvlink_layout(ids_TK, lay, counts_RX, self.rank, self.num_local,
                                                                    cap)
+        rank_TR, row_TR = token_routes(rank_TK, row_TK, R, self.rank)
+        meta_row = self.ws.buffer(f"{self.name}/meta_row", (R * T, K), torch.int32, dev)
+        meta_w = self.ws.buffer(f"{self.name}/meta_w", (R * T, K), w_TK.dtype, dev)
+        # every (destination r, token t) meta row is rewritten each step: -1 where t sends nothing to r
+        r_R = torch.arange(R, device=dev)
+        rows_RTK = torch.where(rank_TK == r_R.view(R, 1, 1), row_TK, -1).to(torch.int32)
+        dest_N1 = r_R.repeat_interleave(T).view(R * T, 1)
+        at_N1 = (self.rank * T + torch.arange(T, device=dev)).repeat(R).view(R * T, 1)
+        peer_scatter(rows_RTK.view(R * T, K), dest_N1, at_N1, meta_row.ptrs_R, meta_row.peers, programs=self.programs)
+        w_RTK = w_TK.detach().unsqueeze(0).expand(R, T, K).reshape(R * T, K)
+        peer_scatter(w_RTK, dest_N1, at_N1, meta_w.ptrs_R, meta_w.peers, programs=self.programs)
         D = x_TD.shape[1]
-        h = NVLinkHandle(rank_TK, row_TK, w_TK, out_dtype, self.ws.buffer(f"{self.name}/x", (cap, D), x_TD.dtype, dev),
-                         None, x_TD.dtype, dropped=dropped, needed_factor=needed)
-        x_ND = _NVLinkDispatch.apply(x_TD, self, h)
+        h = NVLinkHandle(rank_TK, row_TK, rank_TR, row_TR, w_TK, out_dtype, x_TD.dtype, meta_row, meta_w,
+                         self._tok(R * T, D, x_TD.dtype, dev), dropped=dropped, needed_factor=needed)
+        x_ND = _NVLinkDispatch.apply(x_TD, self, h, self.ws.buffer(f"{self.name}/x", (cap, D), x_TD.dtype, dev))
         return x_ND, counts_e, h
 
     def combine(self, y_ND, handle: NVLinkHandle):
-        handle.y_buf = self.ws.buffer(f"{self.name}/y", tuple(y_ND.shape), y_ND.dtype, y_ND.device)
         return _NVLinkCombine.apply(y_ND, handle.w_TK, self, handle)
 
 
 class _NVLinkDispatch(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x_TD, disp: NVLinkDispatcher, h: NVLinkHandle):
-        buf = h.x_buf
-        peer_scatter(x_TD, h.rank_TK, h.row_TK, buf.ptrs_R, buf.peers, programs=disp.programs, block_t=disp.block_t)
-        disp.ws.barrier(buf)
+    def forward(ctx, x_TD, disp: NVLinkDispatcher, h: NVLinkHandle, x_buf: SymmBuffer):
+        peer_scatter(x_TD, h.rank_TR, h.row_TR, h.tok.ptrs_R, h.tok.peers, programs=disp.programs,
+                     block_t=disp.block_t)
+        disp.ws.barrier(h.tok)  # every token row and meta row is in place on every rank
+        r = disp.rank
+        peer_scatter(h.tok.local, None, h.meta_row.local, x_buf.ptrs_R[r:r + 1], [x_buf.local],
+                     programs=disp.LOCAL_PROGRAMS, block_t=disp.block_t)
         ctx.disp, ctx.h = disp, h
-        return buf.local.view(buf.local.shape)
+        return x_buf.local.view(x_buf.local.shape)
 
     @staticmethod
     def backward(ctx, grad_ND):
         disp, h = ctx.disp, ctx.h
-        gx = disp._shared("grad_x", *grad_ND.shape, grad_ND.dtype, grad_ND.device)
-        gx.local.copy_(grad_ND)
-        disp.ws.barrier(gx)
-        grad_TD = peer_gather_sum(h.rank_TK, h.row_TK, gx.ptrs_R, gx.peers, out_dtype=h.x_dtype,
+        gt = disp._shared("grad_tok", tuple(h.tok.local.shape), grad_ND.dtype, grad_ND.device)
+        gather_sum(grad_ND, h.meta_row.local, out=gt.local)  # per source token: Σ of its rows here
+        disp.ws.barrier(gt)
+        grad_TD = peer_gather_sum(h.rank_TR, h.row_TR, gt.ptrs_R, gt.peers, out_dtype=h.x_dtype,
                                   programs=disp.programs, block_t=disp.block_t)
-        return grad_TD, None, None
+        return grad_TD, None, None, None
 
 
 class _NVLinkCombine(torch.autograd.Function):
     @staticmethod
     def forward(ctx, y_ND, w_TK, disp: NVLinkDispatcher, h: NVLinkHandle):
-        yb = h.y_buf
-        yb.local.copy_(y_ND)
-        disp.ws.barrier(yb)
-        ctx.save_for_backward(w_TK)
+        tok = disp._tok(*h.tok.local.shape, y_ND.dtype, y_ND.device)  # = h.tok when y has x's dtype
+        gather_sum(y_ND, h.meta_row.local, h.meta_w.local, out=tok.local)  # this rank's share of each token
+        disp.ws.barrier(tok)
+        ctx.save_for_backward(y_ND)
         ctx.disp, ctx.h = disp, h
-        return peer_gather_sum(h.rank_TK, h.row_TK, yb.ptrs_R, yb.peers, w_TK, out_dtype=h.out_dtype,
+        return peer_gather_sum(h.rank_TR, h.row_TR, tok.ptrs_R, tok.peers, out_dtype=h.out_dtype,
                                programs=disp.programs, block_t=disp.block_t)
 
     @staticmethod
     def backward(ctx, grad_TD):
-        (w_TK,) = ctx.saved_tensors
+        (y_ND,) = ctx.saved_tensors
         disp, h = ctx.disp, ctx.h
-        yb = h.y_buf
-        gy = disp._shared("grad_y", *yb.local.shape, yb.local.dtype, yb.local.device)
-        grad_w_TK = peer_combine_backward(grad_TD, h.rank_TK, h.row_TK, yb.ptrs_R, yb.peers, gy.ptrs_R, gy.peers,
-                                          w_TK, programs=disp.programs, block_t=disp.block_t)
-        disp.ws.barrier(gy)
+        T, K = h.w_TK.shape
+        gt = disp._shared("grad_tok", tuple(h.tok.local.shape), grad_TD.dtype, grad_TD.device)
+        peer_scatter(grad_TD, h.rank_TR, h.row_TR, gt.ptrs_R, gt.peers, programs=disp.programs, block_t=disp.block_t)
+        disp.ws.barrier(gt)
+        gy = disp._shared("grad_y", tuple(y_ND.shape), y_ND.dtype, y_ND.device)
+        gw = disp._shared("grad_w", tuple(h.meta_w.local.shape), h.w_TK.dtype, y_ND.device)
+        _, gw_UK = combine_backward(gt.local, y_ND, h.meta_w.local, h.meta_row.local, grad_y_out=gy.local)
+        gw.local.copy_(gw_UK)
+        disp.ws.barrier(gw)
+        # each choice's weight gradient lies with the rank that holds its expert, at row rank·T + t
+        mine = slice(disp.rank * T, (disp.rank + 1) * T)
+        gw_RTK = torch.stack([p[mine] for p in gw.peers])
+        grad_w_TK = gw_RTK.gather(0, h.rank_TK.unsqueeze(0)).squeeze(0) * (h.row_TK >= 0)
         return gy.local.view(gy.local.shape), grad_w_TK, None, None
