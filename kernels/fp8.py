@@ -11,10 +11,9 @@ Scales are dequantisation multipliers rounded up to a power of two (x ≈ q · s
         their FP8 copies stack along the GEMM's reduction dimension), and the stacked plain copy
         out[e] = fp8([w_0; w_1; …][e] / s[e]): one pass over the weights when hint_E (the previous call's
         scales, updated in place) is right, plus a pass over only the experts whose scale moved.
-    cast_experts(w_EOI, s_E, out_EPI, row0)      out[e, row0 + o, i]  = fp8(w[e, o, i] / s[e])
     cast_experts_t(w_EOI, s_E, out_EIP, col0)    out[e, i, col0 + o]  = fp8(w[e, o, i] / s[e])
-        the weights' FP8 copies in the layout each GEMM needs (Hopper FP8 GEMMs read both operands
-        along the reduction dimension): as stored for the forward, transposed for the input gradient.
+        the transposed FP8 copy the input gradient's GEMM needs (Hopper FP8 GEMMs read both operands
+        along the reduction dimension); ``cast_experts_torch`` is the plain (forward) layout's reference.
     swiglu_quant(ab_MJ, n_valid=None) -> (h_MH bf16, q_MH fp8, s_M)          J = 2H, ab = [a | b]
         h = silu(a) · b in fp32, written in bf16 and as FP8 rows (one scale per row).
     swiglu_quant_bwd(dh_MH, ab_MJ, n_valid=None) -> (da_MH, db_MH bf16, q_MJ fp8, s_M)
@@ -82,6 +81,8 @@ def swiglu_quant_bwd_torch(dh_MH, ab_MJ):
 if triton is not None:
     import triton.language as tl
 
+    from .swiglu import silu_mul, silu_mul_grads
+
     @triton.jit
     def _pow2_scale(amax):
         v = tl.maximum(amax, 1e-30) / 448.0
@@ -111,16 +112,6 @@ if triton is not None:
                 q = tl.clamp(v / s, -448.0, 448.0)
                 tl.store(q_ptr + m * C + c0 + offs, q.to(q_ptr.dtype.element_ty), mask=mask)
             tl.store(s_ptr + m, s)
-
-    @triton.jit
-    def _cast_experts_kernel(w_ptr, s_ptr, out_ptr, n_per_e, out_per_e, out_off, BLOCK: tl.constexpr):
-        e = tl.program_id(1).to(tl.int64)
-        offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-        mask = offs < n_per_e
-        s = tl.load(s_ptr + e)
-        v = tl.load(w_ptr + e * n_per_e + offs, mask=mask, other=0.0).to(tl.float32)
-        q = tl.clamp(v / s, -448.0, 448.0)
-        tl.store(out_ptr + e * out_per_e + out_off + offs, q.to(out_ptr.dtype.element_ty), mask=mask)
 
     @triton.jit
     def _cast_amax_kernel(w_ptr, hint_ptr, out_ptr, amax_ptr, n_per_e, out_per_e, out_off, BLOCK: tl.constexpr):
@@ -164,7 +155,7 @@ if triton is not None:
             mask = c < H
             a = tl.load(ab_ptr + m * 2 * H + c, mask=mask, other=0.0).to(tl.float32)
             b = tl.load(ab_ptr + m * 2 * H + H + c, mask=mask, other=0.0).to(tl.float32)
-            h = a * tl.sigmoid(a) * b
+            h = silu_mul(a, b)
             s = _pow2_scale(tl.max(tl.abs(h), axis=0))
             tl.store(h_ptr + m * H + c, h.to(h_ptr.dtype.element_ty), mask=mask)
             tl.store(q_ptr + m * H + c, tl.clamp(h / s, -448.0, 448.0).to(q_ptr.dtype.element_ty), mask=mask)
@@ -180,9 +171,7 @@ if triton is not None:
             g = tl.load(dh_ptr + m * H + c, mask=mask, other=0.0).to(tl.float32)
             a = tl.load(ab_ptr + m * 2 * H + c, mask=mask, other=0.0).to(tl.float32)
             b = tl.load(ab_ptr + m * 2 * H + H + c, mask=mask, other=0.0).to(tl.float32)
-            sig = tl.sigmoid(a)
-            da = g * b * sig * (1 + a * (1 - sig))
-            db = g * a * sig
+            da, db = silu_mul_grads(g, a, b)
             s = _pow2_scale(tl.maximum(tl.max(tl.abs(da), axis=0), tl.max(tl.abs(db), axis=0)))
             tl.store(da_ptr + m * H + c, da.to(da_ptr.dtype.element_ty), mask=mask)
             tl.store(db_ptr + m * H + c, db.to(db_ptr.dtype.element_ty), mask=mask)
@@ -218,7 +207,7 @@ def cast_experts_scaled(ws: tuple[torch.Tensor, ...], out_EPI: torch.Tensor, hin
         s_E = expert_scales_torch(*ws)
         row = 0
         for w in ws:
-            cast_experts(w, s_E, out_EPI, row)
+            cast_experts_torch(w, s_E, out_EPI, row)
             row += w.shape[1]
         hint_E.copy_(s_E)
         return s_E
@@ -242,16 +231,9 @@ def cast_experts_scaled(ws: tuple[torch.Tensor, ...], out_EPI: torch.Tensor, hin
     return s_E
 
 
-def cast_experts(w_EOI: torch.Tensor, s_E: torch.Tensor, out_EPI: torch.Tensor, row0: int) -> None:
-    """out[e, row0:row0+O, :] = fp8(w[e] / s[e]) (out [E, P, I] contiguous)."""
-    E, O, I = w_EOI.shape
-    if not _on_kernels(w_EOI):
-        out_EPI[:, row0:row0 + O] = _cast(w_EOI.detach(), s_E[:, None, None])
-        return
-    w = w_EOI.detach().contiguous()
-    BLOCK = 4096
-    _cast_experts_kernel[(triton.cdiv(O * I, BLOCK), E)](w, s_E, out_EPI, O * I, out_EPI[0].numel(), row0 * I,
-                                                         BLOCK=BLOCK, num_warps=8)
+def cast_experts_torch(w_EOI: torch.Tensor, s_E: torch.Tensor, out_EPI: torch.Tensor, row0: int) -> None:
+    """out[e, row0:row0+O, :] = fp8(w[e] / s[e]) (out [E, P, I]): the reference of the forward copy."""
+    out_EPI[:, row0:row0 + w_EOI.shape[1]] = _cast(w_EOI.detach(), s_E[:, None, None])
 
 
 def cast_experts_t(w_EOI: torch.Tensor, s_E: torch.Tensor, out_EIP: torch.Tensor, col0: int) -> None:

@@ -14,13 +14,23 @@ if triton is not None:
     import triton.language as tl
 
     @triton.jit
+    def silu_mul(a, b):
+        """h = silu(a) · b on fp32 blocks (shared by every kernel that applies SwiGLU)."""
+        return a * tl.sigmoid(a) * b
+
+    @triton.jit
+    def silu_mul_grads(g, a, b):
+        """(da, db) of h = silu(a) · b for the output gradient g, on fp32 blocks."""
+        s = tl.sigmoid(a)
+        return g * b * s * (1 + a * (1 - s)), g * a * s
+
+    @triton.jit
     def _swiglu_fwd_kernel(a_ptr, b_ptr, h_ptr, n, BLOCK: tl.constexpr):
         offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
         mask = offs < n
         a = tl.load(a_ptr + offs, mask=mask, other=0.0).to(tl.float32)
         b = tl.load(b_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-        h = a * tl.sigmoid(a) * b
-        tl.store(h_ptr + offs, h.to(h_ptr.dtype.element_ty), mask=mask)
+        tl.store(h_ptr + offs, silu_mul(a, b).to(h_ptr.dtype.element_ty), mask=mask)
 
     @triton.jit
     def _swiglu_bwd_kernel(g_ptr, a_ptr, b_ptr, da_ptr, db_ptr, n, BLOCK: tl.constexpr):
@@ -29,9 +39,9 @@ if triton is not None:
         g = tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32)
         a = tl.load(a_ptr + offs, mask=mask, other=0.0).to(tl.float32)
         b = tl.load(b_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-        s = tl.sigmoid(a)
-        tl.store(da_ptr + offs, (g * b * s * (1 + a * (1 - s))).to(da_ptr.dtype.element_ty), mask=mask)
-        tl.store(db_ptr + offs, (g * a * s).to(db_ptr.dtype.element_ty), mask=mask)
+        da, db = silu_mul_grads(g, a, b)
+        tl.store(da_ptr + offs, da.to(da_ptr.dtype.element_ty), mask=mask)
+        tl.store(db_ptr + offs, db.to(db_ptr.dtype.element_ty), mask=mask)
 
 _BLOCK = 2048
 

@@ -171,8 +171,8 @@ def test_triton_quantisers_equal_torch_reference():
     w1, w3 = torch.randn(E, H, D, generator=g), torch.randn(E, H, D, generator=g) * 3
     s13 = fp8.expert_scales_torch(w1, w3)
     ref = torch.zeros(E, 2 * H, D, dtype=FP8)
-    fp8.cast_experts(w1, s13, ref, 0)
-    fp8.cast_experts(w3, s13, ref, H)
+    fp8.cast_experts_torch(w1, s13, ref, 0)
+    fp8.cast_experts_torch(w3, s13, ref, H)
     wrong = s13.clone()
     wrong[1], wrong[3] = s13[1] * 2, s13[3] / 4  # the guess too large for one expert, too small for another
     for guess in (torch.zeros(E), s13, wrong):  # no guess, the right one, partly wrong: the same bytes
