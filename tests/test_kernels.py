@@ -57,6 +57,24 @@ def test_combine_backward_zero_fills_unused_rows():
     assert gy[8:].abs().max() == 0
 
 
+def test_given_buffers_keep_the_rows_no_slot_writes():
+    """combine_backward(grad_y_out=...) writes the rows some (t, k) maps to and leaves the rest (the
+    nvlink dispatcher's shared gradient buffer); gather_sum(out=...) fills its buffer (torch path)."""
+    y, w, idx, gr = _perm_case(6, 3, 5)
+    idx[1, 2] = -1
+    ref_gy, ref_gw = moe_rows.combine_backward_torch(gr, y, w, idx)
+    gy_out = torch.full((20, 5), 7.0, dtype=torch.float64)
+    gy, gw = moe_rows.combine_backward(gr, torch.cat([y, y[:2]]), w, idx, grad_y_out=gy_out)
+    hit = torch.zeros(20, dtype=torch.bool)
+    hit[idx[idx >= 0]] = True
+    assert gy is gy_out and bool((gy[~hit] == 7.0).all()) and int(hit.sum()) == 17
+    torch.testing.assert_close(gy[:18][hit[:18]], ref_gy[hit[:18]], rtol=1e-14, atol=1e-14)
+    torch.testing.assert_close(gw, ref_gw, rtol=1e-14, atol=1e-14)
+    out = torch.full((6, 5), 7.0, dtype=torch.float64)
+    assert moe_rows.gather_sum(y, idx, w, out=out) is out
+    torch.testing.assert_close(out, moe_rows.gather_sum_torch(y, idx, w), rtol=1e-14, atol=1e-14)
+
+
 def test_row_ops_gradcheck():
     y, w, idx, _ = _perm_case(5, 3, 4)
     token_of_row = torch.empty(15, dtype=torch.long).scatter_(0, idx.reshape(-1), torch.arange(5).repeat_interleave(3))
@@ -81,6 +99,16 @@ for T, K, D, hot in [(6, 3, 40, False), (5, 2, 1030, False), (4, 4, 8, True), (5
     a, b = moe_rows.combine_backward(gr, y, w, idx), moe_rows.combine_backward_torch(gr, y, w, idx)
     torch.testing.assert_close(a[0], b[0], rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(a[1], b[1], rtol=1e-5, atol=1e-4)
+    # written into given buffers: every output row of gather_sum; only the referenced rows of grad_y
+    out = torch.full((T, D), 7.0)
+    assert moe_rows.gather_sum(y, idx, w, out=out) is out
+    torch.testing.assert_close(out, moe_rows.gather_sum_torch(y, idx, w), rtol=1e-5, atol=1e-5)
+    gy_out = torch.full((T * K + 2, D), 7.0)
+    gy, gw = moe_rows.combine_backward(gr, torch.cat([y, y[:2]]), w, idx, grad_y_out=gy_out)
+    hit = torch.zeros(T * K + 2, dtype=torch.bool); hit[idx[idx >= 0]] = True
+    torch.testing.assert_close(gy[hit], b[0][hit[:T * K]], rtol=1e-5, atol=1e-5)
+    assert gy is gy_out and bool((gy[~hit] == 7.0).all())
+    torch.testing.assert_close(gw, b[1], rtol=1e-5, atol=1e-4)
 print("INTERPRET-OK")
 """
 
