@@ -38,6 +38,9 @@
 #   scaling     1/2/4 v2lite_1b tokens/s per GPU at 1, 2, 4 GPUs (EP = GPUs, padded, ECHO on)
 #   guard       1    cost of the non-finite guard: v2lite_1b (CONFIGS=...), eager and graphed, on vs off
 #   titan       2    torchtitan's own trainer with our TrainSpec (EP=2, ECHO) vs the recipe: per-step losses
+#   before_after 2   this tree against an older one checked out at PREV (git worktree add build/prev REV; carry
+#                    build): dispatch at 16384x2048, v2lite_1b EP=2 nvlink graphed (capacity 2.0) with torchtitan
+#                    compiled, and both trees' eager step profiles (PART=dispatch | e2e | profile; default all)
 #   ep8         8    not run yet (needs an 8-GPU host): PART=a dispatch EP=2/8; b v2lite_1b EP=8; c scaling
 #                    row + v2lite_6b graphed at EP=8
 set -uo pipefail
@@ -309,6 +312,34 @@ print('largest step difference over steps 1-20: %.2e at step %d' % max(rel[:20])
       CFG=train_configs/$cfg.toml FROM=${FROM:-30} recipe "guard_${cfg}_graph${graph}_n${g}_$RANDOM" 1 \
         --training.steps ${STEPS:-60} --training.max_nonfinite_steps $g --training.cuda_graph $graph | grep -E "^tok/s|rc=[^0]"
     done; done; done ;;
+
+  before_after)  # -> dispatch_ep2_before_after_<GPU>.md, e2e_<GPU>.md (labels ep2_cf2, ep2_cf2_perslot),
+    # step_breakdown_v2lite_1b_gpu_ep2_nvlink_H100.md (columns per_choice = PREV, per_token = this tree)
+    PREV=${PREV:-build/prev}; NEW=$PWD; ABS_PREV=$(cd "$PREV" && pwd)
+    OURS="--parallelism.expert_parallel_degree 2 --moe_echo.dispatcher nvlink --moe_echo.capacity_factor 2.0"
+    if [ -z "${PART:-}" ] || [ "$PART" = dispatch ]; then
+      for tree in "$ABS_PREV" "$NEW"; do
+        CUDA_VISIBLE_DEVICES=0,1 PYTHONPATH=/tmp/site:$tree timeout 90 torchrun --nproc_per_node 2 $tree/benchmarks/dispatch.py \
+          --no-vdev --tokens 16384 --hidden 2048 --sweep 64 --block-t 1 --out "$OUT/$(basename $tree)" 2>&1 | grep -E '^\| 16384'
+      done
+    fi
+    if [ -z "${PART:-}" ] || [ "$PART" = e2e ]; then
+      timeout 120 python3 benchmarks/e2e.py --configs v2lite_1b_gpu --nproc 2 --runs ours_graph --label ep2_cf2 \
+        --steps 40 --out "$OUT" --work /tmp/e2e --ours "$OURS" 2>&1 | grep -v '^{' | tail -2
+      (cd "$ABS_PREV" && PYTHONPATH=/tmp/site:$ABS_PREV timeout 120 python3 benchmarks/e2e.py --configs v2lite_1b_gpu --nproc 2 \
+        --runs ours_graph --label ep2_cf2_perslot --steps 40 --out "$OUT/prev" --work /tmp/e2e --ours "$OURS" 2>&1 | grep -v '^{' | tail -2)
+      timeout 200 python3 benchmarks/e2e.py --configs v2lite_1b_gpu --nproc 2 --runs torchtitan_compile --label ep2_cf2 \
+        --steps 40 --out "$OUT" --work /tmp/e2e --titan "--parallelism.expert_parallel_degree 2" 2>&1 | grep -v '^{' | tail -3
+    fi
+    if [ -z "${PART:-}" ] || [ "$PART" = profile ]; then
+      PROF="--training.steps 14 --metrics.log_freq 2 --profiling.enable_profiling true --profiling.profile_freq 12
+            --profiling.profiler_warmup 8 --profiling.profiler_active 4 $OURS"
+      TMO=100 FROM=0 recipe prof_new 2 $PROF | tail -1
+      (cd "$ABS_PREV" && export PYTHONPATH=/tmp/site:$ABS_PREV && TMO=100 FROM=0 recipe prof_prev 2 $PROF | tail -1)
+      python3 benchmarks/step_breakdown.py "per_choice=$(ls /tmp/run_prof_prev/profile_traces/iteration_*/rank0_trace.json | tail -1)" \
+        "per_token=$(ls /tmp/run_prof_new/profile_traces/iteration_*/rank0_trace.json | tail -1)" \
+        --name "v2lite_1b_gpu_ep2_nvlink_$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1 | cut -d" " -f2)" --out "$OUT" | head -20
+    fi ;;
 
   titan)  # 2 GPUs: torchtitan's own trainer with our TrainSpec (EP=2, ECHO, alltoall) vs recipes/pretrain.py
     common=(--job.config_file train_configs/debug_gpu.toml --training.steps ${STEPS:-20} --metrics.log_freq 1
