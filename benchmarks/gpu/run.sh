@@ -316,7 +316,8 @@ print('largest step difference over steps 1-20: %.2e at step %d' % max(rel[:20])
   before_after)  # -> dispatch_ep2_before_after_<GPU>.md, e2e_<GPU>.md (labels ep2_cf2, ep2_cf2_perslot),
     # step_breakdown_v2lite_1b_gpu_ep2_nvlink_H100.md (columns per_choice = PREV, per_token = this tree)
     PREV=${PREV:-build/prev}; NEW=$PWD; ABS_PREV=$(cd "$PREV" && pwd)
-    OURS="--parallelism.expert_parallel_degree 2 --moe_echo.dispatcher nvlink --moe_echo.capacity_factor 2.0"
+    CF=${CF:-2.0}  # the ep2_cf1.5* rows: CF=1.5 PART=e2e
+    OURS="--parallelism.expert_parallel_degree 2 --moe_echo.dispatcher nvlink --moe_echo.capacity_factor $CF"
     if [ -z "${PART:-}" ] || [ "$PART" = dispatch ]; then
       for tree in "$ABS_PREV" "$NEW"; do
         CUDA_VISIBLE_DEVICES=0,1 PYTHONPATH=/tmp/site:$tree timeout 90 torchrun --nproc_per_node 2 $tree/benchmarks/dispatch.py \
@@ -324,11 +325,11 @@ print('largest step difference over steps 1-20: %.2e at step %d' % max(rel[:20])
       done
     fi
     if [ -z "${PART:-}" ] || [ "$PART" = e2e ]; then
-      timeout 120 python3 benchmarks/e2e.py --configs v2lite_1b_gpu --nproc 2 --runs ours_graph --label ep2_cf2 \
+      timeout 120 python3 benchmarks/e2e.py --configs v2lite_1b_gpu --nproc 2 --runs ours_graph --label ep2_cf$CF \
         --steps 40 --out "$OUT" --work /tmp/e2e --ours "$OURS" 2>&1 | grep -v '^{' | tail -2
       (cd "$ABS_PREV" && PYTHONPATH=/tmp/site:$ABS_PREV timeout 120 python3 benchmarks/e2e.py --configs v2lite_1b_gpu --nproc 2 \
-        --runs ours_graph --label ep2_cf2_perslot --steps 40 --out "$OUT/prev" --work /tmp/e2e --ours "$OURS" 2>&1 | grep -v '^{' | tail -2)
-      timeout 200 python3 benchmarks/e2e.py --configs v2lite_1b_gpu --nproc 2 --runs torchtitan_compile --label ep2_cf2 \
+        --runs ours_graph --label ep2_cf${CF}_perslot --steps 40 --out "$OUT/prev" --work /tmp/e2e --ours "$OURS" 2>&1 | grep -v '^{' | tail -2)
+      timeout 200 python3 benchmarks/e2e.py --configs v2lite_1b_gpu --nproc 2 --runs torchtitan_compile --label ep2_cf$CF \
         --steps 40 --out "$OUT" --work /tmp/e2e --titan "--parallelism.expert_parallel_degree 2" 2>&1 | grep -v '^{' | tail -3
     fi
     if [ -z "${PART:-}" ] || [ "$PART" = profile ]; then
