@@ -316,7 +316,7 @@ print('largest step difference over steps 1-20: %.2e at step %d' % max(rel[:20])
   before_after)  # -> dispatch_ep2_before_after_<GPU>.md, e2e_<GPU>.md (labels ep2_cf2, ep2_cf2_perslot),
     # step_breakdown_v2lite_1b_gpu_ep2_nvlink_H100.md (columns per_choice = PREV, per_token = this tree)
     PREV=${PREV:-build/prev}; NEW=$PWD; ABS_PREV=$(cd "$PREV" && pwd)
-    CF=${CF:-2.0}  # the ep2_cf1.5* rows: CF=1.5 PART=e2e
+    CF=${CF:-2}  # the ep2_cf1.5* rows: CF=1.5 PART=e2e
     OURS="--parallelism.expert_parallel_degree 2 --moe_echo.dispatcher nvlink --moe_echo.capacity_factor $CF"
     if [ -z "${PART:-}" ] || [ "$PART" = dispatch ]; then
       for tree in "$ABS_PREV" "$NEW"; do
