@@ -7,7 +7,8 @@
         handle: a ``DispatchHandle`` with what combine needs (backend-specific), never read on the
                 host by sync-free backends.
     combine(y_ND, handle) -> y_TD = Σ_k w_TK[t, k] · y(row of (t, k)), accumulated in fp32,
-        returned in x_TD's dtype on the source rank.
+        returned in x_TD's dtype on the source rank (``nvlink``: each owner's share of the sum is
+        accumulated in fp32 and crosses back in y's dtype; the source adds the shares in fp32).
 
 Both are differentiable: gradients flow to x_TD, w_TK and y_ND.
 
