@@ -40,12 +40,14 @@ class MoEEchoConfig:
 
     capacity_factor: float = 1.25
     """Fixed-capacity backends. padded: rows per (source, destination) block =
-    round_up(ceil(capacity_factor · T · K / EP), 8); nvlink: receive rows per rank =
-    round_up(ceil(capacity_factor · T · K), 128) (T = tokens per rank, K = top-k)."""
+    round_up(ceil(capacity_factor · T · K / EP), 8); nvlink: expert rows per rank =
+    round_up(ceil(capacity_factor · T · K), 128) (T = tokens per rank, K = top-k; its token buffer,
+    EP · T rows, cannot overflow)."""
 
     nvlink_sms: int = 64
-    """nvlink: CTAs (about one per SM) the dispatch/combine copy kernels occupy; the rest of the GPU
-    stays free for compute overlapping with them."""
+    """nvlink: CTAs (about one per SM) the kernels that cross NVLink occupy (token sends, pulls of the
+    combined rows and gradients); the kernels that only touch this GPU's memory (expanding tokens into
+    expert rows, per-token sums) use the whole GPU."""
 
     aux_loss_coeff: float = 0.0
     """Coefficient of the sequence-level auxiliary balance loss (0 disables it)."""
