@@ -208,12 +208,15 @@ def test_nvlink_weight_multicast_and_gradient_reduce_back(shape):
         torch.testing.assert_close(grad, want_grad, rtol=1e-12, atol=1e-12)
 
 
-@pytest.mark.parametrize("R", [2, 4])
-@pytest.mark.parametrize("routing", ["random", "all_to_one", "one_hot_per_rank", "more_hot_than_slots"])
-def test_echo_layer_over_nvlink_equals_ep1(R, routing):
+@pytest.mark.parametrize("R, routing, recompute", [(R, routing, False) for R in (2, 4) for routing in
+                                                   ("random", "all_to_one", "one_hot_per_rank", "more_hot_than_slots")]
+                         + [(2, "random", True), (4, "one_hot_per_rank", True)])
+def test_echo_layer_over_nvlink_equals_ep1(R, routing, recompute):
     """The whole MoE layer with ECHO on the nvlink backend (plan, rewrite, peer dispatch, clone
     weights and gradient reduce-back over peer memory, combine) against the same layer at EP=1:
-    outputs, input gradients, expert gradients and replicated gradients, fp64 to 1e-12."""
+    outputs, input gradients, expert gradients and replicated gradients, fp64 to 1e-12. With
+    ``recompute`` the layer runs under activation checkpointing: its backward re-runs dispatch and
+    combine, rewriting the peer buffers of the same step, and must give the same gradients."""
     import copy
 
     from components.moe_echo.echo import Echo
@@ -249,7 +252,7 @@ def test_echo_layer_over_nvlink_equals_ep1(R, routing):
         layer.dispatcher, layer.ep_size = disp, R
         layer.echo = Echo(E, R, rank, S, "greedy", PeerMemoryTransport(disp, rank, S))  # counts over the workspace too
         x = x_all[rank:rank + 1].clone().requires_grad_()
-        y = layer(x)
+        y = torch.utils.checkpoint.checkpoint(layer, x, use_reentrant=False) if recompute else layer(x)
         (y * gy_all[rank:rank + 1]).sum().backward()
         return y.detach(), x.grad, {n: p.grad for n, p in layer.named_parameters()}, layer.echo_stats.clone()
 
