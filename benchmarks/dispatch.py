@@ -108,6 +108,60 @@ def vdev_ms(x_send, send_splits, group):
         return None, f"{type(err).__name__}: {str(err).splitlines()[0][:80]}"
 
 
+def profile_nvlink(T: int, D: int, sms: int, group, dev, iters: int = 5) -> list[dict]:
+    """Kernel time per call of nvlink dispatch + combine + their backward (eager, balanced routing):
+    rows {phase, kernel, ms, calls}, phase = the autograd node or forward op around the launch."""
+    import json
+    import tempfile
+
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    world = dist.get_world_size(group)
+    gen = torch.Generator(device=dev).manual_seed(7)
+    ids = routing(T, "balanced", gen, dev)
+    w = torch.rand(T, K, device=dev, generator=gen).requires_grad_()
+    x = torch.randn(T, D, device=dev, dtype=torch.bfloat16, generator=gen).requires_grad_()
+    g = torch.randn(T, D, device=dev, dtype=torch.bfloat16, generator=gen)
+    disp = NVLinkDispatcher(E, group, world, 1.5, programs=sms, name="profile")
+
+    def step():
+        with record_function("nvlink.dispatch"):
+            x_nd, _, h = disp.dispatch(x, ids, w)
+        with record_function("nvlink.combine"):
+            y = disp.combine(x_nd * 1, h)
+        with record_function("nvlink.backward"):
+            y.backward(g)
+
+    for _ in range(3):
+        step()
+    torch.cuda.synchronize()
+    dist.barrier()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(iters):
+            step()
+        torch.cuda.synchronize()
+    with tempfile.NamedTemporaryFile(suffix=".json") as f:
+        prof.export_chrome_trace(f.name)
+        events = json.load(open(f.name))["traceEvents"]
+    spans = sorted((e["ts"], e["ts"] + e["dur"], e["name"]) for e in events  # host-side ranges only
+                   if e.get("cat") == "user_annotation" and e.get("name", "").startswith("nvlink."))
+    launches = {e["args"]["correlation"]: e["ts"] for e in events
+                if e.get("ph") == "X" and e.get("cat") in ("cuda_runtime", "cuda_driver")  # Triton: cuLaunchKernel
+                and "correlation" in e.get("args", {})}
+    total: dict = {}
+    for e in events:
+        if e.get("ph") != "X" or e.get("cat") != "kernel":
+            continue
+        at = launches.get(e["args"].get("correlation"), e["ts"])
+        phase = next((n.split(".")[1] for s, t, n in spans if s <= at <= t), "other")
+        key = (phase, e["name"][:90])
+        ms, calls = total.get(key, (0.0, 0))
+        total[key] = (ms + e["dur"] / 1e3, calls + 1)
+    rows = [{"phase": p, "kernel": k, "ms": ms / iters, "calls": c / iters} for (p, k), (ms, c) in total.items()]
+    order = {"dispatch": 0, "combine": 1, "backward": 2, "other": 3}
+    return sorted(rows, key=lambda r: (order[r["phase"]], -r["ms"]))
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=None)
@@ -117,6 +171,7 @@ def main():
     ap.add_argument("--sweep", default="8,16,32,64,132", help="nvlink CTAs swept (graphed)")
     ap.add_argument("--block-t", default="1,2,4", help="nvlink tokens per CTA iteration swept (graphed)")
     ap.add_argument("--no-vdev", action="store_true")
+    ap.add_argument("--profile", default="", help="TxD: also profile nvlink forward + backward there (kernel table)")
     a = ap.parse_args()
     dist.init_process_group("nccl")
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -221,9 +276,11 @@ def main():
                 rows.append(row)
                 if rank == 0:
                     print(row, flush=True)
+    kernels = profile_nvlink(*map(int, a.profile.split("x")), int(a.sms), group, dev) if a.profile else []
     if rank == 0:
         env = environment()
         env["ranks"] = world
+        env["nvlink_kernels"] = kernels
         env["vdev"] = vdev_note or "ran"
         env["nvlink_sms_sweep"] = sweep
         cols = ["T", "D", "routing", "remote_MB", "remote_token_MB", "alltoall_ms", "padded_ms", "nvlink_ms", "vdev_ms",
@@ -233,6 +290,10 @@ def main():
         table = markdown_table(rows, cols)
         table += ("\n\nnvlink dispatch + combine (graphed) vs CTAs (≈ SMs) and tokens per CTA iteration:\n\n"
                   + markdown_table(sweep, ["T", "D", "routing", "nvlink_sms", "block_t", "graph_ms", "GBs", "equal"]))
+        if kernels:
+            table += (f"\n\nnvlink forward + backward at {a.profile} (balanced, eager, rank 0's kernels, ms per "
+                      "call; barriers include waiting for the peer):\n\n"
+                      + markdown_table(kernels, ["phase", "kernel", "ms", "calls"]))
         stem = write_results(f"dispatch_ep{world}", env, rows, table, a.out)
         print(f"\ndispatch+combine, EP={world}, {env['gpu']}, torch {env['torch']} ({stem}.json); "
               f"all_to_all_vdev: {env['vdev']}\n{table}")

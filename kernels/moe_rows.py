@@ -65,20 +65,31 @@ def combine_backward_torch(g_TD, y_ND, w_TK, idx_TK):
 if triton is not None:
 
     @triton.jit
-    def _gather_sum_kernel(src_ptr, idx_ptr, w_ptr, out_ptr, D, K: tl.constexpr, HAS_W: tl.constexpr,
-                           BLOCK_D: tl.constexpr):
-        t = tl.program_id(0)
-        offs = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
-        mask = offs < D
-        acc = tl.zeros([BLOCK_D], dtype=tl.float32)
-        for k in tl.static_range(K):
-            row = tl.load(idx_ptr + t * K + k).to(tl.int64)
-            present = (tl.zeros([BLOCK_D], dtype=tl.int64) + row) >= 0  # row -1: slot not sent
-            x = tl.load(src_ptr + row * D + offs, mask=mask & present, other=0.0).to(tl.float32)
-            if HAS_W:
-                x = x * tl.load(w_ptr + t * K + k).to(tl.float32)
-            acc += x
-        tl.store(out_ptr + t.to(tl.int64) * D + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+    def _gather_sum_kernel(out_ptr, src_ptr, idx_ptr, rank_ptr, ptrs_ptr, w_ptr, T, D, K: tl.constexpr,
+                           HAS_W: tl.constexpr, PEERS: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr):
+        """out[t] = Σ_k w[t, k] · src[idx[t, k]] over BLOCK_T whole rows per iteration of a persistent
+        grid; PEERS: slot (t, k) reads the buffer at address ptrs[rank[t, k]] (src_ptr only gives
+        the dtype)."""
+        ty = src_ptr.dtype.element_ty
+        cols = tl.arange(0, BLOCK_D)[None, :]
+        in_row = cols < D
+        for b in range(tl.program_id(0).to(tl.int64), tl.cdiv(T, BLOCK_T), tl.num_programs(0).to(tl.int64)):
+            t_T = b * BLOCK_T + tl.arange(0, BLOCK_T)
+            ok_T = t_T < T
+            acc = tl.zeros([BLOCK_T, BLOCK_D], dtype=tl.float32)
+            for k in tl.static_range(K):
+                row_T = tl.load(idx_ptr + t_T * K + k, mask=ok_T, other=-1).to(tl.int64)  # -1: slot not sent
+                if PEERS:
+                    base_T = tl.load(ptrs_ptr + tl.load(rank_ptr + t_T * K + k, mask=ok_T, other=0)).to(
+                        tl.pointer_type(ty))
+                    at = base_T[:, None] + row_T[:, None] * D + cols
+                else:
+                    at = src_ptr + row_T[:, None] * D + cols
+                v = tl.load(at, mask=(row_T >= 0)[:, None] & in_row, other=0.0).to(tl.float32)
+                if HAS_W:
+                    v = v * tl.load(w_ptr + t_T * K + k, mask=ok_T, other=0.0).to(tl.float32)[:, None]
+                acc += v
+            tl.store(out_ptr + t_T[:, None] * D + cols, acc.to(out_ptr.dtype.element_ty), mask=ok_T[:, None] & in_row)
 
     @triton.jit
     def _combine_bwd_kernel(g_ptr, y_ptr, w_ptr, idx_ptr, gy_ptr, gw_ptr, D, K: tl.constexpr,
@@ -106,22 +117,46 @@ def _use_triton(*ts) -> bool:
     return all(t.is_cuda for t in ts) or os.environ.get("TRITON_INTERPRET") == "1"
 
 
-def gather_sum(src_ND, idx_TK, w_TK=None, out=None):
+TOKENS_PER_BLOCK = 1  # rows a CTA moves per loop iteration (power of 2); benchmarks/row_kernels.py sweeps it
+
+
+def row_launch(T: int, D: int, programs: int | None, block_t: int | None, num_warps: int | None = None):
+    """Grid and meta-parameters of the row kernels: ``programs`` persistent CTAs (None: one per
+    block of rows), ``block_t`` whole rows (BLOCK_D >= D) per iteration."""
+    block_t = block_t or TOKENS_PER_BLOCK
+    block_d = triton.next_power_of_2(D)
+    blocks = -(-T // block_t)
+    grid = (max(1, blocks if programs is None else min(blocks, programs)),)
+    warps = num_warps or max(4, min(16, block_t * block_d // 512))
+    return grid, dict(BLOCK_T=block_t, BLOCK_D=block_d, num_warps=warps)
+
+
+def launch_gather_sum(out_TD, src, idx_TK, w_TK=None, rank_TK=None, ptrs_R=None, programs=None, block_t=None,
+                      num_warps=None):
+    """The kernel behind ``gather_sum`` and ``kernels.peer_rows.peer_gather_sum``: ``src`` is the
+    rows (local) or, with ``rank_TK`` and ``ptrs_R``, a tensor of the peer buffers' dtype."""
+    T, K = idx_TK.shape
+    if T == 0:
+        return out_TD
+    grid, meta = row_launch(T, out_TD.shape[1], programs, block_t, num_warps)
+    idx_TK = idx_TK.contiguous()
+    peers = rank_TK is not None
+    w = w_TK.contiguous() if w_TK is not None else idx_TK  # dummy pointers where unused
+    _gather_sum_kernel[grid](out_TD, src, idx_TK, rank_TK.contiguous() if peers else idx_TK,
+                             ptrs_R if peers else idx_TK, w, T, out_TD.shape[1], K=K, HAS_W=w_TK is not None,
+                             PEERS=peers, **meta)
+    return out_TD
+
+
+def gather_sum(src_ND, idx_TK, w_TK=None, out=None, programs: int | None = None, block_t: int | None = None):
     """``out`` (optional, contiguous [T, D]): written in place (e.g. a peer-visible buffer)."""
     if not _use_triton(src_ND):
         res = gather_sum_torch(src_ND, idx_TK, w_TK)
         return res if out is None else out.copy_(res)
-    T, K = idx_TK.shape
-    D = src_ND.shape[1]
-    src_ND, idx_TK = src_ND.contiguous(), idx_TK.contiguous()
-    out_TD = torch.empty(T, D, dtype=src_ND.dtype, device=src_ND.device) if out is None else out
-    if T == 0:
-        return out_TD
-    BLOCK_D = min(1024, triton.next_power_of_2(D))
-    w = w_TK.contiguous() if w_TK is not None else idx_TK  # dummy pointer when HAS_W is False
-    _gather_sum_kernel[(T, triton.cdiv(D, BLOCK_D))](src_ND, idx_TK, w, out_TD, D, K=K, HAS_W=w_TK is not None,
-                                                      BLOCK_D=BLOCK_D, num_warps=4)
-    return out_TD
+    T = idx_TK.shape[0]
+    src_ND = src_ND.contiguous()
+    out_TD = torch.empty(T, src_ND.shape[1], dtype=src_ND.dtype, device=src_ND.device) if out is None else out
+    return launch_gather_sum(out_TD, src_ND, idx_TK, w_TK, programs=programs, block_t=block_t)
 
 
 def combine_backward(g_TD, y_ND, w_TK, idx_TK, allow_missing: bool = True, grad_y_out=None):

@@ -11,8 +11,9 @@ per rank, readable on the device) and a (rank, row) pair per (token, choice) slo
         out[t] = Σ_k w[t, k] · peer[rank[t, k]][row[t, k]]   (fp32 accumulate; -1 adds nothing)
 
 The kernels run a persistent grid of ``programs`` CTAs (the SMs the transfer may occupy); each CTA
-walks tokens t = pid, pid + programs, ... and moves whole rows (BLOCK_D >= D), issuing the K row
-transfers of a token back to back. Nothing is read on the host.
+walks blocks of ``block_t`` tokens (default ``peer_block_t(D)``; 1 for a local scatter) and moves
+whole rows (BLOCK_D >= D), issuing the K row transfers of its tokens back to back. Nothing is read
+on the host. ``peer_gather_sum`` is ``kernels.moe_rows``' gather-sum kernel reading through the table.
 
 Without CUDA (CPU tests, fp64 references) the torch versions below do the same on the list of
 peer tensors; TRITON_INTERPRET=1 runs the kernels themselves on CPU tensors.
@@ -21,6 +22,8 @@ peer tensors; TRITON_INTERPRET=1 runs the kernels themselves on CPU tensors.
 import os
 
 import torch
+
+from kernels.moe_rows import gather_sum_torch, launch_gather_sum, row_launch
 
 try:
     import triton
@@ -52,8 +55,6 @@ def _stacked(rank_TK, row_TK, peers):
 
 
 def peer_gather_sum_torch(rank_TK, row_TK, peers, w_TK=None):
-    from kernels.moe_rows import gather_sum_torch
-
     src, idx = _stacked(rank_TK, row_TK, peers)
     return gather_sum_torch(src, idx, w_TK)
 
@@ -86,26 +87,6 @@ if triton is not None:
                     v = x.to(tl.float32) * s_T[:, None]
                 tl.store(dst_T[:, None] + row_T[:, None] * D + cols, v.to(ty), mask=(row_T >= 0)[:, None] & in_row)
 
-    @triton.jit
-    def _peer_gather_sum_kernel(out_ptr, rank_ptr, row_ptr, ptrs_ptr, buf_like, w_ptr, T, D, K: tl.constexpr,
-                                HAS_W: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr):
-        ty = buf_like.dtype.element_ty
-        cols = tl.arange(0, BLOCK_D)[None, :]
-        in_row = cols < D
-        for b in range(tl.program_id(0).to(tl.int64), tl.cdiv(T, BLOCK_T), tl.num_programs(0).to(tl.int64)):
-            t_T = b * BLOCK_T + tl.arange(0, BLOCK_T)
-            ok_T = t_T < T
-            acc = tl.zeros([BLOCK_T, BLOCK_D], dtype=tl.float32)
-            for k in tl.static_range(K):
-                row_T = tl.load(row_ptr + t_T * K + k, mask=ok_T, other=-1).to(tl.int64)
-                src_T = tl.load(ptrs_ptr + tl.load(rank_ptr + t_T * K + k, mask=ok_T, other=0)).to(tl.pointer_type(ty))
-                v = tl.load(src_T[:, None] + row_T[:, None] * D + cols, mask=(row_T >= 0)[:, None] & in_row,
-                            other=0.0).to(tl.float32)
-                if HAS_W:
-                    v = v * tl.load(w_ptr + t_T * K + k, mask=ok_T, other=0.0).to(tl.float32)[:, None]
-                acc += v
-            tl.store(out_ptr + t_T[:, None] * D + cols, acc.to(out_ptr.dtype.element_ty), mask=ok_T[:, None] & in_row)
-
 
 def use_triton(t: torch.Tensor) -> bool:
     if triton is None or t.dtype == torch.float64:
@@ -113,15 +94,11 @@ def use_triton(t: torch.Tensor) -> bool:
     return t.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"
 
 
-TOKENS_PER_BLOCK = 1  # tokens a CTA moves per loop iteration (power of 2); benchmarks/dispatch.py sweeps it
-
-
-def _launch(T: int, D: int, programs: int, block_t: int | None):
-    """Grid and meta-parameters: ``programs`` persistent CTAs, ``block_t`` whole rows per iteration."""
-    block_t = block_t or TOKENS_PER_BLOCK
-    block_d = triton.next_power_of_2(D)
-    grid = (max(1, min(-(-T // block_t), programs)),)
-    return grid, dict(BLOCK_T=block_t, BLOCK_D=block_d, num_warps=max(4, min(16, block_t * block_d // 512)))
+def peer_block_t(D: int) -> int:
+    """Rows a CTA of a peer kernel moves per iteration: ~16 KB of bf16 in flight (4 rows of 2048,
+    1 of 7168). A remote row costs a round trip over NVLink: at one row per iteration a 64-CTA pull
+    of 16384 rows of 2048 ran 3x slower on H100 (benchmarks/row_kernels.py)."""
+    return max(1, 8192 // triton.next_power_of_2(D))
 
 
 def peer_scatter(x_TD, rank_TK, row_TK, ptrs_R, peers, scale_TK=None, programs: int = 32, block_t: int | None = None):
@@ -133,7 +110,7 @@ def peer_scatter(x_TD, rank_TK, row_TK, ptrs_R, peers, scale_TK=None, programs: 
     if T == 0:
         return
     D = x_TD.shape[1]
-    grid, meta = _launch(T, D, programs, block_t)
+    grid, meta = row_launch(T, D, programs, block_t or (1 if rank_TK is None else peer_block_t(D)))
     scale = scale_TK.contiguous() if scale_TK is not None else row_TK  # dummy pointer without scale
     rank = rank_TK.contiguous() if rank_TK is not None else row_TK  # dummy pointer with one destination
     _peer_scatter_kernel[grid](x_TD.contiguous(), rank, row_TK.contiguous(), ptrs_R, peers[0], scale, T, D,
@@ -144,13 +121,6 @@ def peer_gather_sum(rank_TK, row_TK, ptrs_R, peers, w_TK=None, out_dtype=None, p
                     block_t: int | None = None):
     if not use_triton(peers[0]):
         return peer_gather_sum_torch(rank_TK, row_TK, peers, w_TK).to(out_dtype or peers[0].dtype)
-    T, K = row_TK.shape
-    D = peers[0].shape[1]
-    out_TD = torch.empty(T, D, dtype=out_dtype or peers[0].dtype, device=rank_TK.device)
-    if T == 0:
-        return out_TD
-    grid, meta = _launch(T, D, programs, block_t)
-    w = w_TK.contiguous() if w_TK is not None else row_TK
-    _peer_gather_sum_kernel[grid](out_TD, rank_TK.contiguous(), row_TK.contiguous(), ptrs_R, peers[0], w, T, D, K=K,
-                                  HAS_W=w_TK is not None, **meta)
-    return out_TD
+    out_TD = torch.empty(row_TK.shape[0], peers[0].shape[1], dtype=out_dtype or peers[0].dtype, device=rank_TK.device)
+    return launch_gather_sum(out_TD, peers[0], row_TK, w_TK, rank_TK, ptrs_R, programs,
+                             block_t or peer_block_t(out_TD.shape[1]))

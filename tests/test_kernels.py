@@ -96,6 +96,9 @@ for T, K, D, hot in [(6, 3, 40, False), (5, 2, 1030, False), (4, 4, 8, True), (5
     assert moe_rows._use_triton(y)
     torch.testing.assert_close(moe_rows.gather_sum(y, idx, w), moe_rows.gather_sum_torch(y, idx, w), rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(moe_rows.gather_sum(y, idx), moe_rows.gather_sum_torch(y, idx), rtol=1e-5, atol=1e-5)
+    for bt, progs in [(2, None), (4, 1), (8, 2)]:  # blocks of rows, a persistent grid smaller than the blocks
+        torch.testing.assert_close(moe_rows.gather_sum(y, idx, w, programs=progs, block_t=bt),
+                                   moe_rows.gather_sum_torch(y, idx, w), rtol=1e-5, atol=1e-5)
     a, b = moe_rows.combine_backward(gr, y, w, idx), moe_rows.combine_backward_torch(gr, y, w, idx)
     torch.testing.assert_close(a[0], b[0], rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(a[1], b[1], rtol=1e-5, atol=1e-4)
@@ -157,8 +160,9 @@ def test_triton_kernels_on_gpu_bf16(T, K, D):
     w = torch.rand(T, K, device="cuda", generator=g)
     gr = torch.randn(T, D, device="cuda", generator=g).bfloat16()
     ref = moe_rows.gather_sum_torch(y.double(), idx, w.double())
-    out = moe_rows.gather_sum(y, idx, w)
-    assert ((out.double() - ref).norm() / ref.norm()) < 1e-2
+    for bt, progs in [(None, None), (2, None), (4, 132), (8, 64)]:
+        out = moe_rows.gather_sum(y, idx, w, programs=progs, block_t=bt)
+        assert ((out.double() - ref).norm() / ref.norm()) < 1e-2, (bt, progs)
     gy, gw = moe_rows.combine_backward(gr, y, w, idx)
     gy_ref, gw_ref = moe_rows.combine_backward_torch(gr.double(), y.double(), w.double(), idx)
     assert ((gy.double() - gy_ref).norm() / gy_ref.norm()) < 1e-2

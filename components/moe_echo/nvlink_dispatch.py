@@ -125,7 +125,7 @@ class NVLinkDispatcher(FixedCapacity, ExpertParallel):
         ExpertParallel.__init__(self, num_experts, group, ep_size)
         FixedCapacity.__init__(self, capacity_factor)
         self.programs = programs
-        self.block_t = block_t  # tokens per CTA iteration (None: kernels.peer_rows.TOKENS_PER_BLOCK)
+        self.block_t = block_t  # tokens per CTA iteration of the peer kernels (None: kernels.peer_rows.peer_block_t)
         self.ws = workspace if workspace is not None else workspace_for(group)
         self.rank = self.ws.rank
         # buffer names must agree across ranks: layers are built in the same order on every rank
@@ -177,7 +177,7 @@ class _NVLinkDispatch(torch.autograd.Function):
         disp.ws.barrier(h.tok)  # every token row and meta row is in place on every rank
         r = disp.rank
         peer_scatter(h.tok.local, None, h.meta_row.local, x_buf.ptrs_R[r:r + 1], [x_buf.local],
-                     programs=disp.LOCAL_PROGRAMS, block_t=disp.block_t)
+                     programs=disp.LOCAL_PROGRAMS)
         ctx.disp, ctx.h = disp, h
         return x_buf.local.view(x_buf.local.shape)
 
