@@ -2,8 +2,9 @@
 
     python benchmarks/step_breakdown.py TRACE.json [--label before] [--out DIR]
 
-The recipe writes the traces with ``[profiling] enable_profiling`` (eager steps: a CUDA-graphed
-step shows as one graph launch). Each GPU kernel is attributed to the CPU ops that launched it
+The recipe writes the traces with ``[profiling] enable_profiling``. A CUDA-graphed step shows as one
+graph launch: its kernels have no launching op and are classified by name, and the steps are counted
+as the graph launches in the trace. Each GPU kernel is attributed to the CPU ops that launched it
 (the launch's correlation id, then the ops enclosing the launch on its thread) and put in the first
 category whose rule matches, innermost op first:
 
@@ -105,7 +106,7 @@ def breakdown(trace_path: str) -> dict:
         events = json.load(f)["traceEvents"]
     ops_by_tid = defaultdict(list)  # tid -> [(ts, end, name)]
     launches = {}  # correlation id -> (tid, ts)
-    kernels, steps = [], []
+    kernels, steps, replays = [], [], 0
     for e in events:
         if e.get("ph") != "X":
             continue
@@ -115,6 +116,8 @@ def breakdown(trace_path: str) -> dict:
             if name.startswith("ProfilerStep#"):
                 steps.append(name)
         elif cat == "cuda_runtime" or cat == "cuda_driver":
+            if name.startswith("cudaGraphLaunch"):
+                replays += 1
             corr = e.get("args", {}).get("correlation")
             if corr is not None:
                 launches[corr] = (e["tid"], e["ts"])
@@ -138,7 +141,9 @@ def breakdown(trace_path: str) -> dict:
         if e > end:
             busy += e - max(s, end)
             end = e
-    n = max(1, len(set(steps)))
+    # a graphed step is one replay; the profiler's window can hold one replay more than its steps
+    # (the last step's replay launched before the window closes), so replays count the steps
+    n = max(1, len(set(steps)), replays)
     total = sum(ms.values())
     return {"steps": n, "kernel_ms": total / n, "busy_ms": busy / 1e3 / n,
             "ms": {c: ms.get(c, 0.0) / n for c in CATEGORIES},

@@ -38,6 +38,8 @@
 #   scaling     1/2/4 v2lite_1b tokens/s per GPU at 1, 2, 4 GPUs (EP = GPUs, padded, ECHO on)
 #   guard       1    cost of the non-finite guard: v2lite_1b (CONFIGS=...), eager and graphed, on vs off
 #   titan       2    torchtitan's own trainer with our TrainSpec (EP=2, ECHO) vs the recipe: per-step losses
+#   graph_profile 2  the graphed + compiled v2lite_1b step profiled at EP=2 (nvlink) and EP=1, one table; the
+#                    one-GPU e2e row ep1_ref
 #   before_after 2   this tree against an older one checked out at PREV (git worktree add build/prev REV; carry
 #                    build): dispatch at 16384x2048, v2lite_1b EP=2 nvlink graphed (capacity 2.0) with torchtitan
 #                    compiled, and both trees' eager step profiles (PART=dispatch | e2e | profile; default all)
@@ -207,6 +209,21 @@ print('largest step difference over steps 1-20: %.2e at step %d' % max(rel[:20])
       trace=$(ls /tmp/run_prof_${cfg}_${LABEL:-now}/profile_traces/iteration_*/rank0_trace.json | tail -1)
       python3 benchmarks/step_breakdown.py "${LABEL:-now}=$trace" --name "${cfg}_${LABEL:-now}" --out "$OUT"
     done ;;
+
+  graph_profile)  # -> step_breakdown_v2lite_1b_gpu_graph_compile_ep1_vs_ep2_<GPU>.md: the graphed + compiled step's
+    # GPU time by category at EP=2 (nvlink, capacity 2.0) against EP=1 on one GPU of the same host, and the
+    # one-GPU e2e row (label ep1_ref) beside the EP=2 rows of `e2e`
+    GPU=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1 | cut -d" " -f2)
+    PROF="--training.steps 14 --metrics.log_freq 2 --profiling.enable_profiling true --profiling.profile_freq 12
+          --profiling.profiler_warmup 8 --profiling.profiler_active 4 --training.cuda_graph true --compile.enable true"
+    TMO=170 FROM=6 recipe prof_ep2 2 $PROF --parallelism.expert_parallel_degree 2 --moe_echo.dispatcher nvlink \
+      --moe_echo.capacity_factor 2 | tail -2
+    CUDA_VISIBLE_DEVICES=0 TMO=150 FROM=6 recipe prof_ep1 1 $PROF | tail -2
+    python3 benchmarks/step_breakdown.py "ep1=$(ls /tmp/run_prof_ep1/profile_traces/iteration_*/rank0_trace.json | tail -1)" \
+      "ep2=$(ls /tmp/run_prof_ep2/profile_traces/iteration_*/rank0_trace.json | tail -1)" \
+      --name "v2lite_1b_gpu_graph_compile_ep1_vs_ep2_$GPU" --out "$OUT" | head -60
+    CUDA_VISIBLE_DEVICES=0 timeout 150 python3 benchmarks/e2e.py --configs v2lite_1b_gpu --nproc 1 --runs ours_compile_graph \
+      --label ep1_ref --steps 40 --out "$OUT" --work /tmp/e2e 2>&1 | grep -E "^\| v2lite" ;;
 
   sync)
     python3 recipes/pretrain.py --job.config_file train_configs/debug_gpu.toml --training.steps 4 --training.sync_debug true \
