@@ -190,7 +190,7 @@ print('largest step difference over steps 1-20: %.2e at step %d' % max(rel[:20])
           2>&1 | grep -v '^{' | tail -3
       done
     elif [ "$PART" = fill ]; then  # the 2-GPU config sized to fill the GPUs (EP=2 set in the config)
-      timeout ${TMO:-560} python3 benchmarks/e2e.py --configs v2lite_6b_2gpu --nproc 2 --runs $runs --label fill \
+      timeout ${TMO:-560} python3 benchmarks/e2e.py --configs v2lite_6b_2gpu --nproc 2 --runs $runs --label ${LABEL:-fill} \
         --steps ${STEPS:-40} --out "$OUT" --work /tmp/e2e --titan "--parallelism.expert_parallel_degree 2" \
         ${ARGS:+--ours "$ARGS"} 2>&1 | grep -v '^{' | tail -12
     else
