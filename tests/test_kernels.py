@@ -121,16 +121,19 @@ needs_cpu_interpreter = pytest.mark.skipif(
 
 
 def _interpret(script: str) -> subprocess.CompletedProcess:
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": ROOT}
-    return subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, cwd=ROOT, timeout=600)
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": os.pathsep.join([ROOT, os.path.join(ROOT, "tests")])}
+    return subprocess.run([sys.executable, "-c", "import sm90_compile\n" + script], capture_output=True, text=True,
+                          env=env, cwd=ROOT, timeout=600)
 
 
 def run_in_interpreter(script: str, marker: str, done: subprocess.CompletedProcess | None = None) -> str:
     """Run ``script`` in a fresh process with TRITON_INTERPRET=1 (kernels on CPU tensors), or take
-    ``done``, its finished run; its stdout."""
+    ``done``, its finished run; its stdout. Every kernel it launched must also compile for sm_90
+    (``sm90_compile``): the interpreter alone accepts code the compiler rejects."""
     pytest.importorskip("triton")
     p = _interpret(script) if done is None else done
     assert marker in p.stdout, p.stderr[-3000:]
+    assert p.returncode == 0 and "SM90-COMPILED" in p.stderr, p.stderr[-3000:]
     return p.stdout
 
 
