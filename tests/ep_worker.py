@@ -172,3 +172,38 @@ def padded_overflow(rank, world, E=8, K=2, tokens_per_rank=16):
     # every slot went to rank 0's block: the capacity_factor that fits it is world (C = T*K)
     needed = float(layer.capacity_need)
     assert needed == world and padded_capacity(T, K, world, needed) >= T * K
+
+
+def experts_fsdp_layout(rank, world):
+    """EP=2 through ``parallelize``: at world 2 each expert has one owner, so the experts stay out of
+    FSDP (DTensors on the ep mesh, gradients divided by the world size in the layer's hook); at world 4
+    (expert-FSDP group of 2) FSDP shards them."""
+    from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.tensor import DTensor
+
+    from components.moe_echo.models import build_model, moe_layers
+    from components.parallel.mesh import build_mesh, parallel_dims
+    from components.parallel.parallelize import parallelize
+    from components.train.config import load_config
+
+    cfg = load_config(["--job.config_file", os.path.join(ROOT, "train_configs", "debug_cpu.toml"),
+                       "--parallelism.expert_parallel_degree", "2", "--training.seq_len", "32"])
+    model = build_model(cfg.model.name, cfg.model.flavor, cfg.moe_echo, seq_len=32, seed=0)
+    dims = parallel_dims(cfg.parallelism, world, model.model_args.moe_args.num_experts)
+    model = parallelize(model, build_mesh(dims, "cpu"), dims, cfg, torch.device("cpu"))
+    layers = moe_layers(model)
+    assert layers
+    for _, moe in layers:
+        w1 = moe.experts.w1
+        assert isinstance(w1, DTensor)
+        if world == 2:
+            assert not isinstance(moe.experts, FSDPModule), type(moe.experts)
+            assert w1.device_mesh.mesh_dim_names == ("ep",) and moe.experts._grad_divide == 2.0
+            w1_local = w1.to_local()
+            g = torch.ones_like(w1_local)
+            w1.grad = None
+            (moe.experts.local_weights()[0] * g).sum().backward()
+            torch.testing.assert_close(w1.grad.to_local(), g / 2)  # the hook's division, before accumulation
+            w1.grad = None
+        else:
+            assert isinstance(moe.experts, FSDPModule), type(moe.experts)

@@ -60,6 +60,7 @@ EP_CHECKS = [
     ("test_layer_at_ep_equals_ep1_for_both_backends_and_adversarial_routing", (2, 4), "layer_equivalence_all"),
     ("test_padded_overflow_is_detected_and_counted", (2,), "padded_overflow"),
     ("test_echo_on_equals_ep1_for_both_backends_and_adversarial_routing", (2, 4), "echo_equivalence_all"),
+    ("test_experts_leave_fsdp_where_each_has_one_owner", (2, 4), "experts_fsdp_layout"),
 ]
 
 
@@ -88,6 +89,12 @@ def ep_check(request, tmp_path_factory):
         raise AssertionError(f"{name} at world {world} (checks of this launch: {', '.join(names)}):\n{error}")
 
     return check
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_experts_leave_fsdp_where_each_has_one_owner(ep_check, world):
+    """EP=2 at world 2: experts out of FSDP, gradients divided by the world in a hook; at world 4: FSDP."""
+    ep_check(world, "experts_fsdp_layout")
 
 
 @pytest.mark.parametrize("world", [2, 4])

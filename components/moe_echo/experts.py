@@ -64,6 +64,23 @@ class GroupedExperts(nn.Module):
         self.w1 = nn.Parameter(torch.empty(num_experts, hidden_dim, dim))
         self.w2 = nn.Parameter(torch.empty(num_experts, dim, hidden_dim))
         self.w3 = nn.Parameter(torch.empty(num_experts, hidden_dim, dim))
+        # where FSDP does not manage the weights (each expert owned by one rank), the GEMMs' dtype
+        # (bf16 from fp32 weights, as FSDP's MixedPrecisionPolicy would give) and the gradient divisor
+        self.compute_dtype: torch.dtype | None = None
+        self._grad_divide = 1.0
+        self._grad_hooks: list = []
+
+    def set_gradient_divide_factor(self, factor: float) -> None:
+        """Divide the weights' gradients by ``factor`` (FSDPModule's method of the same name, for weights
+        FSDP does not manage): every rank's tokens reach each expert, so its gradient sums the
+        ranks' per-rank mean losses."""
+        self._grad_divide = float(factor)
+        if not self._grad_hooks:
+            for w in (self.w1, self.w2, self.w3):
+                self._grad_hooks.append(w.register_hook(self._divide_grad))
+
+    def _divide_grad(self, grad: torch.Tensor) -> torch.Tensor:
+        return grad if self._grad_divide == 1.0 else grad / self._grad_divide
 
     def forward(self, x_ND: torch.Tensor, counts_e: torch.Tensor, extend=None) -> torch.Tensor:
         """counts_e: rows of each *local* expert; with expert parallelism the weights are DTensors
@@ -88,7 +105,10 @@ class GroupedExperts(nn.Module):
 
     def local_weights(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(w1, w2, w3) of this rank's experts as plain tensors (differentiable)."""
-        return tuple(w.to_local() if isinstance(w, DTensor) else w for w in (self.w1, self.w2, self.w3))
+        local = (w.to_local() if isinstance(w, DTensor) else w for w in (self.w1, self.w2, self.w3))
+        if self.compute_dtype is None:
+            return tuple(local)
+        return tuple(w.to(self.compute_dtype) for w in local)
 
     def init_weights(self, init_std: float) -> None:
         _trunc_normal(self.w1, 0.02)

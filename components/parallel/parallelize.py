@@ -13,7 +13,9 @@ Per transformer block, in this order (torchtitan's conventions):
 4. FSDP2: ``fully_shard`` of the experts over the expert-FSDP mesh (gradient divide factor =
    world size, since every rank's tokens reach every expert), then of the block over the dense
    mesh; finally of the root (embeddings, norm, output). bf16 params on GPU, gradients reduced in
-   ``[training] mixed_precision_reduce`` (fp32 by default).
+   ``[training] mixed_precision_reduce`` (fp32 by default). Where EP spans every rank (expert-FSDP
+   group of one), the experts stay out of FSDP: fp32 DTensor weights cast to bf16 in the layer, their
+   gradients divided by the world size in a hook, no gather, copy or reduce.
 """
 
 import torch
@@ -106,11 +108,21 @@ def parallelize(model: nn.Module, mesh: Meshes | None, dims: ParallelDims, cfg, 
     kw = {"mp_policy": mp} if mp is not None else {}
     reshard = cfg.parallelism.fsdp_reshard_after_forward != "never"
     dmesh, emesh = mesh.dense, mesh.expert_fsdp
+    # expert parallelism over every rank (efsdp = dp_replicate = 1): each expert has one owner, so FSDP
+    # would only copy its weights and gradients through a one-rank group; they are cast for compute
+    # in the layer instead, and left out of FSDP
+    owned_once = dims.efsdp * dims.dp_replicate == 1
+    ignored: set = set()
     for block in model.layers.values():
         moe = getattr(block, "moe", None)
         if isinstance(moe, MoELayer):
-            fully_shard(moe.experts, mesh=emesh, reshard_after_forward=reshard, **kw)
+            if owned_once:
+                moe.experts.compute_dtype = mp.param_dtype if mp is not None else None
+                ignored |= set(moe.experts.parameters())
+            else:
+                fully_shard(moe.experts, mesh=emesh, reshard_after_forward=reshard, **kw)
             moe.experts.set_gradient_divide_factor(dims.world)
-        fully_shard(block, mesh=dmesh, reshard_after_forward=reshard, **kw)
-    fully_shard(model, mesh=dmesh, reshard_after_forward=False, **kw)
+        fully_shard(block, mesh=dmesh, reshard_after_forward=reshard,
+                    ignored_params=ignored & set(block.parameters()) or None, **kw)
+    fully_shard(model, mesh=dmesh, reshard_after_forward=False, ignored_params=ignored or None, **kw)
     return model

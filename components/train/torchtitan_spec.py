@@ -52,6 +52,7 @@ from torch.distributed.fsdp import FSDPModule
 from components.errors import UserError
 from components.moe_echo.config import MoEEchoConfig
 from components.moe_echo.dispatcher import is_fixed_capacity
+from components.moe_echo.experts import GroupedExperts
 from components.moe_echo.layer import MoELayer
 from components.moe_echo.models import FLAVORS, MODEL_CLASSES, is_moe_block, moe_layers, swap_moe
 from components.parallel.mesh import build_mesh, parallel_dims
@@ -155,6 +156,8 @@ def parallelize_fn(model: nn.Module, tt_dims, job_config) -> nn.Module:
     mesh = build_mesh(dims, device.type)
     model = parallelize(model, mesh, dims, job_config, device)
     for module in model.modules():  # torchtitan's loss is already divided by the global token count
+        if isinstance(module, GroupedExperts):  # experts left out of FSDP (EP over every rank)
+            module.set_gradient_divide_factor(1.0)
         if isinstance(module, FSDPModule):
             module.set_gradient_divide_factor(1.0)
             if hasattr(module, "set_force_sum_reduction_for_comms"):  # plain SUM (gloo has no PREMUL_SUM)
