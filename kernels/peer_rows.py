@@ -106,7 +106,8 @@ if triton is not None:
     @triton.jit
     def _peer_route_meta_kernel(rank_ptr, row_ptr, w_ptr, meta_row_ptrs, meta_w_ptrs, row_like, w_like, route_ptr,
                                 T, src, R: tl.constexpr, K: tl.constexpr, KP: tl.constexpr, BLOCK_T: tl.constexpr):
-        row_ty, w_ty = row_like.dtype.element_ty, w_like.dtype.element_ty
+        row_ty = row_like.dtype.element_ty
+        w_ty = w_like.dtype.element_ty
         ks = tl.arange(0, KP)[None, :]
         in_k = ks < K
         for b in range(tl.program_id(0).to(tl.int64), tl.cdiv(T, BLOCK_T), tl.num_programs(0).to(tl.int64)):
