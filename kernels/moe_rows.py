@@ -166,9 +166,12 @@ def combine_backward(g_TD, y_ND, w_TK, idx_TK, allow_missing: bool = True, grad_
         grad_y_ND, grad_w_TK = combine_backward_torch(g_TD, y_ND, w_TK, idx_TK)
         if grad_y_out is None:
             return grad_y_ND, grad_w_TK
-        flat = idx_TK.reshape(-1)
-        hit = flat[flat >= 0].long()
-        grad_y_out.index_copy_(0, hit, grad_y_ND.index_select(0, hit))
+        # mask-free (no host sync on CUDA): mark the rows some slot maps to, keep the others
+        N = grad_y_out.shape[0]
+        flat = idx_TK.reshape(-1).long()
+        hit_N = torch.zeros(N + 1, dtype=grad_y_out.dtype, device=grad_y_out.device)
+        hit_N.index_fill_(0, torch.where(flat >= 0, flat, N), 1)
+        grad_y_out.copy_(torch.where(hit_N[:N, None] > 0, grad_y_ND, grad_y_out))
         return grad_y_out, grad_w_TK
     T, K = idx_TK.shape
     N, D = y_ND.shape

@@ -9,6 +9,9 @@ per rank, readable on the device) and a (rank, row) pair per (token, choice) slo
                                                                    rank_TK None: every slot to peer 0
     peer_gather_sum(rank_TK, row_TK, ptrs_R, peers, w_TK=None, out_dtype=None) -> out_TD
         out[t] = Σ_k w[t, k] · peer[rank[t, k]][row[t, k]]   (fp32 accumulate; -1 adds nothing)
+    peer_route_meta(rank_TK, row_TK, w_TK, meta_row, meta_w, src) -> row_TR
+        on every rank r, at row src·T + t:  meta_row = row[t, k] where rank[t, k] = r else -1,
+        meta_w = w[t];  row_TR[t, r] = src·T + t where any choice of t went to r (row >= 0) else -1
 
 The kernels run a persistent grid of ``programs`` CTAs (the SMs the transfer may occupy); each CTA
 walks blocks of ``block_t`` tokens (default ``peer_block_t(D)``; 1 for a local scatter) and moves
@@ -59,6 +62,18 @@ def peer_gather_sum_torch(rank_TK, row_TK, peers, w_TK=None):
     return gather_sum_torch(src, idx, w_TK)
 
 
+def peer_route_meta_torch(rank_TK, row_TK, w_TK, meta_row, meta_w, src: int):
+    T = row_TK.shape[0]
+    at_T = src * T + torch.arange(T, device=row_TK.device)
+    row_TR = torch.full((T, len(meta_row.peers)), -1, dtype=torch.long, device=row_TK.device)
+    for r, (rows, ws) in enumerate(zip(meta_row.peers, meta_w.peers)):
+        mine_TK = rank_TK == r
+        rows.index_copy_(0, at_T, torch.where(mine_TK, row_TK, -1).to(rows.dtype))
+        ws.index_copy_(0, at_T, w_TK.to(ws.dtype))
+        row_TR[:, r] = torch.where((mine_TK & (row_TK >= 0)).any(1), at_T, -1)
+    return row_TR
+
+
 # --- Triton kernels ------------------------------------------------------------------------------
 
 if triton is not None:
@@ -86,6 +101,31 @@ if triton is not None:
                     s_T = tl.load(scale_ptr + t_T * K + k, mask=ok_T, other=0.0).to(tl.float32)
                     v = x.to(tl.float32) * s_T[:, None]
                 tl.store(dst_T[:, None] + row_T[:, None] * D + cols, v.to(ty), mask=(row_T >= 0)[:, None] & in_row)
+
+
+    @triton.jit
+    def _peer_route_meta_kernel(rank_ptr, row_ptr, w_ptr, meta_row_ptrs, meta_w_ptrs, row_like, w_like, route_ptr,
+                                T, src, R: tl.constexpr, K: tl.constexpr, KP: tl.constexpr, BLOCK_T: tl.constexpr):
+        row_ty = row_like.dtype.element_ty
+        w_ty = w_like.dtype.element_ty
+        ks = tl.arange(0, KP)[None, :]
+        in_k = ks < K
+        for b in range(tl.program_id(0).to(tl.int64), tl.cdiv(T, BLOCK_T), tl.num_programs(0).to(tl.int64)):
+            t_T = b * BLOCK_T + tl.arange(0, BLOCK_T)
+            ok_T = t_T < T
+            ok = ok_T[:, None] & in_k
+            rank = tl.load(rank_ptr + t_T[:, None] * K + ks, mask=ok, other=-1)
+            row = tl.load(row_ptr + t_T[:, None] * K + ks, mask=ok, other=-1)
+            w = tl.load(w_ptr + t_T[:, None] * K + ks, mask=ok, other=0.0)
+            at_T = src * T + t_T
+            for r in tl.static_range(R):
+                mine = rank == r
+                rows_r = tl.load(meta_row_ptrs + r).to(tl.pointer_type(row_ty))
+                tl.store(rows_r + at_T[:, None] * K + ks, tl.where(mine, row, -1).to(row_ty), mask=ok)
+                ws_r = tl.load(meta_w_ptrs + r).to(tl.pointer_type(w_ty))
+                tl.store(ws_r + at_T[:, None] * K + ks, w.to(w_ty), mask=ok)
+                sent_T = tl.max((mine & (row >= 0)).to(tl.int32), axis=1) > 0
+                tl.store(route_ptr + t_T * R + r, tl.where(sent_T, at_T, -1), mask=ok_T)
 
 
 def use_triton(t: torch.Tensor) -> bool:
@@ -124,3 +164,22 @@ def peer_gather_sum(rank_TK, row_TK, ptrs_R, peers, w_TK=None, out_dtype=None, p
     out_TD = torch.empty(row_TK.shape[0], peers[0].shape[1], dtype=out_dtype or peers[0].dtype, device=rank_TK.device)
     return launch_gather_sum(out_TD, peers[0], row_TK, w_TK, rank_TK, ptrs_R, programs,
                              block_t or peer_block_t(out_TD.shape[1]))
+
+
+def peer_route_meta(rank_TK, row_TK, w_TK, meta_row, meta_w, src: int, programs: int = 32):
+    """One launch for what every destination needs of this rank's routing (``meta_row`` / ``meta_w``:
+    symmetric [R·T, K] buffers); returns row_TR (int64, local): the row each token takes in rank r's
+    token buffer, -1 where it goes nowhere on r."""
+    if not use_triton(meta_w.local):
+        return peer_route_meta_torch(rank_TK, row_TK, w_TK, meta_row, meta_w, src)
+    T, K = row_TK.shape
+    R = len(meta_row.peers)
+    row_TR = torch.empty(T, R, dtype=torch.long, device=row_TK.device)
+    if T == 0:
+        return row_TR
+    block_t = 128
+    grid = (max(1, min(-(-T // block_t), programs)),)
+    _peer_route_meta_kernel[grid](rank_TK.contiguous(), row_TK.contiguous(), w_TK.contiguous(), meta_row.ptrs_R,
+                                  meta_w.ptrs_R, meta_row.local, meta_w.local, row_TR, T, src, R=R, K=K,
+                                  KP=triton.next_power_of_2(K), BLOCK_T=block_t, num_warps=4)
+    return row_TR

@@ -138,6 +138,17 @@ for T, K, D, R, N in [(7, 3, 40, 2, 30), (5, 2, 1030, 3, 12), (4, 4, 8, 4, 16)]:
         for m in bufs:
             for p, q in zip(bufs[m], ref[m]):
                 torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-6)
+    # the routing meta rows on every rank and the token routes, in one launch (src = 1: rows T..2T-1)
+    from components.moe_echo.symmetric import SymmBuffer
+    def meta(dtype):
+        peers = [torch.full((R * T, K), 7, dtype=dtype) for _ in range(R)]
+        return SymmBuffer(peers[1 % R], peers, torch.tensor([p.data_ptr() for p in peers]))
+    (mr, mw), (rr, rw) = (meta(torch.int32), meta(torch.float32)), (meta(torch.int32), meta(torch.float32))
+    got = pr.peer_route_meta(rank, row, w, mr, mw, 1 % R, programs=2)
+    want = pr.peer_route_meta_torch(rank, row, w, rr, rw, 1 % R)
+    assert torch.equal(got, want), (got, want)
+    for a, b in zip(mr.peers + mw.peers, rr.peers + rw.peers):
+        assert torch.equal(a, b)
 print("PEER-OK")
 """
 

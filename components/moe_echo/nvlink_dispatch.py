@@ -40,7 +40,7 @@ from dataclasses import dataclass
 import torch
 
 from kernels.moe_rows import combine_backward, gather_sum
-from kernels.peer_rows import peer_gather_sum, peer_scatter
+from kernels.peer_rows import peer_gather_sum, peer_route_meta, peer_scatter
 
 from .dispatcher import DispatchHandle, ExpertParallel, FixedCapacity, capacity_rows
 from .ep_layout import SendLayout, send_layout
@@ -91,21 +91,11 @@ def nvlink_layout(ids_TK: torch.Tensor, lay: SendLayout, counts_RX: torch.Tensor
     return (flat_N // num_local).view(T, K), row_N.view(T, K), counts_e, dropped, needed
 
 
-def token_routes(rank_TK: torch.Tensor, row_TK: torch.Tensor, ranks: int, rank: int):
-    """Each token's trip to each rank: (rank_TR = r, row_TR = rank·T + t in r's ``tok`` where any
-    choice of token t was sent to r, else -1). Device only."""
-    T = rank_TK.shape[0]
-    r_R = torch.arange(ranks, device=rank_TK.device)
-    sent_TR = ((rank_TK.unsqueeze(-1) == r_R) & (row_TK >= 0).unsqueeze(-1)).any(1)
-    row_TR = torch.where(sent_TR, (rank * T + torch.arange(T, device=rank_TK.device)).unsqueeze(1), -1)
-    return r_R.expand(T, ranks).contiguous(), row_TR
-
-
 @dataclass
 class NVLinkHandle(DispatchHandle):
     rank_TK: torch.Tensor
     row_TK: torch.Tensor
-    rank_TR: torch.Tensor  # token routes (``token_routes``)
+    rank_TR: torch.Tensor  # token routes: [T, R] = r, and the row in r's ``tok`` (-1: t goes nowhere on r)
     row_TR: torch.Tensor
     w_TK: torch.Tensor
     out_dtype: torch.dtype
@@ -134,6 +124,13 @@ class NVLinkDispatcher(FixedCapacity, ExpertParallel):
     def _shared(self, role: str, shape: tuple, dtype, device) -> SymmBuffer:
         return self.ws.buffer(f"shared/{role}/{'x'.join(map(str, shape))}/{dtype}", shape, dtype, device)
 
+    def _ranks_TR(self, T: int, device) -> torch.Tensor:
+        """[T, R] = r: the destination column of the token routes (kept: the same every step)."""
+        cached = getattr(self, "_ranks_cache", None)
+        if cached is None or cached.shape[0] != T or cached.device != device:
+            cached = self._ranks_cache = torch.arange(self.ep_size, device=device).expand(T, self.ep_size).contiguous()
+        return cached
+
     def _tok(self, rows: int, D: int, dtype, device) -> SymmBuffer:
         return self.ws.buffer(f"{self.name}/tok/{dtype}", (rows, D), dtype, device)
 
@@ -148,17 +145,11 @@ class NVLinkDispatcher(FixedCapacity, ExpertParallel):
         counts_RX = all_gather_rows(self.ws, f"{self.name}/counts", lay.counts_Re.reshape(X))
         rank_TK, row_TK, counts_e, dropped, needed = nvlink_layout(ids_TK, lay, counts_RX, self.rank, self.num_local,
                                                                    cap)
-        rank_TR, row_TR = token_routes(rank_TK, row_TK, R, self.rank)
         meta_row = self.ws.buffer(f"{self.name}/meta_row", (R * T, K), torch.int32, dev)
         meta_w = self.ws.buffer(f"{self.name}/meta_w", (R * T, K), w_TK.dtype, dev)
         # every (destination r, token t) meta row is rewritten each step: -1 where t sends nothing to r
-        r_R = torch.arange(R, device=dev)
-        rows_RTK = torch.where(rank_TK == r_R.view(R, 1, 1), row_TK, -1).to(torch.int32)
-        dest_N1 = r_R.repeat_interleave(T).view(R * T, 1)
-        at_N1 = (self.rank * T + torch.arange(T, device=dev)).repeat(R).view(R * T, 1)
-        peer_scatter(rows_RTK.view(R * T, K), dest_N1, at_N1, meta_row.ptrs_R, meta_row.peers, programs=self.programs)
-        w_RTK = w_TK.detach().unsqueeze(0).expand(R, T, K).reshape(R * T, K)
-        peer_scatter(w_RTK, dest_N1, at_N1, meta_w.ptrs_R, meta_w.peers, programs=self.programs)
+        row_TR = peer_route_meta(rank_TK, row_TK, w_TK.detach(), meta_row, meta_w, self.rank, programs=self.programs)
+        rank_TR = self._ranks_TR(T, dev)
         D = x_TD.shape[1]
         h = NVLinkHandle(rank_TK, row_TK, rank_TR, row_TR, w_TK, out_dtype, x_TD.dtype, meta_row, meta_w,
                          self._tok(R * T, D, x_TD.dtype, dev), dropped=dropped, needed_factor=needed)
