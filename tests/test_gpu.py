@@ -91,3 +91,54 @@ def test_matches_torchtitan_moe_with_same_weights():
     with torch.autocast("cuda", dtype=torch.bfloat16):
         ours_y, their_y = layer(x), theirs(x)
     assert _rel(ours_y, their_y) < 2e-2
+
+
+def test_shared_experts_side_stream_equals_one_stream_eager_and_graphed():
+    """shared_experts_stream = "on" runs the same kernels on two streams: outputs and every gradient
+    bitwise equal to "off", eager and as a captured fwd+bwd graph; the side stream really ran them."""
+    torch.manual_seed(0)
+    args = MoEArgs(num_experts=16, num_shared_experts=2, top_k=4, score_func="softmax", route_norm=False,
+                   score_before_experts=False)
+    layer = MoELayer(args, 512, 256, MoEEchoConfig(shared_experts_stream="off")).to(DEV)
+    layer.init_weights(0.02, torch.device(DEV))
+    x = torch.randn(4, 1024, 512, device=DEV, requires_grad=True)
+    gy = torch.randn_like(x)
+
+    def step():
+        x.grad = None
+        layer.zero_grad(set_to_none=False)
+        with torch.autocast(DEV, dtype=torch.bfloat16):
+            y = layer(x)
+        y.backward(gy)
+        return y.detach()
+
+    def grads():
+        return [x.grad.clone()] + [p.grad.clone() for p in layer.parameters()]
+
+    ref_y, ref_g = step().clone(), grads()
+    layer.cfg.shared_experts_stream = "on"
+    assert layer._shared_stream(x) is not None and layer._shared_stream(x) != torch.cuda.current_stream()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        y = step()
+        torch.cuda.synchronize()
+    streams = {e.device_resource_id for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA}
+    assert len(streams) >= 2, streams  # kernels on the side stream too
+    assert torch.equal(y, ref_y) and all(torch.equal(a, b) for a, b in zip(grads(), ref_g))
+
+    s = torch.cuda.Stream()  # warm up off the capture stream, as torch.cuda.graph asks
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        step()
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        y_g = step()
+    for _ in range(3):
+        x.data.copy_(torch.randn_like(x))
+        graph.replay()
+        torch.cuda.synchronize()
+        got_y, got_g = y_g.clone(), grads()
+        layer.cfg.shared_experts_stream = "off"
+        want_y = step()
+        assert torch.equal(got_y, want_y) and all(torch.equal(a, b) for a, b in zip(got_g, grads()))
+        layer.cfg.shared_experts_stream = "on"
