@@ -143,11 +143,12 @@ def test_shared_experts_side_stream_equals_one_stream_eager_and_graphed():
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         y_g = step()
+    static_g = [x.grad] + [p.grad for p in layer.parameters()]  # the graph's gradient buffers
     for _ in range(3):
         x.data.copy_(torch.randn_like(x))
         graph.replay()
         torch.cuda.synchronize()
-        got_y, got_g = y_g.clone(), grads()
+        got_y, got_g = y_g.clone(), [g.clone() for g in static_g]
         layer.cfg.shared_experts_stream = "off"
         ref_y, ref_g = step().clone(), grads()
         assert torch.equal(got_y, ref_y) and same_grads(got_g)
