@@ -1,0 +1,34 @@
+"""Kernels no interpreter test runs (FP8 casts, the fused master-weight AdamW) compile for sm_90 on a
+machine without a GPU: their wrappers launch them on CPU tensors with launches recorded, not
+executed (tests/sm90_compile.py, SM90_COMPILE_ONLY), then Triton compiles each launch to a cubin."""
+
+from test_kernels import needs_cpu_interpreter, run_in_interpreter
+
+_SCRIPT = r"""
+import os
+os.environ["SM90_COMPILE_ONLY"] = "1"
+import torch
+from kernels import adamw, fp8
+fp8._on_kernels = lambda x: True  # the CUDA branch of every wrapper, on CPU tensors
+FP8 = fp8.FP8
+for n_valid in (None, torch.tensor([3], dtype=torch.int32)):
+    fp8.quant_rows(torch.randn(5, 300).bfloat16(), n_valid)
+    fp8.swiglu_quant(torch.randn(5, 2 * 96).bfloat16(), n_valid)
+    fp8.swiglu_quant_bwd(torch.randn(5, 96).bfloat16(), torch.randn(5, 2 * 96).bfloat16(), n_valid)
+w1, w3 = torch.randn(4, 96, 64), torch.randn(4, 96, 64)
+fp8.cast_experts_scaled((w1, w3), torch.empty(4, 192, 64, dtype=FP8), torch.ones(4))
+fp8.cast_experts_t(w1, torch.ones(4), torch.empty(4, 64, 192, dtype=FP8), 96)
+adamw._use_triton = lambda t: True
+step = torch.ones((), dtype=torch.float32)
+for param_dtype in (torch.bfloat16, torch.float32):
+    p, g, w, m, v = (torch.zeros(1000, dtype=param_dtype),) + tuple(torch.zeros(1000) for _ in range(4))
+    adamw.adamw_master_(p, g, w, m, v, 1e-3, step, 0.9, 0.95, 1e-8, 0.1)
+    adamw.adamw_master_(p, g, w, m, v, torch.full((), 1e-3), step, 0.9, 0.95, 1e-8, 0.1, skip=torch.zeros(()),
+                        grad_mul=torch.ones(()))
+print("LAUNCHED-OK")
+"""
+
+
+@needs_cpu_interpreter
+def test_fp8_and_adamw_kernels_compile_for_sm90():
+    run_in_interpreter(_SCRIPT, "LAUNCHED-OK")
