@@ -13,6 +13,7 @@ from components.moe_echo.fp8_experts import check_fp8_supported, fp8_grouped_swi
 from components.moe_echo.layer import MoELayer
 from kernels import fp8
 from kernels.fp8 import FP8, FP8_MAX, pow2_scale, quant_rows_torch
+from cuda_graphs import warm_up_and_capture
 
 # adversarial and random row counts per expert (N rows in all; N > sum leaves fixed-capacity padding)
 COUNTS = {
@@ -268,14 +269,7 @@ def test_fp8_layer_tracks_bf16_layer_graphs_and_never_syncs():
     finally:
         torch.cuda.set_sync_debug_mode("default")
     torch.cuda.synchronize()
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        step()
-    torch.cuda.current_stream().wait_stream(s)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        y_g = step()
+    graph, y_g = warm_up_and_capture(step)
     x.data.copy_(torch.randn_like(x))
     graph.replay()
     torch.cuda.synchronize()

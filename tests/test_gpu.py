@@ -6,6 +6,7 @@ from torchtitan.models.moe import MoE, MoEArgs
 
 from components.moe_echo.config import MoEEchoConfig
 from components.moe_echo.layer import MoELayer
+from cuda_graphs import warm_up_and_capture
 
 pytestmark = pytest.mark.gpu
 DEV = "cuda"
@@ -135,14 +136,7 @@ def test_shared_experts_side_stream_equals_one_stream_eager_and_graphed():
           "one stream vs itself:", spread)
     assert torch.equal(y, ref_y) and same_grads(grads())
 
-    s = torch.cuda.Stream()  # warm up off the capture stream, as torch.cuda.graph asks
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        step()
-    torch.cuda.current_stream().wait_stream(s)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        y_g = step()
+    graph, y_g = warm_up_and_capture(step)
     static_g = [x.grad] + [p.grad for p in layer.parameters()]  # the graph's gradient buffers
     for _ in range(3):
         x.data.copy_(torch.randn_like(x))
