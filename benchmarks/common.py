@@ -5,6 +5,7 @@ import json
 import os
 import platform
 import statistics
+import time
 
 import torch
 
@@ -24,6 +25,21 @@ def time_ms(fn, warmup: int = 5, iters: int = 20) -> float:
         end.record()
         end.synchronize()
         times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def host_ms(fn, warmup: int = 5, iters: int = 20) -> float:
+    """Median host milliseconds to issue ``fn()`` with the GPU idle at its start (no sync inside ``fn``):
+    where it is close to ``time_ms(fn)``, the call is bound by the host, not the GPU."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(iters):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - start) * 1e3)
+    torch.cuda.synchronize()
     return statistics.median(times)
 
 
