@@ -68,7 +68,9 @@ def compile_all(launches: list[str]) -> int:
         except Exception as e:  # noqa: BLE001 - every compiler error is reported the same way
             failed += 1
             print(f"SM90-COMPILE-FAILED {module}.{name}: {type(e).__name__}: {str(e)[-1500:]}", file=sys.stderr)
-    print(f"SM90-COMPILED {len(launches) - failed} of {len(launches)} kernel variants", file=sys.stderr)
+    names = sorted({json.loads(launch)[1] for launch in launches})
+    print(f"SM90-COMPILED {len(launches) - failed} of {len(launches)} kernel variants: {' '.join(names)}",
+          file=sys.stderr)
     return failed
 
 
