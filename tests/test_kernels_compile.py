@@ -2,7 +2,7 @@
 machine without a GPU: their wrappers launch them on CPU tensors with launches recorded, not
 executed (tests/sm90_compile.py, SM90_COMPILE_ONLY), then Triton compiles each launch to a cubin."""
 
-from test_kernels import needs_cpu_interpreter, run_in_interpreter
+from test_kernels import _interpret, needs_cpu_interpreter, run_in_interpreter
 
 _SCRIPT = r"""
 import os
@@ -31,8 +31,7 @@ print("LAUNCHED-OK")
 
 @needs_cpu_interpreter
 def test_fp8_and_adamw_kernels_compile_for_sm90():
-    import test_kernels
-    p = test_kernels._interpret(_SCRIPT)
+    p = _interpret(_SCRIPT)
     run_in_interpreter(_SCRIPT, "LAUNCHED-OK", p)
     compiled = p.stderr.split("SM90-COMPILED", 1)[1].splitlines()[0]
     for kernel in ("_quant_rows_kernel", "_cast_amax_kernel", "_recast_kernel", "_cast_experts_t_kernel",
