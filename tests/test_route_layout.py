@@ -90,3 +90,24 @@ print("ROUTE-LAYOUT-OK")
 @needs_cpu_interpreter
 def test_route_layout_kernels_in_interpreter():
     run_in_interpreter(_SCRIPT, "ROUTE-LAYOUT-OK")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("R, e, N", [(2, 32, 4096 * 8), (8, 48, 16384 * 8), (64, 6, 4096 * 8)])
+def test_route_layout_kernels_on_gpu(R, e, N):
+    """The compiled kernels at training shapes (up to 131072 slots, 384 ids) equal the torch versions."""
+    from kernels.route_layout import layout_tail, slot_ranks
+    g = torch.Generator(device="cuda").manual_seed(N)
+    X = R * e
+    zipf = 1.0 / torch.arange(1, X + 1, device="cuda", dtype=torch.float64) ** 1.2
+    counts = []
+    for ids in (torch.multinomial(zipf, N, replacement=True, generator=g), torch.zeros(N, dtype=torch.long, device="cuda")):
+        got, want = slot_ranks(ids, X), slot_ranks_torch(ids, X)
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+        counts.append(got[1])
+    counts_RX = torch.stack([counts[r % 2] for r in range(R)])
+    for rank in (0, R - 1):
+        for cap in (N // 2, 2 * N):
+            for a, b in zip(layout_tail(counts_RX, rank, e, cap, N), layout_tail_torch(counts_RX, rank, e, cap, N)):
+                assert torch.equal(a, b)
