@@ -9,7 +9,9 @@ per rank, readable on the device) and a (rank, row) pair per (token, choice) slo
                                                                    rank_TK None: every slot to peer 0
     peer_gather_sum(rank_TK, row_TK, ptrs_R, peers, w_TK=None, out_dtype=None) -> out_TD
         out[t] = Σ_k w[t, k] · peer[rank[t, k]][row[t, k]]   (fp32 accumulate; -1 adds nothing)
-    peer_route_meta(rank_TK, row_TK, w_TK, meta_row, meta_w, src) -> row_TR
+    peer_route_meta(ids_TK, rank_in_id_TK, base_X, e, capacity, w_TK, meta_row, meta_w, src)
+            -> (rank_TK, row_TK, row_TR)
+        rank = ids // e;  row = base[ids] + rank_in_id, -1 where >= capacity (kernels.route_layout);
         on every rank r, at row src·T + t:  meta_row = row[t, k] where rank[t, k] = r else -1,
         meta_w = w[t];  row_TR[t, r] = src·T + t where any choice of t went to r (row >= 0) else -1
 
@@ -62,8 +64,11 @@ def peer_gather_sum_torch(rank_TK, row_TK, peers, w_TK=None):
     return gather_sum_torch(src, idx, w_TK)
 
 
-def peer_route_meta_torch(rank_TK, row_TK, w_TK, meta_row, meta_w, src: int):
-    T = row_TK.shape[0]
+def peer_route_meta_torch(ids_TK, rank_in_id_TK, base_X, e: int, capacity: int, w_TK, meta_row, meta_w, src: int):
+    T = ids_TK.shape[0]
+    rank_TK = ids_TK // e
+    row_TK = base_X[ids_TK] + rank_in_id_TK
+    row_TK = torch.where(row_TK < capacity, row_TK, -1)
     at_T = src * T + torch.arange(T, device=row_TK.device)
     row_TR = torch.full((T, len(meta_row.peers)), -1, dtype=torch.long, device=row_TK.device)
     for r, (rows, ws) in enumerate(zip(meta_row.peers, meta_w.peers)):
@@ -71,7 +76,7 @@ def peer_route_meta_torch(rank_TK, row_TK, w_TK, meta_row, meta_w, src: int):
         rows.index_copy_(0, at_T, torch.where(mine_TK, row_TK, -1).to(rows.dtype))
         ws.index_copy_(0, at_T, w_TK.to(ws.dtype))
         row_TR[:, r] = torch.where((mine_TK & (row_TK >= 0)).any(1), at_T, -1)
-    return row_TR
+    return rank_TK, row_TK, row_TR
 
 
 # --- Triton kernels ------------------------------------------------------------------------------
@@ -104,8 +109,9 @@ if triton is not None:
 
 
     @triton.jit
-    def _peer_route_meta_kernel(rank_ptr, row_ptr, w_ptr, meta_row_ptrs, meta_w_ptrs, row_like, w_like, route_ptr,
-                                T, src, R: tl.constexpr, K: tl.constexpr, KP: tl.constexpr, BLOCK_T: tl.constexpr):
+    def _peer_route_meta_kernel(ids_ptr, rid_ptr, base_ptr, rank_ptr, row_ptr, w_ptr, meta_row_ptrs, meta_w_ptrs,
+                                row_like, w_like, route_ptr, T, src, E_LOCAL, cap, R: tl.constexpr, K: tl.constexpr,
+                                KP: tl.constexpr, BLOCK_T: tl.constexpr):
         row_ty = row_like.dtype.element_ty
         w_ty = w_like.dtype.element_ty
         ks = tl.arange(0, KP)[None, :]
@@ -114,8 +120,12 @@ if triton is not None:
             t_T = b * BLOCK_T + tl.arange(0, BLOCK_T)
             ok_T = t_T < T
             ok = ok_T[:, None] & in_k
-            rank = tl.load(rank_ptr + t_T[:, None] * K + ks, mask=ok, other=-1)
-            row = tl.load(row_ptr + t_T[:, None] * K + ks, mask=ok, other=-1)
+            ids = tl.load(ids_ptr + t_T[:, None] * K + ks, mask=ok, other=0)
+            row = tl.load(base_ptr + ids, mask=ok, other=0) + tl.load(rid_ptr + t_T[:, None] * K + ks, mask=ok, other=0)
+            row = tl.where(row < cap, row, -1)
+            rank = tl.where(ok, ids // E_LOCAL, -1)
+            tl.store(rank_ptr + t_T[:, None] * K + ks, rank, mask=ok)
+            tl.store(row_ptr + t_T[:, None] * K + ks, row, mask=ok)
             w = tl.load(w_ptr + t_T[:, None] * K + ks, mask=ok, other=0.0)
             at_T = src * T + t_T
             for r in tl.static_range(R):
@@ -166,20 +176,26 @@ def peer_gather_sum(rank_TK, row_TK, ptrs_R, peers, w_TK=None, out_dtype=None, p
                              block_t or peer_block_t(out_TD.shape[1]))
 
 
-def peer_route_meta(rank_TK, row_TK, w_TK, meta_row, meta_w, src: int, programs: int = 32):
-    """One launch for what every destination needs of this rank's routing (``meta_row`` / ``meta_w``:
-    symmetric [R·T, K] buffers); returns row_TR (int64, local): the row each token takes in rank r's
-    token buffer, -1 where it goes nowhere on r."""
+def peer_route_meta(ids_TK, rank_in_id_TK, base_X, e: int, capacity: int, w_TK, meta_row, meta_w, src: int,
+                    programs: int = 32):
+    """One launch for where this rank's slots land and what every destination needs of its routing
+    (``meta_row`` / ``meta_w``: symmetric [R·T, K] buffers). Returns (rank_TK, row_TK, row_TR), int64,
+    local: each slot's destination rank and row there (-1: past capacity, not sent), and the row each
+    token takes in rank r's token buffer (-1 where it goes nowhere on r)."""
     if not use_triton(meta_w.local):
-        return peer_route_meta_torch(rank_TK, row_TK, w_TK, meta_row, meta_w, src)
-    T, K = row_TK.shape
+        return peer_route_meta_torch(ids_TK, rank_in_id_TK, base_X, e, capacity, w_TK, meta_row, meta_w, src)
+    T, K = ids_TK.shape
     R = len(meta_row.peers)
-    row_TR = torch.empty(T, R, dtype=torch.long, device=row_TK.device)
+    dev = ids_TK.device
+    rank_TK = torch.empty(T, K, dtype=torch.long, device=dev)
+    row_TK = torch.empty(T, K, dtype=torch.long, device=dev)
+    row_TR = torch.empty(T, R, dtype=torch.long, device=dev)
     if T == 0:
-        return row_TR
+        return rank_TK, row_TK, row_TR
     block_t = 128
     grid = (max(1, min(-(-T // block_t), programs)),)
-    _peer_route_meta_kernel[grid](rank_TK.contiguous(), row_TK.contiguous(), w_TK.contiguous(), meta_row.ptrs_R,
-                                  meta_w.ptrs_R, meta_row.local, meta_w.local, row_TR, T, src, R=R, K=K,
-                                  KP=triton.next_power_of_2(K), BLOCK_T=block_t, num_warps=4)
-    return row_TR
+    _peer_route_meta_kernel[grid](ids_TK.contiguous(), rank_in_id_TK.contiguous(), base_X, rank_TK, row_TK,
+                                  w_TK.contiguous(), meta_row.ptrs_R, meta_w.ptrs_R, meta_row.local, meta_w.local,
+                                  row_TR, T, src, e, capacity, R=R, K=K, KP=triton.next_power_of_2(K),
+                                  BLOCK_T=block_t, num_warps=4)
+    return rank_TK, row_TK, row_TR

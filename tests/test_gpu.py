@@ -6,6 +6,7 @@ from torchtitan.models.moe import MoE, MoEArgs
 
 from components.moe_echo.config import MoEEchoConfig
 from components.moe_echo.layer import MoELayer
+from cuda_graphs import warm_up_and_capture
 
 pytestmark = pytest.mark.gpu
 DEV = "cuda"
@@ -92,3 +93,57 @@ def test_matches_torchtitan_moe_with_same_weights():
         ours_y, their_y = layer(x), theirs(x)
     assert _rel(ours_y, their_y) < 2e-2
 
+
+def test_shared_experts_side_stream_equals_one_stream_eager_and_graphed():
+    """shared_experts_stream = "on" runs the same kernels on two streams: the output bitwise equal to
+    "off", every gradient within 1% (norm) of "off"'s or its own run-to-run spread (a kernel on another
+    stream may take another cuBLAS algorithm; a race would be off by ~100%), eager and as a captured
+    fwd+bwd graph; the side stream really ran kernels."""
+    torch.manual_seed(0)
+    args = MoEArgs(num_experts=16, num_shared_experts=2, top_k=4, score_func="softmax", route_norm=False,
+                   score_before_experts=False)
+    layer = MoELayer(args, 512, 256, MoEEchoConfig(shared_experts_stream="off")).to(DEV)
+    layer.init_weights(0.02, torch.device(DEV))
+    x = torch.randn(4, 1024, 512, device=DEV, requires_grad=True)
+    gy = torch.randn_like(x)
+
+    def step():
+        x.grad = None
+        layer.zero_grad(set_to_none=False)
+        with torch.autocast(DEV, dtype=torch.bfloat16):
+            y = layer(x)
+        y.backward(gy)
+        return y.detach()
+
+    def grads():
+        return [x.grad.clone()] + [p.grad.clone() for p in layer.parameters()]
+
+    ref_y, ref_g = step().clone(), grads()
+    step()
+    spread = [_rel(a, b) for a, b in zip(grads(), ref_g)]  # "off" against itself
+
+    def same_grads(got):
+        return all(_rel(a, b) <= max(2 * d, 1e-2) for a, b, d in zip(got, ref_g, spread))
+
+    layer.cfg.shared_experts_stream = "on"
+    assert layer._shared_stream(x) is not None and layer._shared_stream(x) != torch.cuda.current_stream()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        y = step()
+        torch.cuda.synchronize()
+    streams = {e.device_resource_id for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA}
+    assert len(streams) >= 2, streams  # kernels on the side stream too
+    print("side stream vs one stream, grads (x, params) rel diff:", [_rel(a, b) for a, b in zip(grads(), ref_g)],
+          "one stream vs itself:", spread)
+    assert torch.equal(y, ref_y) and same_grads(grads())
+
+    graph, y_g = warm_up_and_capture(step)
+    static_g = [x.grad] + [p.grad for p in layer.parameters()]  # the graph's gradient buffers
+    for _ in range(3):
+        x.data.copy_(torch.randn_like(x))
+        graph.replay()
+        torch.cuda.synchronize()
+        got_y, got_g = y_g.clone(), [g.clone() for g in static_g]
+        layer.cfg.shared_experts_stream = "off"
+        ref_y, ref_g = step().clone(), grads()
+        assert torch.equal(got_y, ref_y) and same_grads(got_g)
+        layer.cfg.shared_experts_stream = "on"

@@ -49,6 +49,12 @@ class MoEEchoConfig:
     combined rows and gradients); the kernels that only touch this GPU's memory (expanding tokens into
     expert rows, per-token sums) use the whole GPU."""
 
+    shared_experts_stream: Literal["auto", "on", "off"] = "auto"
+    """Run the shared experts on a side CUDA stream, concurrent with the router, dispatch, routed
+    experts and combine (their backward follows on the same stream). ``auto``: where the dispatcher
+    moves tokens between GPUs (EP > 1); ``on``: also at EP=1; ``off``: one stream. Same results
+    either way (the same kernels, ordered by stream waits)."""
+
     aux_loss_coeff: float = 0.0
     """Coefficient of the sequence-level auxiliary balance loss (0 disables it)."""
 

@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from kernels.cast import cast_scale
 from kernels.swiglu import swiglu
 
 from .fp8_experts import fp8_grouped_swiglu
@@ -54,6 +55,19 @@ def _looped_swiglu(x_ND, w1_EHD, w2_EDH, w3_EHD, counts_E):
     return torch.cat(outs)
 
 
+class _ComputeCast(torch.autograd.Function):
+    """w.to(dtype); backward: the gradient in w's dtype times ``grad_scale``, in one pass."""
+
+    @staticmethod
+    def forward(ctx, w, dtype, grad_scale):
+        ctx.w_dtype, ctx.grad_scale = w.dtype, grad_scale
+        return w.to(dtype)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return cast_scale(grad, ctx.w_dtype, ctx.grad_scale), None, None
+
+
 class GroupedExperts(nn.Module):
     """E SwiGLU experts held as three stacked weights (see the module docstring for the layout)."""
 
@@ -80,7 +94,9 @@ class GroupedExperts(nn.Module):
                 self._grad_hooks.append(w.register_hook(self._divide_grad))
 
     def _divide_grad(self, grad: torch.Tensor) -> torch.Tensor:
-        return grad if self._grad_divide == 1.0 else grad / self._grad_divide
+        if self.compute_dtype is not None or self._grad_divide == 1.0:
+            return grad  # divided in the compute cast's backward (local_weights), or nothing to divide
+        return grad / self._grad_divide
 
     def forward(self, x_ND: torch.Tensor, counts_e: torch.Tensor, extend=None) -> torch.Tensor:
         """counts_e: rows of each *local* expert; with expert parallelism the weights are DTensors
@@ -108,7 +124,7 @@ class GroupedExperts(nn.Module):
         local = (w.to_local() if isinstance(w, DTensor) else w for w in (self.w1, self.w2, self.w3))
         if self.compute_dtype is None:
             return tuple(local)
-        return tuple(w.to(self.compute_dtype) for w in local)
+        return tuple(_ComputeCast.apply(w, self.compute_dtype, 1.0 / self._grad_divide) for w in local)
 
     def init_weights(self, init_std: float) -> None:
         _trunc_normal(self.w1, 0.02)

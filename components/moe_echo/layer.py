@@ -3,7 +3,7 @@
     x_BSD ─► x_TD ─router─► ids_TK, w_TK, counts_E
           [ECHO, EP>1] ─plan + rewrite─► ids in the (home experts + echo slots) id space
           ─dispatch─► x_ND, counts_e ─experts (+ clone weights)─► y_ND ─combine─► routed_TD
-          y_TD = routed_TD + shared_experts(x_TD)
+          y_TD = routed_TD + shared_experts(x_TD)   (shared experts on a side stream, see below)
 
 Runs as-is at EP=1 (``local`` dispatcher); ``components.parallel.parallelize`` switches it to
 expert parallelism (an EP dispatcher, sharded experts, optional ``Echo``). Fixed-capacity
@@ -13,6 +13,12 @@ A drop-in for torchtitan 0.2.2's ``MoE``: same constructor inputs (MoEArgs, dim,
 forward signature, same parameter and buffer names (``router.gate``, ``experts.w1/w2/w3``,
 ``shared_experts.w1/w2/w3``, ``expert_bias``, ``tokens_per_expert``), same ``init_weights``.
 torchtitan's optimizer hook for aux-loss-free balancing therefore works on it unchanged.
+
+With ``shared_experts_stream`` on (default at EP > 1 on CUDA) the shared experts run on one side stream
+per device, forked from the current stream after x_TD is ready and joined before the sum; autograd
+runs their backward on the same side stream. Tensors crossing streams are ``record_stream``-ed, so
+the caching allocator does not hand their memory to the other stream early; the fork and join are
+stream waits, so a CUDA graph captures them.
 
 Routing weights are applied after the experts, in fp32 at combine (``score_before_experts`` must
 be False, as in every DeepSeek and Qwen3 flavour). The sequence-level auxiliary loss is added to
@@ -31,6 +37,17 @@ from .dispatcher import Dispatcher, LocalDispatcher
 from .echo import echo_stats
 from .experts import GroupedExperts, SwiGLU
 from .router import TopKRouter, sequence_aux_loss, updated_expert_bias
+
+
+_SIDE_STREAMS: dict[int, torch.cuda.Stream] = {}
+
+
+def side_stream(device: torch.device) -> torch.cuda.Stream:
+    """The shared experts' side stream on ``device``: one per device, made once (graphs keep it)."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _SIDE_STREAMS:
+        _SIDE_STREAMS[index] = torch.cuda.Stream(device=index)
+    return _SIDE_STREAMS[index]
 
 
 class _AddAuxLossGrad(torch.autograd.Function):
@@ -114,6 +131,12 @@ class MoELayer(nn.Module):
         x_TD = x_BSD.reshape(B * S, D)
         use_bias = self.load_balance_coeff is not None or self.cfg.debug_hot_experts > 0
         bias_E = self.expert_bias if use_bias else None
+        side = self._shared_stream(x_TD)
+        if side is not None:  # fork: the shared experts run beside everything up to the sum below
+            side.wait_stream(torch.cuda.current_stream(x_TD.device))
+            with torch.cuda.stream(side):
+                shared_TD = self.shared_experts(x_TD)
+            x_TD.record_stream(side)
         r = self.router(x_TD, bias_E)
         with torch.no_grad():
             self.tokens_per_expert.add_(r.counts_E)
@@ -138,7 +161,11 @@ class MoELayer(nn.Module):
         else:
             y_ND = self.experts(x_ND, counts_e, extend)
         y_TD = self.dispatcher.combine(y_ND, handle)
-        if self.shared_experts is not None:
+        if side is not None:  # join
+            torch.cuda.current_stream(x_TD.device).wait_stream(side)
+            shared_TD.record_stream(torch.cuda.current_stream(x_TD.device))
+            y_TD = y_TD + shared_TD
+        elif self.shared_experts is not None:
             y_TD = y_TD + self.shared_experts(x_TD)
 
         if self.cfg.aux_loss_coeff > 0 and self.training and torch.is_grad_enabled():
@@ -148,6 +175,15 @@ class MoELayer(nn.Module):
             self.last_aux_loss = aux.detach()
             y_TD = _AddAuxLossGrad.apply(y_TD, aux)
         return y_TD.view(B, S, D)
+
+    def _shared_stream(self, x_TD: torch.Tensor) -> torch.cuda.Stream | None:
+        """The side stream for the shared experts, or None where they run on the current stream."""
+        mode = self.cfg.shared_experts_stream
+        if self.shared_experts is None or not x_TD.is_cuda or mode == "off":
+            return None
+        if mode == "auto" and isinstance(self.dispatcher, LocalDispatcher):
+            return None
+        return side_stream(x_TD.device)
 
     @torch.no_grad()
     def update_expert_bias(self, counts_E: torch.Tensor | None = None, skip: torch.Tensor | None = None) -> None:

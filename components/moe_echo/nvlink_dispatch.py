@@ -18,8 +18,8 @@ Per MoE layer every rank holds, in symmetric memory (``symmetric.py``):
 and, shared by all layers, the backward's token-row gradients (``grad_tok`` [R·T, D]), ``grad_y``
 [N_cap, D] and ``grad_w`` [R·T, K].
 
-    dispatch:  counts ─write to all peers─► barrier ─► layout (device) ─► token rows + meta to the
-               ranks they go to ─► barrier ─► local expand tok → x
+    dispatch:  slot ranks + counts ─write counts to all peers─► barrier ─► layout tail ─► token rows
+               + meta to the ranks they go to ─► barrier ─► local expand tok → x   (kernels.route_layout)
     combine:   tok[s·T+t] = Σ_k w · y[row] (owner, local) ─► barrier ─► y_TD[t] = Σ_r peer_r tok[s·T+t]
     backward:  combine: g[t] to every rank t went to ─► barrier ─► owner: grad_y[row] = w · g,
                grad_w = <g, y[row]> ─► barrier ─► sources read their grad_w
@@ -34,6 +34,7 @@ source only writes and reads its own region s·T.. of a peer's shared buffers, a
 backward buffer is rewritten only after a barrier that every reader of its previous contents has passed.
 """
 
+import functools
 import itertools
 from dataclasses import dataclass
 
@@ -41,9 +42,9 @@ import torch
 
 from kernels.moe_rows import combine_backward, gather_sum
 from kernels.peer_rows import peer_gather_sum, peer_route_meta, peer_scatter
+from kernels.route_layout import layout_tail, slot_ranks
 
 from .dispatcher import DispatchHandle, ExpertParallel, FixedCapacity, capacity_rows
-from .ep_layout import SendLayout, send_layout
 from .symmetric import SymmBuffer, workspace_for
 
 _instance_ids = itertools.count()
@@ -54,41 +55,22 @@ def nvlink_capacity(num_tokens: int, top_k: int, capacity_factor: float) -> int:
     return capacity_rows(capacity_factor, num_tokens * top_k, 128)
 
 
+@functools.lru_cache(maxsize=None)
+def _to_all_peers(R: int, rank: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """([1, R] = r, [1, R] = rank): one row sent to every peer, at row ``rank`` there (made once)."""
+    to_all = torch.arange(R, device=device).view(1, R)
+    return to_all, torch.full_like(to_all, rank)
+
+
 def all_gather_rows(ws, name: str, row_X: torch.Tensor) -> torch.Tensor:
     """[R, X]: every rank's ``row_X`` (this rank writes its row into every peer's buffer; one
     device barrier). The buffer is per name, rewritten one full step later."""
     R, X, dev = ws.world, row_X.shape[0], row_X.device
     buf = ws.buffer(name, (R, X), row_X.dtype, dev)
-    to_all = torch.arange(R, device=dev).view(1, R)
-    peer_scatter(row_X.view(1, X), to_all, torch.full_like(to_all, ws.rank), buf.ptrs_R, buf.peers, programs=R)
+    to_all, at_row = _to_all_peers(R, ws.rank, dev)
+    peer_scatter(row_X.view(1, X), to_all, at_row, buf.ptrs_R, buf.peers, programs=R)
     ws.barrier(buf)
     return buf.local.clone()
-
-
-def nvlink_layout(ids_TK: torch.Tensor, lay: SendLayout, counts_RX: torch.Tensor, rank: int, num_local: int,
-                  capacity: int):
-    """Where each (token, choice) slot lands: (dest rank_TK, row_TK with -1 = not sent, counts_e
-    received by this rank per local id, dropped slots of this rank, the capacity_factor the fullest
-    rank needed — the same on every rank). ``lay``: this rank's
-    ``send_layout`` (its stable sort by id); ``counts_RX``: every rank's counts. Device only."""
-    T, K = ids_TK.shape
-    R, X = counts_RX.shape
-    flat_N = ids_TK.reshape(-1)
-    # a slot's rank among this rank's slots for the same id = its place in the destination block
-    # minus the rows of the destination's lower local ids
-    pos_N = lay.pos_in_dest_N.index_select(0, lay.sorted_of_slot_TK.reshape(-1))
-    first_in_dest_X = (torch.cumsum(lay.counts_Re, 1) - lay.counts_Re).reshape(X)
-    rank_in_id = pos_N - first_in_dest_X.index_select(0, flat_N)
-    total_Re = counts_RX.sum(0).view(R, num_local)
-    start_X = (torch.cumsum(total_Re, 1) - total_Re).reshape(X)  # start of each id in its owner's buffer
-    before_X = counts_RX[:rank].sum(0)  # rows of each id from lower source ranks
-    row_N = start_X.index_select(0, flat_N) + before_X.index_select(0, flat_N) + rank_in_id
-    row_N = torch.where(row_N < capacity, row_N, -1)
-    cum_e = torch.cumsum(total_Re[rank], 0).clamp(max=capacity)
-    counts_e = cum_e - torch.nn.functional.pad(cum_e[:-1], (1, 0))
-    dropped = (row_N < 0).sum()
-    needed = total_Re.sum(1).max().float() / (T * K)
-    return (flat_N // num_local).view(T, K), row_N.view(T, K), counts_e, dropped, needed
 
 
 @dataclass
@@ -141,14 +123,15 @@ class NVLinkDispatcher(FixedCapacity, ExpertParallel):
         if torch.is_autocast_enabled(dev.type) and x_TD.is_floating_point():
             x_TD = x_TD.to(torch.get_autocast_dtype(dev.type))  # move the experts' input dtype
         cap = nvlink_capacity(T, K, self.capacity_factor)
-        lay = send_layout(ids_TK, X, R)  # the same sort by id as the NCCL backends
-        counts_RX = all_gather_rows(self.ws, f"{self.name}/counts", lay.counts_Re.reshape(X))
-        rank_TK, row_TK, counts_e, dropped, needed = nvlink_layout(ids_TK, lay, counts_RX, self.rank, self.num_local,
-                                                                   cap)
+        # slot n of id x keeps its order among this rank's slots of x (the NCCL backends' stable sort)
+        rank_in_id_N, counts_X = slot_ranks(ids_TK.reshape(-1), X)
+        counts_RX = all_gather_rows(self.ws, f"{self.name}/counts", counts_X)
+        base_X, counts_e, dropped, needed = layout_tail(counts_RX, self.rank, self.num_local, cap, T * K)
         meta_row = self.ws.buffer(f"{self.name}/meta_row", (R * T, K), torch.int32, dev)
         meta_w = self.ws.buffer(f"{self.name}/meta_w", (R * T, K), w_TK.dtype, dev)
         # every (destination r, token t) meta row is rewritten each step: -1 where t sends nothing to r
-        row_TR = peer_route_meta(rank_TK, row_TK, w_TK.detach(), meta_row, meta_w, self.rank, programs=self.programs)
+        rank_TK, row_TK, row_TR = peer_route_meta(ids_TK, rank_in_id_N.view(T, K), base_X, self.num_local, cap,
+                                                  w_TK.detach(), meta_row, meta_w, self.rank, programs=self.programs)
         rank_TR = self._ranks_TR(T, dev)
         D = x_TD.shape[1]
         h = NVLinkHandle(rank_TK, row_TK, rank_TR, row_TR, w_TK, out_dtype, x_TD.dtype, meta_row, meta_w,

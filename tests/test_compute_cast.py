@@ -1,0 +1,63 @@
+"""Experts outside FSDP compute in bf16 from fp32 weights: the cast's backward returns the gradient
+in fp32 already divided by the data-parallel size (kernels/cast.py, one pass) — equal to dividing
+afterwards, never divided twice; the Triton kernel equals the torch version bit for bit."""
+
+import pytest
+import torch
+
+from components.moe_echo.experts import GroupedExperts
+from test_kernels import needs_cpu_interpreter, run_in_interpreter
+
+
+def _grads(divide: float, counts=(5, 0, 9, 2)):
+    torch.manual_seed(0)
+    ge = GroupedExperts(16, 12, len(counts))
+    ge.init_weights(0.02)
+    ge.compute_dtype = torch.bfloat16
+    ge.set_gradient_divide_factor(divide)
+    x = torch.randn(sum(counts) + 3, 16).bfloat16()  # 3 rows of padding
+    y = ge(x, torch.tensor(counts))
+    (y.float() * torch.linspace(-1, 1, y.shape[1])).sum().backward()
+    return [w.grad for w in (ge.w1, ge.w2, ge.w3)]
+
+
+def test_cast_backward_divides_once_in_fp32():
+    one, three = _grads(1.0), _grads(3.0)
+    for g1, g3 in zip(one, three):
+        assert g1.dtype == g3.dtype == torch.float32 and g1.abs().sum() > 0
+        assert torch.equal(g3, g1 * (1 / 3))  # the bf16 gradient times fp32(1/3), once
+
+
+_SCRIPT = r"""
+import pytest
+import torch
+from kernels.cast import cast_scale
+g = torch.Generator().manual_seed(0)
+for n, src, dst, scale in [(5000, torch.bfloat16, torch.float32, 0.5), (4097, torch.float32, torch.bfloat16, 1 / 3),
+                           (1, torch.float32, torch.float32, 0.25), (0, torch.bfloat16, torch.float32, 1.0)]:
+    x = (torch.randn(n, generator=g) * 100).to(src)
+    got = cast_scale(x, dst, scale)
+    want = (x.float() * scale).to(dst)
+    assert got.dtype == dst, (n, src, dst)
+    if dst == torch.float32:  # exact: the fp32 product of a value and the scale
+        assert torch.equal(got, want), (n, src, dst)
+    else:  # the interpreter's bf16 store need not round to nearest even: within one bf16 step
+        assert ((got.float() - want.float()).abs() <= want.float().abs() * 2 ** -7).all(), (n, src, dst)
+print("CAST-OK")
+"""
+
+
+@needs_cpu_interpreter
+def test_cast_kernel_in_interpreter():
+    run_in_interpreter(_SCRIPT, "CAST-OK")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cast_kernel_on_gpu_equals_torch():
+    from kernels.cast import cast_scale
+    g = torch.Generator(device="cuda").manual_seed(0)
+    for n, src, dst, scale in [(3 * 2048 * 768 + 5, torch.bfloat16, torch.float32, 0.5),
+                               (1 << 20, torch.float32, torch.bfloat16, 1 / 3)]:
+        x = (torch.randn(n, device="cuda", generator=g) * 100).to(src)
+        assert torch.equal(cast_scale(x, dst, scale), (x.float() * scale).to(dst))
