@@ -9,6 +9,9 @@ The tensor cores' reachable rate is measured in the same run: a plain bf16 GEMM 
 the experts' GEMM precision: each case also runs with ``expert_precision = "fp8"`` on Hopper (its row's
 reference is a rowwise-scaled FP8 ``torch._scaled_mm`` of the same shape; ``fp8_speedup_vs_bf16`` is
 the bf16 row's time over the FP8 row's; ``fp8_out_rel_diff`` its output against the bf16 layer's).
+``experts_gemm`` names the kernels of the bf16 expert GEMMs: ``torch`` (``torch._grouped_mm``) and, where
+quack-kernels is installed on a Hopper GPU, a ``quack`` row (``experts_gemm = "quack"``: QuACK's grouped
+GEMMs with SwiGLU in their epilogues; ``quack_out_rel_diff`` its output against the torch row's).
 
 ``megatron_ms``: Megatron-Core 0.16.1's MoE layer on the same weights, routing bias and inputs
 (``benchmarks/megatron_layer.py``): no transformer-engine, so its non-TE grouped path — GroupedMLP
@@ -48,7 +51,7 @@ def zipf_bias(E: int, s: float, scale: float, gen: torch.Generator) -> torch.Ten
     return scale * z / z.max()
 
 
-PROFILE, PROFILED, FP8 = False, [], False
+PROFILE, PROFILED, FP8, QUACK = False, [], False, False
 MEGATRON = {"ok": False, "dispatcher": "allgather"}  # set by main()
 
 
@@ -134,6 +137,14 @@ def run_case(T, D, H, E, K, routing, dev):
         t8 = time_ms(fwd_bwd(ours))
         ours.experts.precision = "bf16"
         fp8 = {"fp8_ms": t8, "fp8_out_rel_diff": float((y8 - y_ours).float().norm() / y_ours.float().norm())}
+    quack = {}
+    if QUACK:  # the same layer on QuACK's grouped GEMMs: time, and its output against the torch GEMMs'
+        ours.experts.gemm = "quack"
+        with torch.no_grad():
+            yq = ours(x)
+        quack = {"quack_ms": time_ms(fwd_bwd(ours)),
+                 "quack_out_rel_diff": float((yq - y_ours).float().norm() / y_ours.float().norm())}
+        ours.experts.gemm = "torch"
     if PROFILE and not PROFILED:
         PROFILED.append(True)
         from torch.profiler import ProfilerActivity, profile
@@ -154,7 +165,7 @@ def run_case(T, D, H, E, K, routing, dev):
         "ours_ms": t_ours, "torchtitan_ms": t_theirs, "dense_ms": t_dense,
         "ours_tflops": tf(t_ours), "torchtitan_tflops": tf(t_theirs), "dense_tflops": tf(t_dense),
         "speedup_vs_torchtitan": t_theirs / t_ours, "frac_of_dense": t_dense / t_ours,
-        "routing_agree": agree, "out_rel_diff": rel, **fp8,
+        "routing_agree": agree, "out_rel_diff": rel, **fp8, **quack,
         "megatron_ms": None, "megatron_tflops": None, "speedup_vs_megatron": None, "megatron_path": None,
     }
     del theirs
@@ -192,6 +203,28 @@ def fp8_row(row: dict, gemm8: float) -> dict:
             "speedup_vs_megatron": row["megatron_ms"] / ms if row.get("megatron_ms") else None}
 
 
+def quack_row(row: dict, gemm: float) -> dict:
+    """The ``experts_gemm = "quack"`` row of a case (bf16), against the same baselines."""
+    ms = row["quack_ms"]
+    tf = row["ours_tflops"] * row["ours_ms"] / ms
+    return {**row, "experts_gemm": "quack", "ours_ms": ms, "ours_tflops": tf, "frac_of_peak_gemm": tf / gemm,
+            "speedup_vs_torchtitan": row["torchtitan_ms"] / ms, "frac_of_dense": row["dense_ms"] / ms,
+            "quack_speedup_vs_torch": row["ours_ms"] / ms, "fp8_speedup_vs_bf16": None,
+            "speedup_vs_megatron": row["megatron_ms"] / ms if row.get("megatron_ms") else None}
+
+
+def quack_available(dev: str) -> str | None:
+    """None if the quack rows can run here, else why not."""
+    from components.errors import UserError
+    from components.moe_echo.quack_experts import check_quack_supported
+
+    try:
+        check_quack_supported(torch.device(dev))
+    except UserError as e:
+        return str(e)
+    return None
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=None, help="results folder (default benchmarks/results)")
@@ -207,8 +240,11 @@ def main():
                     help="Megatron's token dispatcher (at EP=1 both permute locally; allgather is its default)")
     a = ap.parse_args()
     dev = "cuda"
-    global PROFILE, FP8
+    global PROFILE, FP8, QUACK
     PROFILE = a.profile
+    why = quack_available(dev)
+    QUACK = why is None
+    print(f"quack rows: {'measured' if QUACK else 'not measured (' + why + ')'}", flush=True)
     FP8 = not a.no_fp8 and torch.cuda.get_device_capability() >= (9, 0)
     MEGATRON["dispatcher"] = a.megatron_dispatcher
     reason = megatron_layer.unavailable()
@@ -227,17 +263,20 @@ def main():
     for T, D, H, E, K in cases:
         for routing in a.routing or ("balanced", "skewed"):
             row = run_case(4096 if a.quick else a.tokens or T, D, H, E, K, routing, dev)
-            row.update(precision="bf16", plain_gemm_tflops=gemm, frac_of_peak_gemm=row["ours_tflops"] / gemm)
+            row.update(precision="bf16", experts_gemm="torch", plain_gemm_tflops=gemm,
+                       frac_of_peak_gemm=row["ours_tflops"] / gemm)
             rows.append(row)
             print(rows[-1], flush=True)
             if FP8:
                 rows.append(fp8_row(row, gemm8))
+            if QUACK:
+                rows.append(quack_row(row, gemm))
             torch.cuda.empty_cache()
     env = environment()
-    cols = ["T", "D", "H", "E", "K", "routing", "precision", "load_max_over_mean", "ours_ms", "torchtitan_ms",
+    cols = ["T", "D", "H", "E", "K", "routing", "precision", "experts_gemm", "load_max_over_mean", "ours_ms", "torchtitan_ms",
             "dense_ms", "megatron_ms", "ours_tflops", "torchtitan_tflops", "dense_tflops", "megatron_tflops",
             "plain_gemm_tflops", "frac_of_peak_gemm", "speedup_vs_torchtitan", "speedup_vs_megatron", "frac_of_dense",
-            "fp8_speedup_vs_bf16", "routing_agree", "out_rel_diff", "fp8_out_rel_diff", "megatron_path",
+            "fp8_speedup_vs_bf16", "quack_speedup_vs_torch", "quack_out_rel_diff", "routing_agree", "out_rel_diff", "fp8_out_rel_diff", "megatron_path",
             "megatron_routing_agree", "megatron_out_rel_diff"]
     table = markdown_table(rows, cols)
     name = "moe_layer" if not (a.tokens or a.case or a.routing) else f"moe_layer_T{a.tokens or 'x'}"  # partial runs apart

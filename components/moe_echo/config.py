@@ -29,6 +29,11 @@ class MoEEchoConfig:
     dispatch and combine stay as they are. Measured on H100: layer 0.97–1.10× bf16, v2lite_1b step
     1.02× (docs/performance.md); 300-step losses within the drift of two equivalent bf16 runs."""
 
+    experts_gemm: Literal["torch", "quack"] = "torch"
+    """Kernels of the routed experts' bf16 GEMMs. ``torch``: ``torch._grouped_mm`` and fused SwiGLU
+    kernels. ``quack``: QuACK's CuTe-DSL grouped GEMMs with SwiGLU and its backward in the GEMM
+    epilogues (``pip install "moe-echo[quack]"``; Hopper GPUs; components/moe_echo/quack_experts.py)."""
+
     on_overflow: Literal["replay", "stop"] = "replay"
     """When a fixed-capacity (padded) buffer overflowed: ``replay`` — the step is gated on the device
     and replayed on the exact path (never drops a token; no host read before the optimizer step);

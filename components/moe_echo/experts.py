@@ -8,7 +8,8 @@ Input rows are expert-major: rows [offs[e-1], offs[e]) belong to expert e, offs 
 Rows at or past offs[-1] (padding of fixed-capacity buffers) produce zeros on the fallback path and
 are unspecified on the grouped-GEMM path; callers never read them.
 
-Paths (``GroupedExperts.precision = "fp8"``: FP8 GEMMs, components/moe_echo/fp8_experts.py):
+Paths (``GroupedExperts.precision = "fp8"``: FP8 GEMMs, components/moe_echo/fp8_experts.py;
+``GroupedExperts.gemm = "quack"``: QuACK's grouped GEMMs on CUDA, components/moe_echo/quack_experts.py):
 - CUDA + bf16 (or bf16 autocast): ``torch._grouped_mm`` with int32 offsets read from device memory (no host sync).
 - otherwise (CPU, fp32/fp64 references): a per-expert loop that reads the counts on the host.
 """
@@ -22,6 +23,7 @@ from kernels.cast import cast_scale
 from kernels.swiglu import swiglu
 
 from .fp8_experts import fp8_grouped_swiglu
+from .quack_experts import quack_grouped_swiglu
 
 
 def grouped_swiglu(
@@ -71,10 +73,11 @@ class _ComputeCast(torch.autograd.Function):
 class GroupedExperts(nn.Module):
     """E SwiGLU experts held as three stacked weights (see the module docstring for the layout)."""
 
-    def __init__(self, dim: int, hidden_dim: int, num_experts: int, precision: str = "bf16"):
+    def __init__(self, dim: int, hidden_dim: int, num_experts: int, precision: str = "bf16", gemm: str = "torch"):
         super().__init__()
         self.num_experts = num_experts
         self.precision = precision  # "bf16" | "fp8": the GEMMs' precision (weights keep their dtype)
+        self.gemm = gemm  # "torch" | "quack": the kernels of the bf16 GEMMs on CUDA
         self.w1 = nn.Parameter(torch.empty(num_experts, hidden_dim, dim))
         self.w2 = nn.Parameter(torch.empty(num_experts, dim, hidden_dim))
         self.w3 = nn.Parameter(torch.empty(num_experts, hidden_dim, dim))
@@ -108,6 +111,8 @@ class GroupedExperts(nn.Module):
             weights = tuple(extend(w, i) for i, w in enumerate(weights))
         if self.precision == "fp8":
             return fp8_grouped_swiglu(x_ND, *weights, counts_e, self._fp8_scale_hint(weights[0]))
+        if self.gemm == "quack" and x_ND.is_cuda:
+            return quack_grouped_swiglu(x_ND, *weights, counts_e)
         return grouped_swiglu(x_ND, *weights, counts_e)
 
     def _fp8_scale_hint(self, w1: torch.Tensor) -> torch.Tensor:

@@ -20,6 +20,7 @@ import torch
 from components.errors import UserError
 from components.moe_echo.dispatcher import is_fixed_capacity
 from components.moe_echo.fp8_experts import check_fp8_supported
+from components.moe_echo.quack_experts import check_quack_supported
 from components.moe_echo.models import build_model, model_args_for, moe_layers
 from components.parallel.cuda_graph import make_capturable
 from components.parallel.data_parallel import init_distributed
@@ -87,6 +88,8 @@ def start(argv: list[str]) -> Run:
     rank, world, device = init_distributed(cfg.comm.init_timeout_seconds)
     if cfg.moe_echo.expert_precision == "fp8":
         check_fp8_supported(device)
+    if cfg.moe_echo.experts_gemm == "quack" and cfg.moe_echo.expert_precision == "bf16":
+        check_quack_supported(device)
     dims = parallel_dims(cfg.parallelism, world, moe_args.num_experts if moe_args else None)
     check_global_batch(cfg, world)
     mesh = build_mesh(dims, device.type)
