@@ -28,6 +28,24 @@ def test_cast_backward_divides_once_in_fp32():
         assert torch.equal(g3, g1 * (1 / 3))  # the bf16 gradient times fp32(1/3), once
 
 
+def test_cast_cat_equals_separate_casts_then_cat():
+    """[w1; w3] cast in one pass (QuACK's layout): same values, and each half's gradient equals the one
+    the separate casts give (bf16 gradient times the fp32 scale, once)."""
+    from components.moe_echo.experts import _ComputeCast, _ComputeCastCat
+
+    torch.manual_seed(0)
+    w1, w3 = torch.randn(4, 6, 8, requires_grad=True), torch.randn(4, 6, 8, requires_grad=True)
+    g = torch.randn(4, 12, 8).bfloat16()
+    fused = _ComputeCastCat.apply(w1, w3, torch.bfloat16, 0.25)
+    fused.backward(g)
+    got = w1.grad.clone(), w3.grad.clone()
+    w1.grad = w3.grad = None
+    ref = torch.cat([_ComputeCast.apply(w1, torch.bfloat16, 0.25), _ComputeCast.apply(w3, torch.bfloat16, 0.25)], 1)
+    ref.backward(g)
+    assert fused.dtype == torch.bfloat16 and torch.equal(fused, ref)
+    assert torch.equal(got[0], w1.grad) and torch.equal(got[1], w3.grad) and got[0].dtype == torch.float32
+
+
 _SCRIPT = r"""
 import pytest
 import torch
@@ -43,6 +61,11 @@ for n, src, dst, scale in [(5000, torch.bfloat16, torch.float32, 0.5), (4097, to
         assert torch.equal(got, want), (n, src, dst)
     else:  # the interpreter's bf16 store need not round to nearest even: within one bf16 step
         assert ((got.float() - want.float()).abs() <= want.float().abs() * 2 ** -7).all(), (n, src, dst)
+# a strided view (one half of a [E, 2H, D] gradient along dim 1) is read in place, equal to its contiguous copy
+w = (torch.randn(3, 10, 7, generator=g) * 100).bfloat16()
+for half in (w[:, :5], w[:, 5:]):
+    assert not half.is_contiguous()
+    assert torch.equal(cast_scale(half, torch.float32, 0.5), half.float() * 0.5)
 print("CAST-OK")
 """
 
@@ -61,3 +84,6 @@ def test_cast_kernel_on_gpu_equals_torch():
                                (1 << 20, torch.float32, torch.bfloat16, 1 / 3)]:
         x = (torch.randn(n, device="cuda", generator=g) * 100).to(src)
         assert torch.equal(cast_scale(x, dst, scale), (x.float() * scale).to(dst))
+    w = (torch.randn(32, 2 * 1408, 2048, device="cuda", generator=g) * 100).bfloat16()
+    for half in (w[:, :1408], w[:, 1408:]):  # the halves of a [w1; w3] gradient, read in place
+        assert torch.equal(cast_scale(half, torch.float32, 0.5), half.float() * 0.5)

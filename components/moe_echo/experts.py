@@ -23,7 +23,7 @@ from kernels.cast import cast_scale
 from kernels.swiglu import swiglu
 
 from .fp8_experts import fp8_grouped_swiglu
-from .quack_experts import quack_grouped_swiglu
+from .quack_experts import quack_grouped_swiglu, quack_swiglu
 
 
 def grouped_swiglu(
@@ -70,6 +70,23 @@ class _ComputeCast(torch.autograd.Function):
         return cast_scale(grad, ctx.w_dtype, ctx.grad_scale), None, None
 
 
+class _ComputeCastCat(torch.autograd.Function):
+    """[w1; w3] concatenated along dim 1 in ``dtype``, cast and copied in one pass; backward: each half of
+    the gradient (read in place) in the weights' dtype times ``grad_scale``."""
+
+    @staticmethod
+    def forward(ctx, w1, w3, dtype, grad_scale):
+        ctx.w_dtype, ctx.grad_scale, ctx.split = w1.dtype, grad_scale, w1.shape[1]
+        out = torch.empty(w1.shape[0], w1.shape[1] + w3.shape[1], *w1.shape[2:], dtype=dtype, device=w1.device)
+        return torch.cat([w1, w3], dim=1, out=out)
+
+    @staticmethod
+    def backward(ctx, grad):
+        h = ctx.split
+        return (cast_scale(grad[:, :h], ctx.w_dtype, ctx.grad_scale), cast_scale(grad[:, h:], ctx.w_dtype, ctx.grad_scale),
+                None, None)
+
+
 class GroupedExperts(nn.Module):
     """E SwiGLU experts held as three stacked weights (see the module docstring for the layout)."""
 
@@ -106,6 +123,8 @@ class GroupedExperts(nn.Module):
         sharded on dim 0 over the EP mesh and only this rank's e = E / EP experts are used.
         ``extend(w, i) -> w'`` appends echo-slot (clone) weights to local weight i (w1, w2, w3); it runs inside
         this forward so FSDP's unshard / gradient reduce-scatter hooks see every use."""
+        if self.gemm == "quack" and self.precision == "bf16" and x_ND.is_cuda and extend is None:
+            return quack_swiglu(x_ND, *self.local_weights_13(), counts_e)
         weights = self.local_weights()
         if extend is not None:
             weights = tuple(extend(w, i) for i, w in enumerate(weights))
@@ -130,6 +149,16 @@ class GroupedExperts(nn.Module):
         if self.compute_dtype is None:
             return tuple(local)
         return tuple(_ComputeCast.apply(w, self.compute_dtype, 1.0 / self._grad_divide) for w in local)
+
+    def local_weights_13(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """([w1; w3] concatenated along dim 1, w2) of this rank's experts in the compute dtype (bf16 where
+        unset), differentiable: the layout of QuACK's gate/up GEMM (components/moe_echo/quack_experts.py)."""
+        w1, w2, w3 = (w.to_local() if isinstance(w, DTensor) else w for w in (self.w1, self.w2, self.w3))
+        if self.compute_dtype is None:
+            return torch.cat([w1, w3], dim=1).to(torch.bfloat16), w2
+        scale = 1.0 / self._grad_divide
+        return (_ComputeCastCat.apply(w1, w3, self.compute_dtype, scale),
+                _ComputeCast.apply(w2, self.compute_dtype, scale))
 
     def init_weights(self, init_std: float) -> None:
         _trunc_normal(self.w1, 0.02)

@@ -71,9 +71,14 @@ class _QuackSwiGLU(torch.autograd.Function):
         return dx_ND, dw13_E2HD, dw2_EDH, None
 
 
-def quack_grouped_swiglu(x_ND, w1_EHD, w2_EDH, w3_EHD, counts_E):
-    """y_ND of the experts on expert-major rows (bf16 on an SM90 GPU); see the module docstring."""
+def quack_swiglu(x_ND, w13_E2HD, w2_EDH, counts_E):
+    """y_ND of the experts on expert-major rows (bf16 on an SM90 GPU), gate and up weights concatenated."""
     cu_E1 = torch.zeros(counts_E.shape[0] + 1, dtype=torch.int32, device=x_ND.device)
     torch.cumsum(counts_E, 0, dtype=torch.int32, out=cu_E1[1:])
-    w13_E2HD = torch.cat([w1_EHD, w3_EHD], dim=1).to(torch.bfloat16)
-    return _QuackSwiGLU.apply(x_ND.to(torch.bfloat16).contiguous(), w13_E2HD, w2_EDH.to(torch.bfloat16), cu_E1)
+    return _QuackSwiGLU.apply(x_ND.to(torch.bfloat16).contiguous(), w13_E2HD.to(torch.bfloat16),
+                              w2_EDH.to(torch.bfloat16), cu_E1)
+
+
+def quack_grouped_swiglu(x_ND, w1_EHD, w2_EDH, w3_EHD, counts_E):
+    """``quack_swiglu`` on the separate weights (they are concatenated here, one copy)."""
+    return quack_swiglu(x_ND, torch.cat([w1_EHD, w3_EHD], dim=1), w2_EDH, counts_E)
