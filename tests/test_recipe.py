@@ -147,6 +147,7 @@ BAD_INPUT = {  # id: (args, toml_extra, expected in the error line)
     "unknown_flavor": (("--model.flavor", "huge"), None, "flavor"),
     "nvlink_without_gpus": (("--moe_echo.dispatcher", "nvlink"), None, "needs CUDA GPUs"),
     "graph_warmup": (("--training.cuda_graph_warmup", "0"), None, "cuda_graph_warmup"),
+    "quack_without_hopper": (("--moe_echo.experts_gemm", "quack"), None, 'set experts_gemm = "torch"'),
 }
 BAD_TOML = {"unknown_key": '[training]\nsteps = 2\nlr = 0.1\n', "wrong_type": '[training]\nsteps = "two"\n'}
 
