@@ -9,7 +9,7 @@ as the graph launches in the trace. Each GPU kernel is attributed to the CPU ops
 category whose rule matches, innermost op first:
 
     optimizer       inside ``Optimizer.step`` (fused AdamW) or ``zero_grad``
-    routed experts  grouped GEMMs (``aten::_grouped_mm``) and the expert SwiGLU between them
+    routed experts  grouped GEMMs (``aten::_grouped_mm``, or QuACK's ``quack::`` GEMMs) and the expert SwiGLU
     dense GEMMs     ``mm`` / ``addmm`` / ``bmm`` / ``linear`` / ``matmul``
     attention       scaled-dot-product / flash / efficient attention kernels
     dispatch        token permutation, gather / scatter of rows, histogram, sort (the MoE data movement;
@@ -41,7 +41,7 @@ COLLECTIVE = re.compile(r"^nccl", re.I)  # decided by the kernel alone: FSDP lau
 # (category, pattern on an op name); tried innermost op first, then outwards
 RULES = [
     ("optimizer", re.compile(r"Optimizer\.(step|zero_grad)|_fused_adamw|_foreach_")),
-    ("routed experts", re.compile(r"_grouped_mm|GroupedMm|grouped_swiglu|experts", re.I)),
+    ("routed experts", re.compile(r"_grouped_mm|GroupedMm|grouped_swiglu|experts|quack", re.I)),
     ("attention", re.compile(r"attention|flash|sdpa|_efficient_attention|_cudnn_attention", re.I)),
     ("dense GEMMs", re.compile(r"aten::(mm|addmm|bmm|linear|matmul|baddbmm)$|MmBackward|AddmmBackward")),
     ("norms", re.compile(r"rms_norm|RmsNorm|layer_norm", re.I)),
@@ -56,7 +56,7 @@ KERNEL_RULES = [  # kernel names that say it all (no launching op found, e.g. Tr
     ("loss", re.compile(r"cross_entropy|nll_loss", re.I)),
     # CUTLASS 3 grouped GEMMs (torch._grouped_mm's kernels) are "pointer-array" kernels over a
     # GroupProblemShape; launched from a backward without a recorded op they were counted as dense
-    ("routed experts", re.compile(r"grouped|swiglu|PtrArray|GroupProblemShape", re.I)),
+    ("routed experts", re.compile(r"grouped|swiglu|PtrArray|GroupProblemShape|quack", re.I)),
     ("attention", re.compile(r"flash|fmha|attention", re.I)),
     ("dense GEMMs", re.compile(r"gemm|sm90_xmma|cutlass|nvjet", re.I)),
     ("dispatch", re.compile(r"rows|permute|scatter|gather|histogram|radix|sort|_peer_|barrier", re.I)),
