@@ -16,21 +16,14 @@ Exact integer results: the torch versions (CPU) and the Triton kernels (CUDA, or
 TRITON_INTERPRET=1) agree bit for bit. Nothing is read on the host; every shape is static.
 """
 
-import os
-
 import torch
 
-try:
-    import triton
+from .moe_rows import _use_triton, triton
+
+if triton is not None:
     import triton.language as tl
-except ImportError:  # CPU-only installs may lack triton
-    triton = None
 
 SLOTS_PER_BLOCK = 128
-
-
-def _use_triton(t: torch.Tensor) -> bool:
-    return triton is not None and (t.is_cuda or os.environ.get("TRITON_INTERPRET") == "1")
 
 
 def slot_ranks_torch(ids_N: torch.Tensor, X: int):
