@@ -182,6 +182,18 @@ a2 = a.detach().clone().requires_grad_(); b2 = b.detach().clone().requires_grad_
 h2 = F.silu(a2) * b2; h2.backward(g)
 torch.testing.assert_close(h, h2); torch.testing.assert_close(a.grad, a2.grad); torch.testing.assert_close(b.grad, b2.grad)
 assert type(h.grad_fn).__name__ == "_SwiGLUBackward", type(h.grad_fn)
+# bounded to the used rows: rows below the bound equal the reference, the padding rows (NaN here) are never read
+for used in (0, 1, 7, 64):
+    a3 = torch.randn(64, 37); b3 = torch.randn(64, 37); g3 = torch.randn(64, 37)
+    for t in (a3, b3, g3):
+        t[used:] = float("nan")
+    rows = torch.tensor([used], dtype=torch.int32)
+    a3.requires_grad_(); b3.requires_grad_()
+    h3 = swiglu(a3, b3, rows); h3.backward(g3)
+    a4 = a3.detach()[:used].clone().requires_grad_(); b4 = b3.detach()[:used].clone().requires_grad_()
+    (F.silu(a4) * b4).backward(g3[:used])
+    torch.testing.assert_close(h3[:used], (F.silu(a4) * b4).detach())
+    torch.testing.assert_close(a3.grad[:used], a4.grad); torch.testing.assert_close(b3.grad[:used], b4.grad)
 print("SWIGLU-OK")
 """
 
@@ -203,6 +215,15 @@ def test_swiglu_kernel_on_gpu_bf16():
     (torch.nn.functional.silu(a64) * b64).backward(g.double())
     for got, want in ((a.grad, a64.grad), (b.grad, b64.grad)):
         assert ((got.double() - want).norm() / want.norm()) < 1e-2
+    used = 3000  # bounded to the used rows: padding rows (NaN) never read, results on the used rows unchanged
+    a2, b2, g2 = (t.detach().clone() for t in (a, b, g))
+    for t in (a2, b2, g2):
+        t[used:] = float("nan")
+    a2.requires_grad_(); b2.requires_grad_()
+    h2 = swiglu(a2, b2, torch.tensor([used], device="cuda", dtype=torch.int32))
+    h2.backward(g2)
+    assert torch.equal(h2[:used], swiglu(a, b)[:used])
+    assert torch.equal(a2.grad[:used], a.grad[:used]) and torch.equal(b2.grad[:used], b.grad[:used])
 
 
 def test_missing_slots_contribute_nothing_and_get_no_gradient():

@@ -42,7 +42,7 @@ def _grouped_mm_swiglu(x_ND, w1_EHD, w2_EDH, w3_EHD, counts_E):
     offs_E = torch.cumsum(counts_E, dim=0, dtype=torch.int32)
     w1, w2, w3 = (w.to(torch.bfloat16) for w in (w1_EHD, w2_EDH, w3_EHD))
     h_NH = swiglu(torch._grouped_mm(x_ND, w1.transpose(-2, -1), offs=offs_E),
-                  torch._grouped_mm(x_ND, w3.transpose(-2, -1), offs=offs_E))
+                  torch._grouped_mm(x_ND, w3.transpose(-2, -1), offs=offs_E), offs_E[-1:])  # used rows only
     return torch._grouped_mm(h_NH, w2.transpose(-2, -1), offs=offs_E)
 
 
