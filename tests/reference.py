@@ -45,3 +45,33 @@ def reference_moe(x_TD, layer, bias_E=None):
         s = layer.shared_experts
         y_TD = y_TD + (F.silu(x_TD @ s.w1.weight.t()) * (x_TD @ s.w3.weight.t())) @ s.w2.weight.t()
     return y_TD, ids
+
+
+def experts_fp64(x_ND, w1_EHD, w2_EDH, w3_EHD, counts_E, g_ND):
+    """The SwiGLU experts as an fp64 per-expert loop over the first counts_E.sum() rows of x_ND, and the
+    backward of g_ND on those rows: (y, dx, dw1, dw2, dw3)."""
+    counts = counts_E.cpu()
+    x = x_ND.detach()[: int(counts.sum())].double().requires_grad_()
+    ws = [w.detach().double().requires_grad_() for w in (w1_EHD, w2_EDH, w3_EHD)]
+    ys, start = [], 0
+    for e, n in enumerate(counts.tolist()):
+        xe = x[start:start + n]
+        ys.append((F.silu(xe @ ws[0][e].T) * (xe @ ws[2][e].T)) @ ws[1][e].T)
+        start += n
+    y = torch.cat(ys)
+    y.backward(g_ND[: y.shape[0]].double())
+    return y, x.grad, *(w.grad for w in ws)
+
+
+def expert_counts(kind: str, E: int, used: int) -> torch.Tensor:
+    """Rows per expert summing to ``used``: "random" (multinomial), "all_to_one" (expert E // 2 takes every
+    row) or "empty_experts" (every other expert gets none)."""
+    if kind == "all_to_one":
+        c = torch.zeros(E, dtype=torch.int64)
+        c[E // 2] = used
+    elif kind == "empty_experts":
+        c = torch.zeros(E, dtype=torch.int64)
+        c[1::2] = torch.distributions.Multinomial(used, torch.ones(E // 2)).sample().long()
+    else:
+        c = torch.distributions.Multinomial(used, torch.ones(E)).sample().long()
+    return c

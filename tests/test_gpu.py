@@ -7,6 +7,7 @@ from torchtitan.models.moe import MoE, MoEArgs
 from components.moe_echo.config import MoEEchoConfig
 from components.moe_echo.layer import MoELayer
 from cuda_graphs import warm_up_and_capture
+from reference import expert_counts, experts_fp64
 
 pytestmark = pytest.mark.gpu
 DEV = "cuda"
@@ -159,32 +160,16 @@ def test_grouped_experts_match_fp64_and_never_read_padding_rows(kind):
     E, D, H, used, capacity = 8, 512, 384, 3000, 4096
     experts = GroupedExperts(D, H, E).to(DEV)
     experts.init_weights(0.02)
-    if kind == "all_to_one":
-        counts = torch.zeros(E, dtype=torch.int64)
-        counts[E // 2] = used
-    elif kind == "empty_experts":
-        counts = torch.zeros(E, dtype=torch.int64)
-        counts[1::2] = torch.distributions.Multinomial(used, torch.ones(E // 2)).sample().long()
-    else:
-        counts = torch.distributions.Multinomial(used, torch.ones(E)).sample().long()
+    counts = expert_counts(kind, E, used)
     x = torch.randn(capacity, D, device=DEV, dtype=torch.bfloat16)
     g = torch.randn(capacity, D, device=DEV, dtype=torch.bfloat16)
     x[used:], g[used:] = float("nan"), float("nan")
     x.requires_grad_()
     y = experts(x, counts.to(DEV))
     y.backward(g)
-
-    x64 = x.detach()[:used].double().requires_grad_()
-    ws = [w.detach().double().requires_grad_() for w in (experts.w1, experts.w2, experts.w3)]
-    outs, start = [], 0
-    for e, n in enumerate(counts.tolist()):
-        xe = x64[start:start + n]
-        outs.append((torch.nn.functional.silu(xe @ ws[0][e].T) * (xe @ ws[2][e].T)) @ ws[1][e].T)
-        start += n
-    y64 = torch.cat(outs)
-    y64.backward(g[:used].double())
+    y64, dx64, *dw64 = experts_fp64(x, experts.w1, experts.w2, experts.w3, counts, g)
     assert _rel(y[:used], y64) < 1e-2
-    assert _rel(x.grad[:used], x64.grad) < 2e-2
-    for w, w64 in zip((experts.w1, experts.w2, experts.w3), ws):
+    assert _rel(x.grad[:used], dx64) < 2e-2
+    for w, want in zip((experts.w1, experts.w2, experts.w3), dw64):
         assert torch.isfinite(w.grad).all()
-        assert _rel(w.grad, w64.grad) < 2e-2
+        assert _rel(w.grad, want) < 2e-2

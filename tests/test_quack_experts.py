@@ -11,6 +11,7 @@ from components.errors import UserError
 from components.moe_echo.experts import GroupedExperts
 from components.moe_echo.quack_experts import check_quack_supported
 from cuda_graphs import warm_up_and_capture
+from reference import expert_counts, experts_fp64
 
 HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
 QUACK = importlib.util.find_spec("quack") is not None
@@ -22,34 +23,8 @@ def test_quack_on_cpu_is_a_one_line_error():
         check_quack_supported(torch.device("cpu"))
 
 
-def _reference(x_ND, w1, w2, w3, counts, g_ND):
-    """fp64 per-expert loop on the used rows: (y, dx, dw1, dw2, dw3)."""
-    x = x_ND[: int(counts.sum())].double().requires_grad_()
-    ws = [w.detach().double().requires_grad_() for w in (w1, w2, w3)]
-    ys, start = [], 0
-    for e, n in enumerate(counts.tolist()):
-        xe = x[start:start + n]
-        ys.append((torch.nn.functional.silu(xe @ ws[0][e].T) * (xe @ ws[2][e].T)) @ ws[1][e].T)
-        start += n
-    y = torch.cat(ys)
-    y.backward(g_ND[: y.shape[0]].double())
-    return y, x.grad, *(w.grad for w in ws)
-
-
 def _rel(a, b):
     return float((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30))
-
-
-def _counts(kind, E, used):
-    if kind == "all_to_one":
-        c = torch.zeros(E, dtype=torch.int64)
-        c[E // 2] = used
-    elif kind == "empty_experts":  # every other expert gets nothing
-        c = torch.zeros(E, dtype=torch.int64)
-        c[1::2] = torch.distributions.Multinomial(used, torch.ones(E // 2)).sample().long()
-    else:
-        c = torch.distributions.Multinomial(used, torch.ones(E)).sample().long()
-    return c.cuda()
 
 
 @needs_quack
@@ -66,7 +41,7 @@ def test_quack_experts_match_fp64_reference(kind, owned):
     if owned:
         experts.compute_dtype = torch.bfloat16
         experts.set_gradient_divide_factor(2.0)
-    counts = _counts(kind, E, used)
+    counts = expert_counts(kind, E, used).cuda()
     x = torch.randn(capacity, D, device="cuda", dtype=torch.bfloat16)
     x[used:] = float("nan")  # padding rows past the used ones must not be read
     g = torch.randn(capacity, D, device="cuda", dtype=torch.bfloat16)
@@ -74,7 +49,7 @@ def test_quack_experts_match_fp64_reference(kind, owned):
     x.requires_grad_()
     y = experts(x, counts)
     y.backward(g)
-    ref = _reference(x.detach(), experts.w1, experts.w2, experts.w3, counts.cpu(), g)
+    ref = experts_fp64(x, experts.w1, experts.w2, experts.w3, counts, g)
     assert _rel(y[:used], ref[0]) < 1e-2
     assert _rel(x.grad[:used], ref[1]) < 2e-2
     for w, r in zip((experts.w1, experts.w2, experts.w3), ref[2:]):
@@ -92,7 +67,7 @@ def test_quack_experts_no_host_sync_and_graph_equals_eager():
     E, D, H, capacity = 16, 512, 256, 4096
     experts = GroupedExperts(D, H, E, gemm="quack").cuda()
     experts.init_weights(0.02)
-    counts = _counts("random", E, 3500)
+    counts = expert_counts("random", E, 3500).cuda()
     x = torch.randn(capacity, D, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     g = torch.randn(capacity, D, device="cuda", dtype=torch.bfloat16)
 
