@@ -65,7 +65,10 @@ def experts_fp64(x_ND, w1_EHD, w2_EDH, w3_EHD, counts_E, g_ND):
 
 def expert_counts(kind: str, E: int, used: int) -> torch.Tensor:
     """Rows per expert summing to ``used``: "random" (multinomial), "all_to_one" (expert E // 2 takes every
-    row) or "empty_experts" (every other expert gets none)."""
+    row), "empty_experts" (every other expert gets none) or "none" (no rows at all: an EP rank whose experts
+    no token chose)."""
+    if kind == "none":
+        return torch.zeros(E, dtype=torch.int64)
     if kind == "all_to_one":
         c = torch.zeros(E, dtype=torch.int64)
         c[E // 2] = used

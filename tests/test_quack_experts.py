@@ -30,12 +30,13 @@ def _rel(a, b):
 @needs_quack
 @pytest.mark.gpu
 @pytest.mark.parametrize("kind, owned", [("random", False), ("all_to_one", False), ("empty_experts", False),
-                                         ("random", True)])
+                                         ("none", False), ("random", True)])
 def test_quack_experts_match_fp64_reference(kind, owned):
     """owned: experts outside FSDP (fp32 weights cast to bf16 with [w1; w3] in one pass, gradients divided
     by 2 in the cast's backward)."""
     torch.manual_seed(0)
-    E, D, H, used, capacity = 8, 512, 384, 3000, 3328
+    E, D, H, capacity = 8, 512, 384, 3328
+    used = 0 if kind == "none" else 3000
     experts = GroupedExperts(D, H, E, gemm="quack").cuda()
     experts.init_weights(0.02)
     if owned:
