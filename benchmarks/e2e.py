@@ -12,6 +12,9 @@ Runs, each a fresh process tree in a fresh folder (``<work>/<config>_<gpus>gpu_<
 
 All five run by default (``--runs`` picks some). "torchtitan best" is the faster of its two runs;
 ``graph_vs_eager`` = ours_graph / ours_eager, ``compile_vs_graph`` = ours_compile_graph / ours_graph.
+``--variants "torch=--moe_echo.experts_gemm torch;quack=--moe_echo.experts_gemm quack"`` runs each of our
+runs once per variant (its arguments after ``--ours``), so variants and torchtitan share one call and
+one baseline; rows carry ``variant``.
 Every run trains the same model flavour on the same text (Python stdlib source as .jsonl) with the
 same byte-level HF tokenizer, batch, sequence length, AdamW (fused, same lr / warmup) and bf16
 compute with fp32 master weights; no checkpoints, no activation checkpointing.
@@ -32,7 +35,7 @@ figure includes replays and re-captures, run longer or with a larger capacity_fa
         --titan "--parallelism.expert_parallel_degree 2" --label ep2
 
 Writes ``e2e_<gpu>.json`` / ``.md`` (rows {config, gpus, run, tokens_per_s_per_gpu, step_ms, mfu_pct,
-vs_torchtitan_best, graph_vs_eager, compile_vs_graph}); a file already there gets the new rows merged
+vs_torchtitan_best, graph_vs_eager, compile_vs_graph, variant}); a file already there gets the new rows merged
 in (same config/gpus/label/run replaced), so several calls build one table.
 """
 
@@ -149,7 +152,48 @@ def replays_in_steady(rows: list[dict], steps: int) -> int:
     return int(total[-1][1] - (before[-1] if before else 0)) if total else 0
 
 
-def command(run: str, a, cfg_path: str, cfg: dict, dump: str, tok_dir: str, data: str) -> list[str]:
+def parse_variants(spec: str) -> list[tuple[str, str]]:
+    """``"a=ARGS;b=ARGS"`` -> [(name, args)]; empty -> one unnamed variant."""
+    if not spec.strip():
+        return [("", "")]
+    out = []
+    for part in spec.split(";"):
+        name, sep, args = part.partition("=")
+        if not sep or not name.strip():
+            raise ValueError(f"--variants: {part!r} is not NAME=ARGS (e.g. \"quack=--moe_echo.experts_gemm quack\")")
+        out.append((name.strip(), args.strip()))
+    if len({n for n, _ in out}) != len(out):
+        raise ValueError(f"--variants: a name repeats in {spec!r}")
+    return out
+
+
+def failure_line(log: str) -> str:
+    """The line that says why a run failed: the recipe's one-line ``error: ...`` if printed, else the
+    last line that is not a launcher banner or warning."""
+    lines = [ln for ln in log.splitlines() if ln.strip() and not ln.startswith(("W1", "I1", "  warnings"))]
+    errors = [ln.strip() for ln in lines if ln.lstrip().startswith("error:")]
+    if errors:
+        return errors[-1][:200]
+    lines = [ln for ln in lines if set(ln.strip()) - set("=-")]  # not a separator rule
+    return lines[-1][:160] if lines else ""
+
+
+def compare(group: list[dict]) -> None:
+    """Ratios inside one call's rows: vs the faster torchtitan run, graphed vs eager and compiled vs
+    graphed (the latter two within one variant)."""
+    best = max((r.get("tokens_per_s_per_gpu") or 0 for r in group if r["run"].startswith("torchtitan")), default=0)
+    tps = {(r["run"], r.get("variant", "")): r.get("tokens_per_s_per_gpu") for r in group}
+    for r in group:
+        if r.get("tokens_per_s_per_gpu") and best:
+            r["vs_torchtitan_best"] = r["tokens_per_s_per_gpu"] / best
+        for run, over, col in (("ours_graph", "ours_eager", "graph_vs_eager"),
+                               ("ours_compile_graph", "ours_graph", "compile_vs_graph")):
+            base = tps.get((over, r.get("variant", "")))
+            if r["run"] == run and base and r.get("tokens_per_s_per_gpu"):
+                r[col] = r["tokens_per_s_per_gpu"] / base
+
+
+def command(run: str, a, cfg_path: str, cfg: dict, dump: str, tok_dir: str, data: str, extra: str = "") -> list[str]:
     launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(a.nproc),
                 "--master_port", str(29500 + os.getpid() % 1000)]
     if run.startswith("torchtitan"):
@@ -162,13 +206,15 @@ def command(run: str, a, cfg_path: str, cfg: dict, dump: str, tok_dir: str, data
                       "--training.dataset", "local", "--training.dataset_path", data,
                       "--model.hf_assets_path", tok_dir, "--training.cuda_graph", str(run.endswith("graph")).lower(),
                       "--compile.enable", str(run == "ours_compile_graph").lower()]
-    return cmd + shlex.split(a.ours)
+    return cmd + shlex.split(a.ours) + shlex.split(extra)
 
 
-def measure(run: str, a, cfg_path: str, cfg: dict, tok_dir: str, data: str, work: str) -> dict:
+def measure(run: str, a, cfg_path: str, cfg: dict, tok_dir: str, data: str, work: str, variant: str = "",
+            extra: str = "") -> dict:
     name = os.path.basename(cfg_path).split(".")[0]
-    dump = tempfile.mkdtemp(prefix=f"{name}_{a.nproc}gpu{a.label}_{run}_", dir=work)  # always a fresh folder
-    cmd = command(run, a, cfg_path, cfg, dump, tok_dir, data)
+    tag = f"_{variant}" if variant else ""
+    dump = tempfile.mkdtemp(prefix=f"{name}_{a.nproc}gpu{a.label}_{run}{tag}_", dir=work)  # always a fresh folder
+    cmd = command(run, a, cfg_path, cfg, dump, tok_dir, data, extra)
     try:
         p = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=a.timeout)
         log, rc = p.stdout + p.stderr, p.returncode
@@ -179,7 +225,7 @@ def measure(run: str, a, cfg_path: str, cfg: dict, tok_dir: str, data: str, work
     if rc != 0:
         lines = [ln for ln in log.splitlines() if ln.strip() and not ln.startswith(("W1", "I1", "  warnings"))]
         print(f"--- {run} failed (rc {rc}); last lines:\n" + "\n".join(lines[-25:]), flush=True)
-        return {"run": run, "error": f"rc {rc}: " + (lines[-1][:160] if lines else ""), "folder": dump}
+        return {"run": run, "error": f"rc {rc}: {failure_line(log)}", "folder": dump}
     if run.startswith("torchtitan"):  # "step: 25  loss: ...  tps: 12,345 ..." per device
         vals = [(int(s), float(v.replace(",", ""))) for s, v in re.findall(r"step:\s*(\d+).*?tps:\s*([\d,]+)", log)]
     else:
@@ -214,7 +260,8 @@ def main():
     ap.add_argument("--runs", default=",".join(RUNS))
     ap.add_argument("--ours", default="", help="extra recipe arguments")
     ap.add_argument("--titan", default="", help="extra torchtitan arguments")
-    ap.add_argument("--label", default="", help="suffix naming a variant (e.g. ep2)")
+    ap.add_argument("--variants", default="", help='our runs once per "NAME=ARGS;NAME=ARGS" (after --ours)')
+    ap.add_argument("--label", default="", help="names this call's rows (e.g. ep2)")
     ap.add_argument("--timeout", type=int, default=600, help="seconds per run")
     ap.add_argument("--work", default=None, help="parent of the run folders (default: a new temp folder)")
     ap.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results"))
@@ -223,6 +270,10 @@ def main():
     if a.render:
         print(render(a.render))
         return
+    try:
+        variants = parse_variants(a.variants)
+    except ValueError as e:
+        ap.error(str(e))
     a.label = f"_{a.label}" if a.label and not a.label.startswith("_") else a.label
     for run in a.runs.split(","):
         if run not in RUNS:
@@ -241,23 +292,18 @@ def main():
             cfg = tomllib.load(f)
         fpt, tokens = flops_per_token(cfg), cfg["training"]["local_batch_size"] * cfg["training"]["seq_len"]
         group = []
-        for run in a.runs.split(","):
-            r = measure(run, a, cfg_path, cfg, tok_dir, data, work)
+        for run, (variant, extra) in [(run, v) for run in a.runs.split(",")
+                                      for v in (variants if run.startswith("ours") else [("", "")])]:
+            r = measure(run, a, cfg_path, cfg, tok_dir, data, work, variant, extra)
             r.update({"config": name, "gpus": a.nproc, "label": a.label.lstrip("_")})
+            if variant:
+                r["variant"] = variant
             if r.get("tokens_per_s_per_gpu"):
                 r["step_ms"] = 1e3 * tokens / r["tokens_per_s_per_gpu"]
                 r["mfu_pct"] = 100 * r["tokens_per_s_per_gpu"] * fpt / peak
             group.append(r)
             print(json.dumps(r), flush=True)
-        best = max((r.get("tokens_per_s_per_gpu") or 0 for r in group if r["run"].startswith("torchtitan")), default=0)
-        tps = {r["run"]: r.get("tokens_per_s_per_gpu") for r in group}
-        for r in group:
-            if r.get("tokens_per_s_per_gpu") and best:
-                r["vs_torchtitan_best"] = r["tokens_per_s_per_gpu"] / best
-            for run, over, col in (("ours_graph", "ours_eager", "graph_vs_eager"),
-                                   ("ours_compile_graph", "ours_graph", "compile_vs_graph")):
-                if r["run"] == run and tps.get(over) and r.get("tokens_per_s_per_gpu"):
-                    r[col] = r["tokens_per_s_per_gpu"] / tps[over]
+        compare(group)
         rows += group
     write(rows, env, peak, a.out)
 
@@ -270,7 +316,7 @@ def write(rows: list[dict], env: dict, peak: float, out: str) -> None:
     if os.path.exists(stem + ".json"):
         with open(stem + ".json") as f:
             old = json.load(f)["rows"]
-    key = lambda r: (r["config"], r["gpus"], r.get("label", ""), r["run"])  # noqa: E731
+    key = lambda r: (r["config"], r["gpus"], r.get("label", ""), r["run"], r.get("variant", ""))  # noqa: E731
     new = {key(r) for r in rows}
     merged = [r for r in old if key(r) not in new] + [dict(r, date=env["date"], torch=env["torch"]) for r in rows]
     with open(stem + ".json", "w") as f:
@@ -293,7 +339,7 @@ def render(path: str) -> str:
             return f"{v:.2f}x"
         return f"{v:.1f}" if isinstance(v, float) else str(v)
 
-    cols = ["config", "gpus", "label", "run", "tokens_per_s_per_gpu", "step_ms", "mfu_pct", "peak_gib", "vs_torchtitan_best",
+    cols = ["config", "gpus", "label", "run", "variant", "tokens_per_s_per_gpu", "step_ms", "mfu_pct", "peak_gib", "vs_torchtitan_best",
             "graph_vs_eager", "compile_vs_graph", "replays", "graph", "error"]
     lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     lines += ["| " + " | ".join(cell(r, c) for c in cols) + " |" for r in d["rows"]]

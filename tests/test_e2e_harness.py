@@ -8,7 +8,9 @@ import sys
 from conftest import ROOT
 
 sys.path.insert(0, ROOT)
-from benchmarks.e2e import peak_gib, replays_in_steady, steady  # noqa: E402
+import pytest  # noqa: E402
+
+from benchmarks.e2e import compare, failure_line, parse_variants, peak_gib, replays_in_steady, steady  # noqa: E402
 
 
 def test_steady_state_is_the_median_of_the_second_half():
@@ -33,3 +35,40 @@ def test_replays_inside_the_steady_window_are_counted():
     assert replays_in_steady(rows[:2], steps=20) == 0  # nothing logged after the first half
     assert replays_in_steady(rows, steps=8) == 6  # no row before the window: every replay counts
     assert replays_in_steady([{"step": 5, "loss": 1.0}], steps=20) == 0  # a run without the metric
+
+
+def test_variants_parse_and_bad_specs_name_the_fix():
+    assert parse_variants("") == [("", "")]
+    assert parse_variants("torch=--moe_echo.experts_gemm torch; quack=--moe_echo.experts_gemm quack") == [
+        ("torch", "--moe_echo.experts_gemm torch"), ("quack", "--moe_echo.experts_gemm quack")]
+    with pytest.raises(ValueError, match="NAME=ARGS"):
+        parse_variants("--moe_echo.experts_gemm quack")
+    with pytest.raises(ValueError, match="repeats"):
+        parse_variants("a=x;a=y")
+
+
+def test_ratios_use_one_calls_best_torchtitan_and_pair_runs_within_a_variant():
+    group = [{"run": "torchtitan", "tokens_per_s_per_gpu": 100.0},
+             {"run": "torchtitan_compile", "tokens_per_s_per_gpu": 125.0},
+             {"run": "ours_graph", "variant": "quack", "tokens_per_s_per_gpu": 150.0},
+             {"run": "ours_compile_graph", "variant": "quack", "tokens_per_s_per_gpu": 200.0},
+             {"run": "ours_graph", "variant": "torch", "tokens_per_s_per_gpu": 120.0},
+             {"run": "ours_compile_graph", "variant": "torch", "tokens_per_s_per_gpu": 180.0},
+             {"run": "ours_eager", "variant": "torch", "error": "rc 2: error: ..."}]
+    compare(group)
+    by = {(r["run"], r.get("variant")): r for r in group}
+    assert by["ours_compile_graph", "quack"]["vs_torchtitan_best"] == 200 / 125
+    assert by["ours_compile_graph", "quack"]["compile_vs_graph"] == 200 / 150  # not the torch variant's graph run
+    assert by["ours_compile_graph", "torch"]["compile_vs_graph"] == 180 / 120
+    assert "graph_vs_eager" not in by["ours_graph", "torch"]  # its eager run failed
+    assert "vs_torchtitan_best" not in by["ours_eager", "torch"]
+
+
+def test_a_failed_run_reports_the_recipes_one_line_error():
+    log = ("W1126 launcher warning\n"
+           "error: [moe_echo] experts_gemm = \"quack\" needs quack-kernels: pip install \"moe-echo[quack]\"\n"
+           "Traceback (most recent call last):\n  raise ChildFailedError(\n"
+           "============================================================\n")
+    assert failure_line(log).startswith("error: [moe_echo] experts_gemm")
+    assert failure_line("RuntimeError: CUDA out of memory\n=======\n") == "RuntimeError: CUDA out of memory"
+    assert failure_line("") == ""
