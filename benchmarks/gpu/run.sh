@@ -21,8 +21,11 @@
 #   dispatch    2/4+ dispatch + combine at EP=2 on GPUs 0,1, then EP=all GPUs (VDEV=1 adds NVSHMEM vdev)
 #   e2e         1-2  whole-run tokens/s, step ms and MFU vs torchtitan's trainer (no compile / compile), ours
 #                    eager and graphed (CONFIGS="debug_gpu ...", RUNS=..., PART=1gpu | ep2 | fill | variants:
-#                    VARIANTS="label=recipe args;..." at EP=2, e.g. "noreshard=--parallelism.fsdp_reshard_after_forward never")
+#                    VARIANTS="name=recipe args;..." at EP=2 on CONFIGS (default v2lite_1b_gpu), our runs once per
+#                    variant against one torchtitan baseline, e.g. "quack=--moe_echo.experts_gemm quack;torch=")
 #                    -> e2e_<GPU>.md
+#   fill_profile 2   the graphed + compiled v2lite_6b_2gpu step profiled at EP=2 (ARGS: extra recipe args, LABEL)
+#                    -> step_breakdown_v2lite_6b_2gpu_graph_compile_<LABEL>_<GPU>.md
 #   profile     1-2  an eager run with [profiling] traces, then rank 0's per-step GPU time by category
 #                    (CONFIGS=..., LABEL=before|after, ARGS=extra recipe args, NPROC=2 with
 #                    ARGS="--parallelism.expert_parallel_degree 2 ...") -> step_breakdown_<config>.md
@@ -181,14 +184,11 @@ print('largest step difference over steps 1-20: %.2e at step %d' % max(rel[:20])
         CUDA_VISIBLE_DEVICES=0 timeout ${TMO:-560} python3 benchmarks/e2e.py --configs $cfg --nproc 1 --runs $runs \
           --steps ${STEPS:-40} --out "$OUT" --work /tmp/e2e ${ARGS:+--ours "$ARGS"} ${LABEL:+--label "$LABEL"} 2>&1 | grep -v '^{' | tail -12
       done
-    elif [ "$PART" = variants ]; then  # VARIANTS="label=recipe args;label=recipe args" at EP=2, one row each
-      IFS=';' read -ra vs <<< "${VARIANTS:?VARIANTS=\"label=args;...\"}"
-      for v in "${vs[@]}"; do
-        timeout ${TMO:-200} python3 benchmarks/e2e.py --configs v2lite_1b_gpu --nproc 2 --runs ${RUNS:-ours_graph} \
-          --label "${v%%=*}" --steps ${STEPS:-30} --out "$OUT" --work /tmp/e2e \
-          --ours "--parallelism.expert_parallel_degree 2 --moe_echo.dispatcher nvlink --moe_echo.capacity_factor 1.5 ${v#*=}" \
-          2>&1 | grep -v '^{' | tail -3
-      done
+    elif [ "$PART" = variants ]; then  # VARIANTS="name=recipe args;..." at EP=2: one call, one torchtitan baseline
+      timeout ${TMO:-560} python3 benchmarks/e2e.py --configs ${CONFIGS:-v2lite_1b_gpu} --nproc 2 \
+        --runs ${RUNS:-ours_compile_graph,torchtitan_compile} --label ${LABEL:-variants} --steps ${STEPS:-40} --out "$OUT" \
+        --work /tmp/e2e --titan "--parallelism.expert_parallel_degree 2" --variants "${VARIANTS:?VARIANTS=\"name=args;...\"}" \
+        --ours "--parallelism.expert_parallel_degree 2 --moe_echo.dispatcher nvlink ${ARGS:-}" 2>&1 | grep -v '^{' | tail -12
     elif [ "$PART" = fill ]; then  # the 2-GPU config sized to fill the GPUs (EP=2 set in the config)
       timeout ${TMO:-560} python3 benchmarks/e2e.py --configs v2lite_6b_2gpu --nproc 2 --runs $runs --label ${LABEL:-fill} \
         --steps ${STEPS:-40} --out "$OUT" --work /tmp/e2e --titan "--parallelism.expert_parallel_degree 2" \
@@ -200,6 +200,16 @@ print('largest step difference over steps 1-20: %.2e at step %d' % max(rel[:20])
         2>&1 | grep -v '^{' | tail -12
     fi
     tar czf "$OUT/e2e_logs.tgz" --exclude assets -C /tmp/e2e . 2>/dev/null ;;
+
+  fill_profile)  # -> step_breakdown_v2lite_6b_2gpu_graph_compile_<LABEL>_<GPU>.md: the graphed + compiled step's GPU
+    # time by category at EP=2 on the config that fills two GPUs (14 steps: early routing, still imbalanced)
+    GPU=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1 | cut -d" " -f2)
+    CFG=train_configs/v2lite_6b_2gpu.toml TMO=${TMO:-240} FROM=6 recipe prof_fill 2 --training.steps 14 --metrics.log_freq 2 \
+      --profiling.enable_profiling true --profiling.profile_freq 12 --profiling.profiler_warmup 8 \
+      --profiling.profiler_active 4 --training.cuda_graph true --compile.enable true ${ARGS:-} | tail -2
+    timeout 150 python3 benchmarks/step_breakdown.py \
+      "fill=$(ls /tmp/run_prof_fill/profile_traces/iteration_*/rank0_trace.json | tail -1)" \
+      --name "v2lite_6b_2gpu_graph_compile_${LABEL:-ep2}_$GPU" --out "$OUT" | head -70 ;;
 
   profile)  # -> step_breakdown_<config>.md: the eager step's GPU time by category
     for cfg in ${CONFIGS:-v2lite_1b_gpu}; do
