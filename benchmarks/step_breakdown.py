@@ -124,6 +124,9 @@ def breakdown(trace_path: str) -> dict:
         elif cat in ("kernel", "gpu_memcpy", "gpu_memset"):
             kernels.append(e)
     stacks = _stacks_at(ops_by_tid, launches)
+    if replays:  # graphed: a replay launched before the window also runs inside it; its launch is not in the
+        # trace, so its kernels (correlation ids without a launch) belong to no counted step
+        kernels = [k for k in kernels if k.get("args", {}).get("correlation") in launches]
 
     ms, top = defaultdict(float), defaultdict(float)
     intervals = []
@@ -142,7 +145,7 @@ def breakdown(trace_path: str) -> dict:
             busy += e - max(s, end)
             end = e
     # a graphed step is one replay; the profiler's window can hold one replay more than its steps
-    # (the last step's replay launched before the window closes), so replays count the steps
+    # (the last step's replay launched before the window closes), so replays launched in it count the steps
     n = max(1, len(set(steps)), replays)
     total = sum(ms.values())
     return {"steps": n, "kernel_ms": total / n, "busy_ms": busy / 1e3 / n,

@@ -89,7 +89,8 @@ def test_cutlass_grouped_gemm_without_an_op_is_routed_experts(tmp_path):
 
 def test_graphed_steps_count_as_graph_launches(tmp_path):
     """A graphed window of 2 profiler steps holding 3 replays (the last launched before the window
-    closed): per-step figures divide by the 3 replays, and the replayed kernels go by name."""
+    closed) and the kernels of one launched before it: per-step figures divide by the 3 replays and count
+    only their kernels, and the replayed kernels go by name."""
     def graph_launch(corr, ts):
         return {"ph": "X", "cat": "cuda_runtime", "name": "cudaGraphLaunch_v10000", "ts": ts, "dur": 5, "tid": 1,
                 "args": {"correlation": corr}}
@@ -99,7 +100,7 @@ def test_graphed_steps_count_as_graph_launches(tmp_path):
         {"ph": "X", "cat": "user_annotation", "name": "ProfilerStep#12", "ts": 100, "dur": 100, "tid": 1},
         graph_launch(1, 10), graph_launch(2, 110), graph_launch(3, 190),
     ]
-    for corr in (1, 2, 3):
+    for corr in (0, 1, 2, 3):  # 0: a replay launched before the window, running inside it: not counted
         events += [_kernel(corr, 1000 * corr, 600, "nvjet_sm90_tst_256x128"), _kernel(corr, 1000 * corr + 600, 300,
                                                                                      "_gather_sum_kernel")]
     r = breakdown(_trace(tmp_path, events))
