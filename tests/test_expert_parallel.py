@@ -253,6 +253,13 @@ def test_training_with_echo_matches_echo_off(tmp_path):
     assert before and len(before) == len(after)
     assert sum(before) / len(before) > 1.2  # the hot expert really skews the ranks
     assert sum(after) / len(after) < 1.05
+    # the rank load is logged with ECHO off too (from the global expert counts): the same skew ECHO saw
+    with open(os.path.join(tmp_path / "off", "metrics.jsonl")) as f:
+        off_rows = [json.loads(l) for l in f]
+    plain = [v for r in off_rows for k, v in r.items() if k.endswith("rank_load_max_over_mean")]
+    assert len(plain) == len(before) and plain == pytest.approx(before, rel=1e-3)
+    ran = [v for r in rows for k, v in r.items() if k.endswith("rank_load_max_over_mean")]
+    assert ran == after  # with ECHO: what the ranks ran after the clones took their share
 
 
 def _final_weights(dump):

@@ -139,3 +139,15 @@ def test_summary_loss_line_says_what_it_averages():
     summary = RunSummary()
     summary.losses = [(step, 100.0 - step) for step in range(1, 21)]  # 20 logged steps: means of 2
     assert "loss           98.5000 -> 80.5000 (means of the first and last 2 logged steps)" in summary.text({})
+
+
+def test_rank_load_is_the_busiest_ranks_share_of_its_experts():
+    from components.train.metrics import rank_imbalance
+
+    counts_E = torch.tensor([9.0, 1, 1, 1, 1, 1, 1, 1])  # experts 0-3 on rank 0, 4-7 on rank 1
+    assert rank_imbalance(counts_E, 2) == pytest.approx(12 / 8)  # ranks 12 and 4 tokens, mean 8
+    assert rank_imbalance(counts_E, 1) == pytest.approx(1.0)
+    assert rank_imbalance(torch.tensor([0.0, 5, 5, 0]), 2) == pytest.approx(1.0)  # balanced ranks, idle experts
+    summary = RunSummary()
+    summary.rank_imbalance_plain += [1.5, 1.3]
+    assert "rank load      max/mean 1.400" in summary.text({})

@@ -6,6 +6,8 @@ TensorBoard tags:
     64 logged steps, newest at the bottom; columns = experts; colour = load / mean load, 1.0 is
     balanced, clipped at 3; with ECHO: home experts after rerouting | separator | echo slots' clone
     load, cloned experts marked per step)
+    at EP > 1, per layer: rank_load_max_over_mean (the load of the ranks' experts, with ECHO after its
+    clones took their share)
     with ECHO, per layer: echo_load_before / echo_load_after (max/mean rank load), echo_clones,
     echo_rerouted (fraction of assignments moved to clones)
 """
@@ -24,6 +26,12 @@ def load_imbalance(counts_E: torch.Tensor) -> float:
     """max / mean of per-expert load (1.0 = perfectly balanced)."""
     counts_E = counts_E.float()
     return float(counts_E.max() / counts_E.mean().clamp_min(1e-9))
+
+
+def rank_imbalance(counts_E: torch.Tensor, ep: int) -> float:
+    """max / mean of the EP ranks' loads, rank r owning experts [r·E/ep, (r+1)·E/ep) (1.0 = balanced):
+    the slowest rank's extra share of the routed experts' time, which the other ranks wait out."""
+    return load_imbalance(counts_E.reshape(ep, -1).sum(1))
 
 
 VMAX = 3.0  # heatmap colour scale: load / mean load from 0 to VMAX; larger values get VMAX's colour
@@ -312,6 +320,7 @@ class RunSummary:
         self.tokens = 0
         self.imbalance: list[float] = []
         self.rank_imbalance: list[tuple[float, float]] = []  # (without ECHO, with ECHO)
+        self.rank_imbalance_plain: list[float] = []  # EP > 1 without ECHO
         self.replayed_steps = 0
         self.capacity_factor: float | None = None  # grown by overflow replays
         self.peak_mem_gib = 0.0
@@ -334,6 +343,10 @@ class RunSummary:
             n = len(self.rank_imbalance)
             b, a = sum(x for x, _ in self.rank_imbalance) / n, sum(y for _, y in self.rank_imbalance) / n
             lines.append(f"rank load      max/mean {b:.3f} without ECHO -> {a:.3f} with ECHO (mean over layers and logged steps)")
+        if self.rank_imbalance_plain:
+            r = sum(self.rank_imbalance_plain) / len(self.rank_imbalance_plain)
+            lines.append(f"rank load      max/mean {r:.3f} (mean over layers and logged steps; the other ranks wait for the "
+                         "busiest, [moe_echo] echo = true moves its load to spare slots)")
         if self.replayed_steps:
             grown = f"; capacity_factor grown to {self.capacity_factor:.2f}" if self.capacity_factor else ""
             lines.append(f"overflow       {self.replayed_steps} steps gated and replayed on the exact path (nothing dropped)"

@@ -21,7 +21,7 @@ import time
 
 import torch
 
-from .metrics import MetricsLogger, Progress, RunSummary, load_imbalance
+from .metrics import MetricsLogger, Progress, RunSummary, load_imbalance, rank_imbalance
 
 METRICS_FILE = "metrics.jsonl"
 
@@ -132,7 +132,7 @@ class StepLogger:
     def _moe_values(self, step, counts_LE, echo) -> dict:
         """``echo``: per layer None, or (echo_stats, echo_load_columns, slot_expert_G) (see echo.py)."""
         values, s = {}, self.summary
-        for (name, _), counts_E, ech in zip(self.layers, counts_LE if self.layers else [], echo):
+        for (name, moe), counts_E, ech in zip(self.layers, counts_LE if self.layers else [], echo):
             load, slots = (ech[1], ech[2]) if ech else (None, None)
             values[f"moe/layer{name}/load_max_over_mean"] = self.tb.record_load(f"layer{name}", step, counts_E,
                                                                                load, slots)
@@ -140,8 +140,13 @@ class StepLogger:
             if ech is not None:
                 before, after, clones, moved = ech[0].tolist()
                 values.update({f"moe/layer{name}/echo_load_before": before, f"moe/layer{name}/echo_load_after": after,
-                               f"moe/layer{name}/echo_clones": clones, f"moe/layer{name}/echo_rerouted": moved})
+                               f"moe/layer{name}/echo_clones": clones, f"moe/layer{name}/echo_rerouted": moved,
+                               f"moe/layer{name}/rank_load_max_over_mean": after})
                 s.rank_imbalance.append((before, after))
+            elif getattr(moe, "ep_size", 1) > 1:
+                r = rank_imbalance(counts_E, moe.ep_size)
+                values[f"moe/layer{name}/rank_load_max_over_mean"] = r
+                s.rank_imbalance_plain.append(r)
         return values
 
     def close(self) -> None:
