@@ -10,6 +10,23 @@ OUT=${OUT:-./gpu_out}; mkdir -p "$OUT"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
 
+# QuACK (`experts_gemm = "quack"`; benchmarks/gpu/quack_offline.sh prepares it): installed once this machine
+# holds cutlass-dsl's MLIR library (`run.sh quack_unpack`, an earlier call) and .whl/extra/quack was carried.
+# The target path contains /site-packages/: QuACK 0.6.5 keys its compile cache by source for code outside
+# site-packages and fails on cutlass-dsl's objects otherwise.
+quack_setup() {
+  local sp=/tmp/quack/site-packages lib=nvidia_cutlass_dsl
+  [ -f /tmp/quack_ir.so ] && ls .whl/extra/quack/*.whl > /dev/null 2>&1 || return 0
+  if [ ! -f /tmp/quack/installed ]; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target $sp .whl/extra/quack/*.whl || return 1
+    cp /tmp/quack_ir.so $sp/$lib/dsl_packages/cutlass/_mlir/_mlir_libs/_cutlass_ir.cu13.cpython-312-x86_64-linux-gnu.so
+    xz -dc .whl/extra/quack/rt.so.xz > $sp/$lib/cu13/lib/libcute_dsl_runtime.so && touch /tmp/quack/installed
+  fi
+  echo "import site; site.addsitedir('$sp')" > /tmp/site/sitecustomize.py  # after the image's own packages
+  python3 -c "import quack; print('quack', quack.__version__, 'installed')" || return 1
+}
+quack_setup || echo "quack: install failed (experts_gemm = 'quack' runs will exit with its one-line error)"
+
 ngpus() { nvidia-smi --query-gpu=name --format=csv,noheader | wc -l; }
 
 # megatron-core 0.16.1 and its grouped_gemm CUDA extension (nv_grouped_gemm, built for sm_90 against torch

@@ -7,6 +7,8 @@
 # The first v2lite_6b step on a cold Triton cache compiles every kernel (minutes): give the first
 # run on a fresh machine a generous limit.
 #
+#   quack_unpack 1+  QuACK's MLIR library (benchmarks/gpu/quack_offline.sh; carry build/quack) to /tmp: later calls
+#                    on the same warm machine (carry .whl) install QuACK, so its tests and experts_gemm = "quack" run
 #   tests       1-2  every GPU test + the CPU tests of the step gate, profiler and checkpoints on this torch
 #   graph       4    two GPU pairs at once: graph == eager tests, overflow replay with re-capture (0,1);
 #                    pinned-staging probe, EP tests, v2lite_1b EP=2 graphed with re-capture (2,3)
@@ -49,6 +51,8 @@
 #   ep8         8    not run yet (needs an 8-GPU host): PART=a dispatch EP=2/8; b v2lite_1b EP=8; c scaling
 #                    row + v2lite_6b graphed at EP=8
 set -uo pipefail
+if [ "${1:-}" = quack_unpack ]; then  # call 1 of 2 for QuACK (carry build/quack only: with .whl it exceeds 64 MiB)
+  xz -dc build/quack/ir.so.xz > /tmp/quack_ir.so && ls -la /tmp/quack_ir.so; exit; fi
 source benchmarks/gpu/lib.sh
 suite=${1:?usage: run.sh SUITE (see the header of benchmarks/gpu/run.sh)}
 noise() { grep -Ev '^\{|^W[0-9]{4} |[Ww]arn'; }   # drop the JSON rows and torch warnings from benchmark output
