@@ -126,6 +126,25 @@ components = ["model", "loss"]
     return path
 
 
+SHAPE_KEYS = ("training.local_batch_size", "training.seq_len", "model.flavor")
+
+
+def with_overrides(cfg: dict, args: str) -> dict:
+    """``cfg`` with the batch shape and model flavour that command-line ``args`` set (``--section.key value``
+    or ``=value``), so each run's step time and MFU use what it actually trained."""
+    out = {k: dict(v) if isinstance(v, dict) else v for k, v in cfg.items()}
+    words = shlex.split(args)
+    for i, w in enumerate(words):
+        key, eq, value = w[2:].partition("=")
+        if not w.startswith("--") or key not in SHAPE_KEYS:
+            continue
+        if not eq:
+            value = words[i + 1] if i + 1 < len(words) else ""
+        section, name = key.split(".")
+        out.setdefault(section, {})[name] = value if name == "flavor" else int(value)
+    return out
+
+
 def flops_per_token(cfg: dict) -> float:
     """torchtitan's FLOPs per token of the config's model at its sequence length."""
     import torch
@@ -290,7 +309,6 @@ def main():
         cfg_path = os.path.join(ROOT, "train_configs", f"{name}.toml")
         with open(cfg_path, "rb") as f:
             cfg = tomllib.load(f)
-        fpt, tokens = flops_per_token(cfg), cfg["training"]["local_batch_size"] * cfg["training"]["seq_len"]
         group = []
         for run, (variant, extra) in [(run, v) for run in a.runs.split(",")
                                       for v in (variants if run.startswith("ours") else [("", "")])]:
@@ -298,6 +316,8 @@ def main():
             r.update({"config": name, "gpus": a.nproc, "label": a.label.lstrip("_")})
             if variant:
                 r["variant"] = variant
+            ran = with_overrides(cfg, a.titan if run.startswith("torchtitan") else f"{a.ours} {extra}")
+            fpt, tokens = flops_per_token(ran), ran["training"]["local_batch_size"] * ran["training"]["seq_len"]
             if r.get("tokens_per_s_per_gpu"):
                 r["step_ms"] = 1e3 * tokens / r["tokens_per_s_per_gpu"]
                 r["mfu_pct"] = 100 * r["tokens_per_s_per_gpu"] * fpt / peak

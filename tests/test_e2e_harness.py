@@ -10,7 +10,8 @@ from conftest import ROOT
 sys.path.insert(0, ROOT)
 import pytest  # noqa: E402
 
-from benchmarks.e2e import compare, failure_line, parse_variants, peak_gib, replays_in_steady, steady  # noqa: E402
+from benchmarks.e2e import (compare, failure_line, parse_variants, peak_gib, replays_in_steady, steady,  # noqa: E402
+                            with_overrides)
 
 
 def test_steady_state_is_the_median_of_the_second_half():
@@ -72,3 +73,12 @@ def test_a_failed_run_reports_the_recipes_one_line_error():
     assert failure_line(log).startswith("error: [moe_echo] experts_gemm")
     assert failure_line("RuntimeError: CUDA out of memory\n=======\n") == "RuntimeError: CUDA out of memory"
     assert failure_line("") == ""
+
+
+def test_step_time_uses_the_batch_shape_a_run_was_given():
+    cfg = {"training": {"local_batch_size": 4, "seq_len": 4096}, "model": {"flavor": "a"}}
+    ran = with_overrides(cfg, "--parallelism.expert_parallel_degree 2 --training.local_batch_size 2 "
+                              "--training.seq_len=1024 --model.flavor b --training.steps 9")
+    assert ran["training"] == {"local_batch_size": 2, "seq_len": 1024} and ran["model"]["flavor"] == "b"
+    assert cfg["training"]["local_batch_size"] == 4  # the config itself is untouched
+    assert with_overrides(cfg, "") == cfg
