@@ -65,6 +65,9 @@ KERNEL_RULES = [  # kernel names that say it all (no launching op found, e.g. Tr
 ]
 
 
+BARRIER = re.compile(r"barrier", re.I)  # symmetric-memory / peer barriers: time a rank spends waiting for its peers
+
+
 def classify(stack: list[str], kernel: str) -> str:
     if COLLECTIVE.search(kernel):
         return "collectives"
@@ -128,7 +131,7 @@ def breakdown(trace_path: str) -> dict:
         # trace, so its kernels (correlation ids without a launch) belong to no counted step
         kernels = [k for k in kernels if k.get("args", {}).get("correlation") in launches]
 
-    ms, top = defaultdict(float), defaultdict(float)
+    ms, top, wait = defaultdict(float), defaultdict(float), 0.0
     intervals = []
     for k in kernels:
         corr = k.get("args", {}).get("correlation")
@@ -136,7 +139,9 @@ def breakdown(trace_path: str) -> dict:
         cat = classify(stack, k.get("name", ""))
         ms[cat] += k.get("dur", 0) / 1e3
         ops = [n for n in stack if not n.startswith("ProfilerStep")]
-        top[(cat, " < ".join(ops[-2:][::-1]), k.get("name", "")[:70])] += k.get("dur", 0) / 1e3
+        top[(cat, " < ".join(ops[-2:][::-1]), k.get("name", ""))] += k.get("dur", 0) / 1e3
+        if BARRIER.search(k.get("name", "")):
+            wait += k.get("dur", 0) / 1e3
         intervals.append((k["ts"], k["ts"] + k.get("dur", 0)))
     intervals.sort()
     busy, end = 0.0, -1.0
@@ -148,7 +153,7 @@ def breakdown(trace_path: str) -> dict:
     # (the last step's replay launched before the window closes), so replays launched in it count the steps
     n = max(1, len(set(steps)), replays)
     total = sum(ms.values())
-    return {"steps": n, "kernel_ms": total / n, "busy_ms": busy / 1e3 / n,
+    return {"steps": n, "kernel_ms": total / n, "busy_ms": busy / 1e3 / n, "barrier_ms": wait / n,
             "ms": {c: ms.get(c, 0.0) / n for c in CATEGORIES},
             "pct": {c: 100 * ms.get(c, 0.0) / total if total else 0.0 for c in CATEGORIES},
             "top": [{"category": c, "ops": o, "kernel": k, "ms": v / n}
@@ -162,6 +167,10 @@ def table(rows: list[dict]) -> str:
         lines.append(f"| {c} | " + " | ".join(f"{r['ms'][c]:.2f} | {r['pct'][c]:.1f}" for r in rows) + " |")
     lines.append("| **kernel time** | " + " | ".join(f"{r['kernel_ms']:.2f} | 100" for r in rows) + " |")
     lines.append("| GPU busy (union) | " + " | ".join(f"{r['busy_ms']:.2f} | " for r in rows) + " |")
+    if any(r.get("barrier_ms") for r in rows):  # inside dispatch: a rank spinning until its peers arrive
+        lines.append("| of which barriers (a rank waiting for its peers) | "
+                     + " | ".join(f"{r.get('barrier_ms', 0.0):.2f} | {100 * r.get('barrier_ms', 0.0) / r['kernel_ms']:.1f}"
+                                  for r in rows) + " |")
     return "\n".join(lines)
 
 
@@ -181,7 +190,7 @@ def main():
     for r in rows:
         text += f"\n\nLargest kernels of {r['label']} (ms per step; innermost op < its parent):\n\n"
         text += "| ms | category | ops | kernel |\n|---|---|---|---|\n"
-        text += "\n".join(f"| {t['ms']:.2f} | {t['category']} | {t['ops']} | {t['kernel']} |" for t in r["top"][:20])
+        text += "\n".join(f"| {t['ms']:.2f} | {t['category']} | {t['ops']} | {t['kernel'][:70]} |" for t in r["top"][:20])
     print(text)
     if a.out:
         os.makedirs(a.out, exist_ok=True)

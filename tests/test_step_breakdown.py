@@ -107,3 +107,16 @@ def test_graphed_steps_count_as_graph_launches(tmp_path):
     assert r["steps"] == 3
     assert abs(r["ms"]["dense GEMMs"] - 0.6) < 1e-12 and abs(r["ms"]["dispatch"] - 0.3) < 1e-12
     assert abs(r["kernel_ms"] - 0.9) < 1e-12
+
+
+def test_barrier_waits_are_reported_inside_dispatch_and_json_keeps_full_names(tmp_path):
+    from benchmarks.step_breakdown import table
+
+    long = "c10d::symmetric_memory::barrier_kernel(unsigned int**, int, int, int, " + "x" * 80
+    events = [{"ph": "X", "cat": "user_annotation", "name": "ProfilerStep#1", "ts": 0, "dur": 100, "tid": 1},
+              _launch(1, 10), _launch(2, 20), _kernel(1, 100, 400, long), _kernel(2, 600, 600, "_peer_scatter_kernel")]
+    r = breakdown(_trace(tmp_path, events))
+    assert abs(r["ms"]["dispatch"] - 1.0) < 1e-12 and abs(r["barrier_ms"] - 0.4) < 1e-12
+    assert any(t["kernel"] == long for t in r["top"])  # not cut to the table's width
+    r["label"] = "x"
+    assert "| of which barriers (a rank waiting for its peers) | 0.40 | 40.0 |" in table([r])
