@@ -35,7 +35,8 @@ figure includes replays and re-captures, run longer or with a larger capacity_fa
         --titan "--parallelism.expert_parallel_degree 2" --label ep2
 
 Writes ``e2e_<gpu>.json`` / ``.md`` (rows {config, gpus, run, tokens_per_s_per_gpu, step_ms, mfu_pct,
-vs_torchtitan_best, graph_vs_eager, compile_vs_graph, variant}); a file already there gets the new rows merged
+vs_torchtitan_best, graph_vs_eager, compile_vs_graph, variant, rank_load: the busiest EP rank's load over the
+mean in the steady window}); a file already there gets the new rows merged
 in (same config/gpus/label/run replaced), so several calls build one table.
 """
 
@@ -171,6 +172,15 @@ def replays_in_steady(rows: list[dict], steps: int) -> int:
     return int(total[-1][1] - (before[-1] if before else 0)) if total else 0
 
 
+def rank_load_in_steady(rows: list[dict], steps: int) -> float | None:
+    """Mean over the steady window's logged steps and the MoE layers of the busiest EP rank's load over the
+    mean (``moe/<layer>/rank_load_max_over_mean``; with ECHO, after its clones): how long the other ranks
+    wait. None at EP=1 or where nothing was logged."""
+    vals = [v for r in rows if r.get("step", 0) > steps // 2
+            for k, v in r.items() if k.endswith("/rank_load_max_over_mean")]
+    return sum(vals) / len(vals) if vals else None
+
+
 def parse_variants(spec: str) -> list[tuple[str, str]]:
     """``"a=ARGS;b=ARGS"`` -> [(name, args)]; empty -> one unnamed variant."""
     if not spec.strip():
@@ -251,12 +261,14 @@ def measure(run: str, a, cfg_path: str, cfg: dict, tok_dir: str, data: str, work
         rows = [json.loads(line) for line in open(os.path.join(dump, "metrics.jsonl"))]
         vals = [(r["step"], r["tokens_per_s"] / a.nproc) for r in rows if "tokens_per_s" in r]  # untimed: replayed
     replays = None if run.startswith("torchtitan") else replays_in_steady(rows, a.steps)
+    rank_load = None if run.startswith("torchtitan") else rank_load_in_steady(rows, a.steps)
     tps = steady(vals, a.steps)
     if tps is None:
         return {"run": run, "error": "no logged window in the steady state", "folder": dump}
     graph = re.search(r"cuda graph\s+(.*)", log)
     return {"run": run, "tokens_per_s_per_gpu": tps, "windows": len([s for s, _ in vals if s > a.steps // 2]),
-            "graph": graph.group(1).strip() if graph else "", "replays": replays, "peak_gib": peak_gib(run, log, dump), "folder": dump}
+            "graph": graph.group(1).strip() if graph else "", "replays": replays, "rank_load": rank_load,
+            "peak_gib": peak_gib(run, log, dump), "folder": dump}
 
 
 def peak_gib(run: str, log: str, dump: str) -> float | None:
@@ -360,7 +372,7 @@ def render(path: str) -> str:
         return f"{v:.1f}" if isinstance(v, float) else str(v)
 
     cols = ["config", "gpus", "label", "run", "variant", "tokens_per_s_per_gpu", "step_ms", "mfu_pct", "peak_gib", "vs_torchtitan_best",
-            "graph_vs_eager", "compile_vs_graph", "replays", "graph", "error"]
+            "graph_vs_eager", "compile_vs_graph", "replays", "rank_load", "graph", "error"]
     lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     lines += ["| " + " | ".join(cell(r, c) for c in cols) + " |" for r in d["rows"]]
     text = (f"End-to-end training throughput on {d['env']['gpu']} (benchmarks/e2e.py; torch {d['env']['torch']}; "

@@ -10,8 +10,8 @@ from conftest import ROOT
 sys.path.insert(0, ROOT)
 import pytest  # noqa: E402
 
-from benchmarks.e2e import (compare, failure_line, parse_variants, peak_gib, replays_in_steady, steady,  # noqa: E402
-                            with_overrides)
+from benchmarks.e2e import (compare, failure_line, parse_variants, peak_gib, rank_load_in_steady,  # noqa: E402
+                            replays_in_steady, steady, with_overrides)
 
 
 def test_steady_state_is_the_median_of_the_second_half():
@@ -82,3 +82,11 @@ def test_step_time_uses_the_batch_shape_a_run_was_given():
     assert ran["training"] == {"local_batch_size": 2, "seq_len": 1024} and ran["model"]["flavor"] == "b"
     assert cfg["training"]["local_batch_size"] == 4  # the config itself is untouched
     assert with_overrides(cfg, "") == cfg
+
+
+def test_rank_load_is_averaged_over_the_steady_window_and_layers():
+    rows = [{"step": 5, "moe/layer1/rank_load_max_over_mean": 9.0},
+            {"step": 15, "moe/layer1/rank_load_max_over_mean": 1.5, "moe/layer2/rank_load_max_over_mean": 1.1},
+            {"step": 20, "moe/layer1/rank_load_max_over_mean": 1.3, "moe/layer2/rank_load_max_over_mean": 1.1}]
+    assert abs(rank_load_in_steady(rows, steps=20) - 1.25) < 1e-12  # step 5 is before the window
+    assert rank_load_in_steady([{"step": 15, "loss": 1.0}], steps=20) is None  # EP=1: nothing logged
