@@ -259,7 +259,7 @@ def load(path: str, states: dict) -> None:
     if not os.path.isdir(path):
         raise UserError(f"checkpoint not found: {path!r} (expected a step-N folder written by this recipe)")
     if not os.path.isfile(os.path.join(path, MARKER)) and _STEP_DIR.match(os.path.basename(path.rstrip("/"))):
-        raise UserError(f"checkpoint {path!r} is incomplete (no {MARKER} marker); delete it or pick another")
+        raise UserError(f"checkpoint {path!r} is incomplete (no {MARKER} marker); move it aside or pick another")
     try:
         with warnings.catch_warnings(), _quiet_dcp_logs():
             warnings.simplefilter("ignore", UserWarning)
@@ -269,5 +269,5 @@ def load(path: str, states: dict) -> None:
         first = _root_cause(err)
         raise UserError(
             f"checkpoint {path!r} could not be loaded ({first}); "
-            "it is corrupt or from another model — delete it or set --checkpoint.enable false"
+            "it is corrupt or from another model — move it aside or set --checkpoint.enable false"
         ) from None
