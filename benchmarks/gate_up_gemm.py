@@ -1,0 +1,66 @@
+"""The routed experts' forward + backward on one GPU with the gate and up projections as two grouped GEMMs
+(``grouped_swiglu``: x @ w1ᵀ and x @ w3ᵀ, whose backward sums two [N, D] gradients of x) and as one against
+[w1; w3] (``grouped_swiglu13``, what ``GroupedExperts`` runs), for bf16 weights (concatenated each step) and
+for fp32 weights cast for compute (experts outside FSDP: cast and concatenated in one pass).
+
+    python benchmarks/gate_up_gemm.py --experts 64 --hidden 1408 --dim 2048 --rows 98304
+
+Rows: median ms of fwd+bwd (weight gradients included) and the one-GEMM speedup.
+"""
+
+import argparse
+
+import torch
+
+from benchmarks.common import environment, markdown_table, time_ms, write_results
+from components.moe_echo.experts import GroupedExperts, grouped_swiglu
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--experts", type=int, default=64)
+    p.add_argument("--hidden", type=int, default=1408)
+    p.add_argument("--dim", type=int, default=2048)
+    p.add_argument("--rows", type=int, default=16384 * 6, help="expert rows (tokens x top-k)")
+    p.add_argument("--out", default=None)
+    args = p.parse_args()
+    E, H, D, N = args.experts, args.hidden, args.dim, args.rows
+    torch.manual_seed(0)
+    counts = torch.full((E,), N // E, device="cuda", dtype=torch.int64)
+    x = torch.randn(N, D, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    gy = torch.randn(N, D, device="cuda", dtype=torch.bfloat16)
+    rows = []
+    for weights in ("bf16", "fp32 cast"):
+        ge = GroupedExperts(D, H, E).cuda()
+        ge.init_weights(0.02)
+        if weights == "bf16":
+            ge.to(torch.bfloat16)
+        else:
+            ge.compute_dtype = torch.bfloat16
+
+        def clear():
+            x.grad = None
+            for w in ge.parameters():
+                w.grad = None
+
+        def two():
+            clear()
+            grouped_swiglu(x, *ge.local_weights(), counts).backward(gy)
+
+        def one():
+            clear()
+            ge(x, counts).backward(gy)
+
+        two_ms, one_ms = time_ms(two), time_ms(one)
+        flops = 3 * 2 * N * D * 3 * H  # fwd + bwd (2x), three projections
+        rows.append(dict(weights=weights, experts=E, hidden=H, dim=D, rows=N, two_gemms_ms=two_ms, one_gemm_ms=one_ms,
+                         speedup=two_ms / one_ms, one_gemm_tflops=flops / one_ms / 1e9))
+        del ge
+    cols = ["weights", "experts", "hidden", "dim", "rows", "two_gemms_ms", "one_gemm_ms", "speedup", "one_gemm_tflops"]
+    table = markdown_table(rows, cols)
+    print(table)
+    write_results("gate_up_gemm", environment(), rows, table, args.out)
+
+
+if __name__ == "__main__":
+    main()
