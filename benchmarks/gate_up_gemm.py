@@ -1,7 +1,8 @@
 """The routed experts' forward + backward on one GPU with the gate and up projections as two grouped GEMMs
 (``grouped_swiglu``: x @ w1ᵀ and x @ w3ᵀ, whose backward sums two [N, D] gradients of x) and as one against
-[w1; w3] (``grouped_swiglu13``, what ``GroupedExperts`` runs), for bf16 weights (concatenated each step) and
-for fp32 weights cast for compute (experts outside FSDP: cast and concatenated in one pass).
+[w1; w3] (``grouped_swiglu13``), for bf16 weights (concatenated each step: a copy forward, another backward) and
+for fp32 weights cast for compute (experts outside FSDP: cast and concatenated in one pass, what
+``GroupedExperts`` runs one GEMM for).
 
     python benchmarks/gate_up_gemm.py --experts 64 --hidden 1408 --dim 2048 --rows 98304
 
@@ -13,7 +14,7 @@ import argparse
 import torch
 
 from benchmarks.common import environment, markdown_table, time_ms, write_results
-from components.moe_echo.experts import GroupedExperts, grouped_swiglu
+from components.moe_echo.experts import GroupedExperts, grouped_swiglu, grouped_swiglu13
 
 
 def main() -> None:
@@ -49,7 +50,7 @@ def main() -> None:
 
         def one():
             clear()
-            ge(x, counts).backward(gy)
+            grouped_swiglu13(x, *ge.local_weights_13(), counts).backward(gy)
 
         two_ms, one_ms = time_ms(two), time_ms(one)
         flops = 3 * 2 * N * D * 3 * H  # fwd + bwd (2x), three projections

@@ -11,7 +11,8 @@ are unspecified on the grouped-GEMM path; callers never read them.
 Paths (``GroupedExperts.precision = "fp8"``: FP8 GEMMs, components/moe_echo/fp8_experts.py;
 ``GroupedExperts.gemm = "quack"``: QuACK's grouped GEMMs on CUDA, components/moe_echo/quack_experts.py):
 - CUDA + bf16 (or bf16 autocast): ``torch._grouped_mm`` with int32 offsets read from device memory (no host sync);
-  ``GroupedExperts`` runs the gate and up projections as one GEMM against [w1; w3] (``grouped_swiglu13``).
+  experts outside FSDP (cast for compute) run the gate and up projections as one GEMM against [w1; w3]
+  (``grouped_swiglu13``), which their one-pass cast concatenates for free.
 - otherwise (CPU, fp32/fp64 references): a per-expert loop that reads the counts on the host.
 """
 
@@ -142,7 +143,8 @@ class GroupedExperts(nn.Module):
         if self.precision == "bf16" and x_ND.is_cuda and extend is None:
             if self.gemm == "quack":
                 return quack_swiglu(x_ND, *self.local_weights_13(), counts_e)
-            return grouped_swiglu13(x_ND, *self.local_weights_13(), counts_e)
+            if self.compute_dtype is not None:  # [w1; w3] comes from the one-pass cast: no extra copy
+                return grouped_swiglu13(x_ND, *self.local_weights_13(), counts_e)
         weights = self.local_weights()
         if extend is not None:
             weights = tuple(extend(w, i) for i, w in enumerate(weights))
