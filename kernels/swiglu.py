@@ -60,38 +60,35 @@ if triton is not None:
         tl.store(db_ptr + offs, db.to(db_ptr.dtype.element_ty), mask=mask)
 
     @triton.jit
-    def _swiglu13_fwd_kernel(ab_ptr, h_ptr, N, H, ab_stride, rows_ptr, BLOCK_R: tl.constexpr,
-                             BLOCK_H: tl.constexpr, BOUNDED: tl.constexpr):
-        """h[r, c] = silu(ab[r, c]) · ab[r, H + c] on a [BLOCK_R, BLOCK_H] tile (grid: row blocks, column blocks)."""
-        if BOUNDED:
-            N = tl.minimum(N, tl.load(rows_ptr).to(tl.int64))
-        r0 = tl.program_id(0).to(tl.int64) * BLOCK_R
-        if r0 >= N:
-            return
-        rows = r0 + tl.arange(0, BLOCK_R)
+    def _tile13(ab_ptr, N, H, ab_stride, BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr):
+        """(rows, cols, mask, a, b) of this program's [BLOCK_R, BLOCK_H] tile of ab = [a | b], fp32."""
+        rows = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
         cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
         mask = (rows < N)[:, None] & (cols < H)[None, :]
         at = ab_ptr + rows[:, None] * ab_stride + cols[None, :]
         a = tl.load(at, mask=mask, other=0.0).to(tl.float32)
         b = tl.load(at + H, mask=mask, other=0.0).to(tl.float32)
+        return rows, cols, mask, a, b
+
+    @triton.jit
+    def _swiglu13_fwd_kernel(ab_ptr, h_ptr, N, H, ab_stride, rows_ptr, BLOCK_R: tl.constexpr,
+                             BLOCK_H: tl.constexpr, BOUNDED: tl.constexpr):
+        """h[r, c] = silu(ab[r, c]) · ab[r, H + c] (grid: row blocks, column blocks)."""
+        N = _elements(N, rows_ptr, 1, BOUNDED)
+        if tl.program_id(0) * BLOCK_R >= N:
+            return
+        rows, cols, mask, a, b = _tile13(ab_ptr, N, H, ab_stride, BLOCK_R, BLOCK_H)
         tl.store(h_ptr + rows[:, None] * H + cols[None, :], silu_mul(a, b).to(h_ptr.dtype.element_ty), mask=mask)
 
     @triton.jit
     def _swiglu13_bwd_kernel(g_ptr, ab_ptr, dab_ptr, N, H, ab_stride, rows_ptr, BLOCK_R: tl.constexpr,
                              BLOCK_H: tl.constexpr, BOUNDED: tl.constexpr):
         """dab[r, c], dab[r, H + c] = SwiGLU's gradients for g[r, c] (dab: [N, 2H] contiguous)."""
-        if BOUNDED:
-            N = tl.minimum(N, tl.load(rows_ptr).to(tl.int64))
-        r0 = tl.program_id(0).to(tl.int64) * BLOCK_R
-        if r0 >= N:
+        N = _elements(N, rows_ptr, 1, BOUNDED)
+        if tl.program_id(0) * BLOCK_R >= N:
             return
-        rows = r0 + tl.arange(0, BLOCK_R)
-        cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
-        mask = (rows < N)[:, None] & (cols < H)[None, :]
-        at = ab_ptr + rows[:, None] * ab_stride + cols[None, :]
+        rows, cols, mask, a, b = _tile13(ab_ptr, N, H, ab_stride, BLOCK_R, BLOCK_H)
         g = tl.load(g_ptr + rows[:, None] * H + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-        a = tl.load(at, mask=mask, other=0.0).to(tl.float32)
-        b = tl.load(at + H, mask=mask, other=0.0).to(tl.float32)
         da, db = silu_mul_grads(g, a, b)
         out = dab_ptr + rows[:, None] * (2 * H) + cols[None, :]
         tl.store(out, da.to(dab_ptr.dtype.element_ty), mask=mask)
