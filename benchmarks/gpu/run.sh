@@ -27,7 +27,7 @@
 #                    variant against one torchtitan baseline, e.g. "quack=--moe_echo.experts_gemm quack;torch=";
 #                    "base=@/tmp/base;head=" times another revision (build/base.tgz, see lib.sh) in the same call)
 #                    -> e2e_<GPU>.md
-#   gateup      2    one gate/up GEMM: its GPU tests, gate_up_gemm.py, v2lite_1b EP=2 e2e vs the base tree
+#   gateup      2    one gate/up GEMM: its GPU tests and gate_up_gemm.py at three shapes
 #   fill_profile 2   the graphed + compiled v2lite_6b_2gpu step profiled at EP=2 (ARGS: extra recipe args, LABEL)
 #                    -> step_breakdown_v2lite_6b_2gpu_graph_compile_<LABEL>_<GPU>.md
 #   profile     1-2  an eager run with [profiling] traces, then rank 0's per-step GPU time by category
@@ -207,19 +207,15 @@ print('largest step difference over steps 1-20: %.2e at step %d' % max(rel[:20])
     fi
     tar czf "$OUT/e2e_logs.tgz" --exclude assets -C /tmp/e2e . 2>/dev/null ;;
 
-  gateup)  # -> gate_up_gemm_<GPU>.md + e2e rows "ep2_gateup": the one gate/up GEMM's GPU tests, two GEMMs vs one
-    # at three expert shapes, then v2lite_1b EP=2 (torch GEMMs) with the base tree (build/base.tgz) and this one
+  gateup)  # -> gate_up_gemm_<GPU>.md: the one gate/up GEMM's GPU tests, then two GEMMs vs one at three expert
+    # shapes (~300 s). The whole step against the base tree is a second call: PART=variants e2e with
+    # VARIANTS="base=@/tmp/base;gateup=" (carry build/base.tgz)
     P="python3 -m pytest -p no:warnings -q -rfE -o addopts="
     timeout 120 $P tests/test_gpu.py tests/test_kernels.py -k "gpu or swiglu" 2>&1 | tail -4
     timeout 150 $P tests/test_gpu_train.py -k "local_1gpu or padded_2gpu or resumes" 2>&1 | tail -4
     for shape in "" "--experts 32 --rows 196608" "--hidden 768"; do
       timeout 60 python3 benchmarks/gate_up_gemm.py $shape --out "$OUT" 2>&1 | grep -E "^\| (bf16|fp32)"
-    done
-    [ -d /tmp/base ] || { echo "no /tmp/base (carry build/base.tgz): e2e skipped"; exit; }
-    timeout ${TMO:-330} python3 benchmarks/e2e.py --configs v2lite_1b_gpu --nproc 2 --runs ours_compile_graph,torchtitan_compile \
-      --label ep2_gateup --steps 40 --out "$OUT" --work /tmp/e2e --titan "--parallelism.expert_parallel_degree 2" \
-      --ours "--parallelism.expert_parallel_degree 2 --moe_echo.dispatcher nvlink --moe_echo.capacity_factor 2" \
-      --variants "base=@/tmp/base;gateup=" 2>&1 | grep -E "^\| v2lite|rror" ;;
+    done ;;
 
   fill_profile)  # -> step_breakdown_v2lite_6b_2gpu_graph_compile_<LABEL>_<GPU>.md: the graphed + compiled step's GPU
     # time by category at EP=2 on the config that fills two GPUs (14 steps: early routing, still imbalanced)
