@@ -4,9 +4,9 @@
 for fp32 weights cast for compute (experts outside FSDP: cast and concatenated in one pass, what
 ``GroupedExperts`` runs one GEMM for).
 
-    python benchmarks/gate_up_gemm.py --experts 64 --hidden 1408 --dim 2048 --rows 98304
+    python benchmarks/gate_up_gemm.py --shapes 64x1408x2048x98304 32x1408x2048x196608 64x768x2048x98304
 
-Rows: median ms of fwd+bwd (weight gradients included) and the one-GEMM speedup.
+Each shape is experts x hidden x dim x rows (rows = tokens x top-k). Rows: median ms of fwd+bwd (weight gradients included) and the one-GEMM speedup.
 """
 
 import argparse
@@ -19,13 +19,27 @@ from components.moe_echo.experts import GroupedExperts, grouped_swiglu, grouped_
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--experts", type=int, default=64)
-    p.add_argument("--hidden", type=int, default=1408)
-    p.add_argument("--dim", type=int, default=2048)
-    p.add_argument("--rows", type=int, default=16384 * 6, help="expert rows (tokens x top-k)")
+    p.add_argument("--shapes", nargs="+", type=_shape, default=[_shape("64x1408x2048x98304")],
+                   help="EXPERTSxHIDDENxDIMxROWS, one or more (one results file for all)")
     p.add_argument("--out", default=None)
     args = p.parse_args()
-    E, H, D, N = args.experts, args.hidden, args.dim, args.rows
+    rows = [row for shape in args.shapes for row in measure(*shape)]
+    cols = ["weights", "experts", "hidden", "dim", "rows", "two_gemms_ms", "one_gemm_ms", "speedup", "one_gemm_tflops"]
+    table = markdown_table(rows, cols)
+    print(table)
+    write_results("gate_up_gemm", environment(), rows, table, args.out)
+
+
+def _shape(text: str) -> tuple[int, int, int, int]:
+    try:
+        E, H, D, N = (int(v) for v in text.lower().split("x"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected EXPERTSxHIDDENxDIMxROWS, e.g. 64x1408x2048x98304")
+    return E, H, D, N
+
+
+def measure(E: int, H: int, D: int, N: int) -> list[dict]:
+    """Two GEMMs vs one for bf16 weights and for fp32 weights cast for compute, at one shape."""
     torch.manual_seed(0)
     counts = torch.full((E,), N // E, device="cuda", dtype=torch.int64)
     x = torch.randn(N, D, device="cuda", dtype=torch.bfloat16, requires_grad=True)
@@ -57,10 +71,7 @@ def main() -> None:
         rows.append(dict(weights=weights, experts=E, hidden=H, dim=D, rows=N, two_gemms_ms=two_ms, one_gemm_ms=one_ms,
                          speedup=two_ms / one_ms, one_gemm_tflops=flops / one_ms / 1e9))
         del ge
-    cols = ["weights", "experts", "hidden", "dim", "rows", "two_gemms_ms", "one_gemm_ms", "speedup", "one_gemm_tflops"]
-    table = markdown_table(rows, cols)
-    print(table)
-    write_results("gate_up_gemm", environment(), rows, table, args.out)
+    return rows
 
 
 if __name__ == "__main__":
