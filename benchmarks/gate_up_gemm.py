@@ -6,7 +6,8 @@ for fp32 weights cast for compute (experts outside FSDP: cast and concatenated i
 
     python benchmarks/gate_up_gemm.py --shapes 64x1408x2048x98304 32x1408x2048x196608 64x768x2048x98304
 
-Each shape is experts x hidden x dim x rows (rows = tokens x top-k). Rows: median ms of fwd+bwd (weight gradients included) and the one-GEMM speedup.
+Each shape is experts x hidden x dim x rows (rows = tokens x top-k). Rows: median ms of fwd+bwd (weight gradients
+included) and the one-GEMM speedup.
 """
 
 import argparse
@@ -34,7 +35,8 @@ def _shape(text: str) -> tuple[int, int, int, int]:
     try:
         E, H, D, N = (int(v) for v in text.lower().split("x"))
     except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r}: expected EXPERTSxHIDDENxDIMxROWS, e.g. 64x1408x2048x98304")
+        fix = "expected EXPERTSxHIDDENxDIMxROWS, e.g. 64x1408x2048x98304"
+        raise argparse.ArgumentTypeError(f"{text!r}: {fix}") from None
     return E, H, D, N
 
 
