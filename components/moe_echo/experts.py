@@ -87,6 +87,24 @@ class _ComputeCastCat(torch.autograd.Function):
                 None, None)
 
 
+class _OptimizerCopy(torch.autograd.Function):
+    """A weight's persistent low-precision copy (``param.compute_copy``, written by the optimizer step) as the
+    weight's differentiable stand-in. Backward sums the gradient, in the copy's dtype, into
+    ``param.compute_grad`` and gives the weight none: the optimizer (components/train/master_adamw.py,
+    ``AdamWWithCopies``) divides, clips and applies it, writing the next copy in the same pass."""
+
+    @staticmethod
+    def forward(ctx, w_local, copy, holder):
+        ctx.param = holder[0]
+        return copy.detach()  # the copy itself (an alias): no per-step cast
+
+    @staticmethod
+    def backward(ctx, grad):
+        p = ctx.param
+        p.compute_grad = grad if p.compute_grad is None else p.compute_grad + grad
+        return None, None, None
+
+
 class GroupedExperts(nn.Module):
     """E SwiGLU experts held as three stacked weights (see the module docstring for the layout)."""
 
@@ -103,12 +121,16 @@ class GroupedExperts(nn.Module):
         self.compute_dtype: torch.dtype | None = None
         self._grad_divide = 1.0
         self._grad_hooks: list = []
+        self.compute_copies = False  # enable_compute_copies: the optimizer writes the compute dtype's copies
 
     def set_gradient_divide_factor(self, factor: float) -> None:
         """Divide the weights' gradients by ``factor`` (FSDPModule's method of the same name, for weights
         FSDP does not manage): every rank's tokens reach each expert, so its gradient sums the
         ranks' per-rank mean losses."""
         self._grad_divide = float(factor)
+        for w in (self.w1, self.w2, self.w3):
+            if getattr(w, "compute_copy", None) is not None:
+                w.compute_grad_divide = self._grad_divide
         if not self._grad_hooks:
             for w in (self.w1, self.w2, self.w3):
                 self._grad_hooks.append(w.register_hook(self._divide_grad))
@@ -143,9 +165,28 @@ class GroupedExperts(nn.Module):
             hint = self._fp8_hint = torch.zeros(2, E, dtype=torch.float32, device=w1.device)
         return hint
 
+    def enable_compute_copies(self) -> None:
+        """Experts outside FSDP (``compute_dtype`` set): keep each weight's local shard in ``compute_dtype`` as a
+        persistent copy (``w.compute_copy``) that the optimizer step writes, instead of casting the fp32 weights
+        every forward and their gradients every backward. Gradients land in ``w.compute_grad`` (compute dtype,
+        not yet divided by ``w.compute_grad_divide``); ``w.grad`` stays None. Call ``refresh_compute_copies``
+        after loading weights (components/train/master_adamw.py)."""
+        if self.compute_dtype is None:
+            raise ValueError("compute copies are for experts with a compute_dtype (outside FSDP)")
+        for w in (self.w1, self.w2, self.w3):
+            w.compute_copy = _local(w).detach().to(self.compute_dtype).contiguous()
+            w.compute_grad, w.compute_grad_divide = None, self._grad_divide
+        self.compute_copies = True
+
     def local_weights(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(w1, w2, w3) of this rank's experts as plain tensors (differentiable)."""
-        local = (w.to_local() if isinstance(w, DTensor) else w for w in (self.w1, self.w2, self.w3))
+        params = (self.w1, self.w2, self.w3)
+        if self.compute_copies:
+            if torch.is_grad_enabled():  # a new forward: the previous step's gradients were applied
+                for w in params:
+                    w.compute_grad = None
+            return tuple(_OptimizerCopy.apply(_local(w), w.compute_copy, [w]) for w in params)
+        local = (_local(w) for w in params)
         if self.compute_dtype is None:
             return tuple(local)
         return tuple(_ComputeCast.apply(w, self.compute_dtype, 1.0 / self._grad_divide) for w in local)
@@ -153,7 +194,10 @@ class GroupedExperts(nn.Module):
     def local_weights_13(self) -> tuple[torch.Tensor, torch.Tensor]:
         """([w1; w3] concatenated along dim 1, w2) of this rank's experts in the compute dtype (bf16 where
         unset), differentiable: the layout of QuACK's gate/up GEMM (components/moe_echo/quack_experts.py)."""
-        w1, w2, w3 = (w.to_local() if isinstance(w, DTensor) else w for w in (self.w1, self.w2, self.w3))
+        if self.compute_copies:
+            w1, w2, w3 = self.local_weights()
+            return torch.cat([w1, w3], dim=1), w2
+        w1, w2, w3 = (_local(w) for w in (self.w1, self.w2, self.w3))
         if self.compute_dtype is None:
             return torch.cat([w1, w3], dim=1).to(torch.bfloat16), w2
         scale = 1.0 / self._grad_divide
@@ -164,6 +208,10 @@ class GroupedExperts(nn.Module):
         _trunc_normal(self.w1, 0.02)
         _trunc_normal(self.w2, init_std)
         _trunc_normal(self.w3, init_std)
+
+
+def _local(w: torch.Tensor) -> torch.Tensor:
+    return w.to_local() if isinstance(w, DTensor) else w
 
 
 class SwiGLU(nn.Module):

@@ -26,20 +26,27 @@ def clip_grad_norm_(params, max_norm: float, scale_into=None) -> torch.Tensor:
 
     The norm takes one fused pass per group of tensors (``_foreach_norm``, fp32 accumulation). With
     ``scale_into`` (an optimizer that divides gradients by its ``grad_scale`` inside its step: torch's
-    fused AdamW, MasterAdamW) the clipping factor goes there instead of a pass over the gradients."""
-    grads = [p.grad for p in params if p.grad is not None]
+    fused AdamW, MasterAdamW) the clipping factor goes there instead of a pass over the gradients. A parameter
+    without ``.grad`` but with ``compute_grad`` (components/train/master_adamw.py, AdamWWithCopies) counts with
+    that gradient divided by its ``compute_grad_divide``."""
     world = dist.get_world_size() if dist.is_initialized() else 1
-    groups: dict[tuple, list] = {}  # (copies, device, accumulation dtype) -> local gradients
-    for g in grads:
+    groups: dict[tuple, list] = {}  # (copies, device, accumulation dtype, factor) -> local gradients
+    for p in params:
+        g, factor = p.grad, 1.0
+        if g is None:  # a weight whose optimizer writes its compute copy: its gradient, not yet divided
+            g = getattr(p, "compute_grad", None)
+            if g is None:
+                continue
+            factor = 1.0 / p.compute_grad_divide
         local = g.to_local() if isinstance(g, DTensor) else g
         acc = torch.promote_types(local.dtype, torch.float32)
-        groups.setdefault((_copies(g, world), local.device, acc), []).append(local)
+        groups.setdefault((_copies(p, world), local.device, acc, factor), []).append(local)
     device = next(iter(groups))[1] if groups else "cpu"
     acc = torch.float64 if any(k[2] == torch.float64 for k in groups) else torch.float32
     total = torch.zeros((), dtype=acc, device=device)
-    for (copies, _, dtype), locals_ in groups.items():
+    for (copies, _, dtype, factor), locals_ in groups.items():
         norms = torch._foreach_norm(locals_, 2, dtype=dtype)
-        total = total + torch.stack(norms).to(acc).pow(2).sum() / copies
+        total = total + torch.stack(norms).to(acc).pow(2).sum() * factor ** 2 / copies
     if world > 1:
         dist.all_reduce(total)
     norm = total.sqrt()

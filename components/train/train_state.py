@@ -7,7 +7,7 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from .data import TokenBatchLoader
-from .master_adamw import with_masters
+from .master_adamw import refresh_compute_copies, with_masters
 
 
 class ModelAndOptimizer:
@@ -24,6 +24,7 @@ class ModelAndOptimizer:
 
     def load_state_dict(self, sd):
         set_state_dict(self.model, self.optimizer, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
+        refresh_compute_copies(self.model)  # the bf16 copies the optimizer writes, from the loaded weights
 
 
 class TrainState:

@@ -1,0 +1,157 @@
+"""Experts outside FSDP with compute copies (GroupedExperts.enable_compute_copies + AdamWWithCopies): the
+optimizer writes the bf16 weights the next forward reads and takes the bf16 gradients as they come, so
+nothing is cast per step. Against the per-step cast path (same forward, same gradients after the divide) and
+torch's AdamW on the equivalent fp32 gradients; clipping, the step gate and checkpoints included."""
+
+import copy
+
+import torch
+import torch.distributed.checkpoint as dcp
+
+from components.moe_echo.experts import GroupedExperts
+from components.parallel.grad_norm import clip_grad_norm_
+from components.train.master_adamw import AdamWWithCopies, refresh_compute_copies
+from components.train.train_state import ModelAndOptimizer
+
+HP = dict(lr=3e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+COUNTS = torch.tensor([5, 0, 9, 2])  # an expert with no rows
+DIVIDE = 3.0
+
+
+class Block(torch.nn.Module):
+    """A dense layer FSDP would manage (plain ``.grad``) and experts outside it."""
+
+    def __init__(self, copies: bool, seed: int = 0):
+        super().__init__()
+        torch.manual_seed(seed)
+        self.dense = torch.nn.Linear(16, 16)
+        self.experts = GroupedExperts(16, 12, len(COUNTS))
+        self.experts.init_weights(0.02)
+        self.experts.compute_dtype = torch.bfloat16
+        self.experts.set_gradient_divide_factor(DIVIDE)
+        if copies:
+            self.experts.enable_compute_copies()
+
+    def forward(self, x):
+        return self.experts(self.dense(x).bfloat16(), COUNTS).float()
+
+
+def _loss(block, seed):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(int(COUNTS.sum()) + 3, 16, generator=g)  # 3 rows of padding
+    y = block(x)[: int(COUNTS.sum())]
+    return (y * torch.randn(y.shape, generator=g)).sum()
+
+
+def _experts(block):
+    return (block.experts.w1, block.experts.w2, block.experts.w3)
+
+
+def test_copies_compute_like_the_cast_and_their_gradients_arrive_undivided():
+    cast, copies = Block(copies=False), Block(copies=True)
+    out_cast, out_copies = _loss(cast, 1), _loss(copies, 1)
+    assert torch.equal(out_cast, out_copies)  # the copy is bf16(w), as the cast was
+    out_cast.backward()
+    out_copies.backward()
+    for a, b in zip(_experts(cast), _experts(copies)):
+        assert b.grad is None and b.compute_grad.dtype == torch.bfloat16 and b.compute_grad.abs().sum() > 0
+        assert torch.equal(a.grad, b.compute_grad.float() * (1 / DIVIDE))  # the cast path's one-pass divide
+    assert torch.equal(cast.dense.weight.grad, copies.dense.weight.grad)
+    # the QuACK layout ([w1; w3] concatenated) sends each half's gradient to its weight
+    w13, w2 = copies.experts.local_weights_13()
+    (w13.float().sum() + 2 * w2.float().sum()).backward()
+    assert torch.equal(copies.experts.w1.compute_grad.float(), torch.ones_like(copies.experts.w1))
+    assert torch.equal(copies.experts.w2.compute_grad.float(), torch.full_like(copies.experts.w2, 2.0))
+
+
+def test_optimizer_tracks_adamw_on_the_divided_fp32_gradients_and_writes_the_copies():
+    ref, ours = Block(copies=False), Block(copies=True)
+    opt_ref = torch.optim.AdamW(ref.parameters(), fused=True, **HP)
+    opt = AdamWWithCopies(ours.parameters(), fused=True, **HP)
+    for step in range(5):
+        for block, o in ((ref, opt_ref), (ours, opt)):
+            _loss(block, step).backward()
+            o.step()
+            o.zero_grad(set_to_none=True)
+        assert all(w.compute_grad is None for w in _experts(ours))
+    for a, b in zip(ref.parameters(), ours.parameters()):
+        torch.testing.assert_close(b.detach(), a.detach(), rtol=2e-5, atol=1e-7)
+    for w in _experts(ours):
+        assert torch.equal(w.compute_copy, w.detach().bfloat16())  # what the next forward reads
+        state = opt.state[w]
+        assert float(state["step"]) == 5 and state["exp_avg"].dtype == torch.float32
+        assert state["exp_avg"].shape == w.shape
+
+
+def test_found_inf_keeps_everything_and_grad_scale_divides():
+    block = Block(copies=True)
+    opt = AdamWWithCopies(block.parameters(), fused=True, **HP)
+    _loss(block, 0).backward()
+    opt.step()
+    opt.zero_grad()
+    w = block.experts.w2
+    before = (w.detach().clone(), w.compute_copy.clone(), opt.state[w]["exp_avg"].clone(), opt.state[w]["step"].clone())
+    opt.found_inf = torch.ones(())
+    _loss(block, 1).backward()
+    opt.step()
+    after = (w.detach(), w.compute_copy, opt.state[w]["exp_avg"], opt.state[w]["step"])
+    assert all(torch.equal(x, y) for x, y in zip(before, after))
+    opt.zero_grad()
+    # grad_scale = 4 (clipping): the update of gradients divided by 4
+    twin = Block(copies=True, seed=5)
+    opt_twin = AdamWWithCopies(twin.parameters(), fused=True, **HP)
+    twin.load_state_dict(block.state_dict())
+    refresh_compute_copies(twin)  # nn.Module.load_state_dict leaves the copies alone
+    opt_twin.load_state_dict(copy.deepcopy(opt.state_dict()))  # torch would share the step tensors
+    opt.found_inf, opt.grad_scale = torch.zeros(()), torch.tensor(4.0)
+    _loss(block, 2).backward()
+    _loss(twin, 2).backward()
+    for p in twin.parameters():
+        if p.grad is not None:
+            p.grad /= 4
+    for p in _experts(twin):
+        p.compute_grad = p.compute_grad / 4  # exact: a power of two
+    opt.step()
+    opt_twin.step()
+    for a, b in zip(block.parameters(), twin.parameters()):
+        torch.testing.assert_close(a.detach(), b.detach(), rtol=1e-5, atol=1e-7)
+
+
+def test_clipping_counts_compute_gradients_divided():
+    cast, copies = Block(copies=False), Block(copies=True)
+    _loss(cast, 3).backward()
+    _loss(copies, 3).backward()
+    ref = clip_grad_norm_(list(cast.parameters()), 0.0)
+
+    class Opt:
+        grad_scale = None
+
+    opt = Opt()
+    got = clip_grad_norm_(list(copies.parameters()), 1e-3, opt)
+    torch.testing.assert_close(got, ref, rtol=1e-6, atol=0)
+    assert float(opt.grad_scale) > 1  # clipped: the factor goes to the optimizer
+    coef = clip_grad_norm_(list(copies.parameters()), 1e-3)  # no optimizer: gradients scaled in place
+    assert float(coef) == float(got) and copies.experts.w1.compute_grad.abs().max() < cast.experts.w1.grad.abs().max()
+
+
+def test_checkpoints_load_weights_moments_and_rewrite_the_copies(tmp_path):
+    block = Block(copies=True)
+    opt = AdamWWithCopies(block.parameters(), fused=True, **HP)
+    for step in range(3):
+        _loss(block, step).backward()
+        opt.step()
+        opt.zero_grad()
+    dcp.save({"app": ModelAndOptimizer(block, opt)}, checkpoint_id=str(tmp_path / "ck"))
+    again = Block(copies=True, seed=1)
+    opt2 = AdamWWithCopies(again.parameters(), fused=True, **HP)
+    dcp.load({"app": ModelAndOptimizer(again, opt2)}, checkpoint_id=str(tmp_path / "ck"))
+    for a, b in zip(_experts(block), _experts(again)):
+        assert torch.equal(a.detach(), b.detach()) and torch.equal(b.compute_copy, b.detach().bfloat16())
+        assert torch.equal(opt.state[a]["exp_avg_sq"], opt2.state[b]["exp_avg_sq"])
+        assert float(opt2.state[b]["step"]) == 3
+    # and into a run without copies (the per-step cast path, torch's AdamW): same weights and moments
+    plain = Block(copies=False, seed=2)
+    opt3 = torch.optim.AdamW(plain.parameters(), fused=True, **HP)
+    dcp.load({"app": ModelAndOptimizer(plain, opt3)}, checkpoint_id=str(tmp_path / "ck"))
+    for a, b in zip(_experts(block), _experts(plain)):
+        assert torch.equal(a.detach(), b.detach()) and torch.equal(opt.state[a]["exp_avg"], opt3.state[b]["exp_avg"])
