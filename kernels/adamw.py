@@ -24,8 +24,8 @@ if triton is not None:
 
     @triton.jit
     def _adamw_kernel(grad_ptr, w_ptr, m_ptr, v_ptr, param_ptr, n, lr_ptr, lr_value, step_ptr, skip_ptr,
-                      mul_ptr, beta1, beta2, eps, weight_decay, LR_PTR: tl.constexpr, HAS_SKIP: tl.constexpr,
-                      HAS_MUL: tl.constexpr, BLOCK: tl.constexpr):
+                      mul_ptr, beta1, beta2, eps, weight_decay, g_inner, g_outer, p_inner, p_outer,
+                      LR_PTR: tl.constexpr, HAS_SKIP: tl.constexpr, HAS_MUL: tl.constexpr, BLOCK: tl.constexpr):
         if HAS_SKIP:
             if tl.load(skip_ptr) > 0:
                 return
@@ -33,7 +33,9 @@ if triton is not None:
         mask = offs < n
         lr = tl.load(lr_ptr).to(tl.float32) if LR_PTR else lr_value
         t = tl.load(step_ptr).to(tl.float32)
-        g = tl.load(grad_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        g_offs = (offs // g_inner) * g_outer + offs % g_inner  # blocks of g_inner elements, g_outer apart
+        p_offs = (offs // p_inner) * p_outer + offs % p_inner
+        g = tl.load(grad_ptr + g_offs, mask=mask, other=0.0).to(tl.float32)
         if HAS_MUL:
             g = g * tl.load(mul_ptr).to(tl.float32)
         w = tl.load(w_ptr + offs, mask=mask, other=0.0)
@@ -48,7 +50,7 @@ if triton is not None:
         tl.store(w_ptr + offs, w, mask=mask)
         tl.store(m_ptr + offs, m, mask=mask)
         tl.store(v_ptr + offs, v, mask=mask)
-        tl.store(param_ptr + offs, w.to(param_ptr.dtype.element_ty), mask=mask)
+        tl.store(param_ptr + p_offs, w.to(param_ptr.dtype.element_ty), mask=mask)
 
 _BLOCK = 2048
 
@@ -57,17 +59,33 @@ def adamw_master_(param: torch.Tensor, grad: torch.Tensor, w: torch.Tensor, m: t
                   lr: float | torch.Tensor, step: torch.Tensor, beta1: float, beta2: float, eps: float,
                   weight_decay: float, skip: torch.Tensor | None = None, grad_mul: torch.Tensor | None = None) -> None:
     """One AdamW step of fp32 master ``w`` (moments ``m``, ``v``), written back to ``param`` in its dtype.
-    All tensors contiguous and of one shape; ``step`` is the step count after this step (device)."""
+    All of one shape; ``w``, ``m``, ``v`` contiguous; ``param`` and ``grad`` contiguous or each ``t[i]`` contiguous
+    (a slice along dim 1 of a larger tensor: the experts' [w1; w3] halves); ``step`` is the step count after
+    this step (device)."""
     if _use_triton(param):
         n = param.numel()
         lr_is_ptr = isinstance(lr, torch.Tensor)
+        grad = grad if _blocks(grad) else grad.contiguous()
+        if not _blocks(param):
+            raise ValueError(f"adamw_master_: param of shape {tuple(param.shape)}, strides {param.stride()} "
+                             "is neither contiguous nor contiguous per index of dim 0")
         _adamw_kernel[(triton.cdiv(n, _BLOCK),)](
             grad, w, m, v, param, n, lr if lr_is_ptr else step, 0.0 if lr_is_ptr else float(lr), step,
             skip if skip is not None else step, grad_mul if grad_mul is not None else step,
-            beta1, beta2, eps, weight_decay, LR_PTR=lr_is_ptr, HAS_SKIP=skip is not None,
-            HAS_MUL=grad_mul is not None, BLOCK=_BLOCK)
+            beta1, beta2, eps, weight_decay, *_blocks(grad), *_blocks(param), LR_PTR=lr_is_ptr,
+            HAS_SKIP=skip is not None, HAS_MUL=grad_mul is not None, BLOCK=_BLOCK)
         return
     adamw_master_reference_(param, grad, w, m, v, lr, step, beta1, beta2, eps, weight_decay, skip, grad_mul)
+
+
+def _blocks(t: torch.Tensor) -> tuple[int, int] | None:
+    """(inner, outer): ``t`` is blocks of ``inner`` contiguous elements, ``outer`` apart; None if not."""
+    n = max(t.numel(), 1)
+    if t.is_contiguous():
+        return n, n
+    if t.dim() >= 2 and t[0].is_contiguous() and t.shape[0] > 0:
+        return n // t.shape[0], t.stride(0)
+    return None
 
 
 def adamw_master_reference_(param, grad, w, m, v, lr, step, beta1, beta2, eps, weight_decay, skip=None,

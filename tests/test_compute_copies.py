@@ -155,3 +155,29 @@ def test_checkpoints_load_weights_moments_and_rewrite_the_copies(tmp_path):
     dcp.load({"app": ModelAndOptimizer(plain, opt3)}, checkpoint_id=str(tmp_path / "ck"))
     for a, b in zip(_experts(block), _experts(plain)):
         assert torch.equal(a.detach(), b.detach()) and torch.equal(opt.state[a]["exp_avg"], opt3.state[b]["exp_avg"])
+
+
+def test_quack_layout_keeps_w1_and_w3_copies_as_halves_of_one_buffer():
+    """QuACK's gate/up GEMM reads [w1; w3]: with compute copies it is one persistent buffer whose halves are
+    w1's and w3's copies (no per-step concatenation); its gradient's halves reach w1 and w3, and the
+    optimizer writes each copy back into its half."""
+    torch.manual_seed(0)
+    ge = GroupedExperts(16, 12, 4, gemm="quack")
+    ge.init_weights(0.02)
+    ge.compute_dtype = torch.bfloat16
+    ge.set_gradient_divide_factor(2.0)
+    ge.enable_compute_copies()
+    opt = AdamWWithCopies(ge.parameters(), fused=True, **HP)
+    for step in range(2):
+        w13, w2 = ge.local_weights_13()
+        assert w13.data_ptr() == ge._copy13.data_ptr()  # the buffer itself, not a concatenation
+        assert torch.equal(w13, torch.cat([ge.w1.detach(), ge.w3.detach()], 1).bfloat16())
+        g13 = torch.randn(w13.shape).bfloat16()
+        (w13.float() * g13.float()).sum().backward(retain_graph=False)
+        (w2.float().sum()).backward()
+        assert torch.equal(ge.w1.compute_grad, g13[:, :12]) and torch.equal(ge.w3.compute_grad, g13[:, 12:])
+        assert not ge.w1.compute_grad.is_contiguous()  # a half, read in place by the optimizer
+        opt.step()
+        opt.zero_grad()
+    assert torch.equal(ge._copy13, torch.cat([ge.w1.detach(), ge.w3.detach()], 1).bfloat16())
+    assert torch.equal(ge.w2.compute_copy, ge.w2.detach().bfloat16())

@@ -105,6 +105,23 @@ class _OptimizerCopy(torch.autograd.Function):
         return None, None, None
 
 
+class _OptimizerCopy13(torch.autograd.Function):
+    """[w1; w3]'s compute copies as one tensor (QuACK's gate/up layout: the two copies are its halves, so
+    nothing is concatenated per step); backward hands each half of the gradient, in place, to its weight."""
+
+    @staticmethod
+    def forward(ctx, w1_local, w3_local, copy13, holder):
+        ctx.params = holder
+        return copy13.detach()
+
+    @staticmethod
+    def backward(ctx, grad13):
+        h = ctx.params[0].compute_copy.shape[1]
+        for p, g in zip(ctx.params, (grad13[:, :h], grad13[:, h:])):
+            p.compute_grad = g if p.compute_grad is None else p.compute_grad + g
+        return None, None, None, None
+
+
 class GroupedExperts(nn.Module):
     """E SwiGLU experts held as three stacked weights (see the module docstring for the layout)."""
 
@@ -176,15 +193,23 @@ class GroupedExperts(nn.Module):
         for w in (self.w1, self.w2, self.w3):
             w.compute_copy = _local(w).detach().to(self.compute_dtype).contiguous()
             w.compute_grad, w.compute_grad_divide = None, self._grad_divide
+        if self.gemm == "quack" and self.precision == "bf16":  # w1's and w3's copies: halves of one [w1; w3]
+            self._copy13 = torch.cat([self.w1.compute_copy, self.w3.compute_copy], dim=1)
+            h = self.w1.compute_copy.shape[1]
+            self.w1.compute_copy, self.w3.compute_copy = self._copy13[:, :h], self._copy13[:, h:]
         self.compute_copies = True
+
+    def _new_forward(self) -> None:
+        """A forward that will be differentiated: the compute gradients of the last step were applied."""
+        if torch.is_grad_enabled():
+            for w in (self.w1, self.w2, self.w3):
+                w.compute_grad = None
 
     def local_weights(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(w1, w2, w3) of this rank's experts as plain tensors (differentiable)."""
         params = (self.w1, self.w2, self.w3)
         if self.compute_copies:
-            if torch.is_grad_enabled():  # a new forward: the previous step's gradients were applied
-                for w in params:
-                    w.compute_grad = None
+            self._new_forward()
             return tuple(_OptimizerCopy.apply(_local(w), w.compute_copy, [w]) for w in params)
         local = (_local(w) for w in params)
         if self.compute_dtype is None:
@@ -195,8 +220,14 @@ class GroupedExperts(nn.Module):
         """([w1; w3] concatenated along dim 1, w2) of this rank's experts in the compute dtype (bf16 where
         unset), differentiable: the layout of QuACK's gate/up GEMM (components/moe_echo/quack_experts.py)."""
         if self.compute_copies:
-            w1, w2, w3 = self.local_weights()
-            return torch.cat([w1, w3], dim=1), w2
+            w1, w2, w3 = self.w1, self.w2, self.w3
+            self._new_forward()
+            copy13 = getattr(self, "_copy13", None)
+            if copy13 is None:
+                c1, c2, c3 = self.local_weights()
+                return torch.cat([c1, c3], dim=1), c2
+            return (_OptimizerCopy13.apply(_local(w1), _local(w3), copy13, [w1, w3]),
+                    _OptimizerCopy.apply(_local(w2), w2.compute_copy, [w2]))
         w1, w2, w3 = (_local(w) for w in (self.w1, self.w2, self.w3))
         if self.compute_dtype is None:
             return torch.cat([w1, w3], dim=1).to(torch.bfloat16), w2

@@ -125,7 +125,8 @@ class AdamWWithCopies(torch.optim.AdamW):
                 lr = group["lr"]
                 if isinstance(lr, torch.Tensor) and lr.device != g.device:  # a host tensor (DCP's state init)
                     lr = float(lr)
-                adamw_master_(p.compute_copy, g.contiguous(), _local(p), _local(state["exp_avg"]),
+                # g and the copy may be halves of [w1; w3] (QuACK's layout): the kernel reads them in place
+                adamw_master_(p.compute_copy, g, _local(p), _local(state["exp_avg"]),
                               _local(state["exp_avg_sq"]), lr, state["step"], beta1, beta2, group["eps"],
                               group["weight_decay"], skip, mul)
         return loss
