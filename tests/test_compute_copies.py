@@ -181,3 +181,39 @@ def test_quack_layout_keeps_w1_and_w3_copies_as_halves_of_one_buffer():
         opt.zero_grad()
     assert torch.equal(ge._copy13, torch.cat([ge.w1.detach(), ge.w3.detach()], 1).bfloat16())
     assert torch.equal(ge.w2.compute_copy, ge.w2.detach().bfloat16())
+
+
+def test_one_gpu_bf16_weights_live_as_halves_of_one_w13_for_quack():
+    """Plain bf16 parameters with fp32 masters (one GPU): QuACK's [w1; w3] is one tensor whose halves are
+    w1's and w3's data (moved there once, no per-step concatenation); the gradient halves reach w1.grad and
+    w3.grad, and MasterAdamW's update through them equals its update from contiguous gradients."""
+    from components.train.master_adamw import MasterAdamW
+
+    def make():
+        torch.manual_seed(0)
+        ge = GroupedExperts(16, 12, 4, gemm="quack")
+        ge.init_weights(0.02)
+        return ge, MasterAdamW(ge.parameters(), **HP)
+
+    (ge, opt), (ref, opt_ref) = make(), make()
+    for step in range(3):
+        w13, w2 = ge.local_weights_13()
+        assert w13.data_ptr() == ge.w1.data_ptr() and not ge.w1.is_contiguous()  # w1 is w13's first half
+        assert torch.equal(w13, torch.cat([ref.w1, ref.w3], 1).detach())
+        g = torch.Generator().manual_seed(step)
+        g13 = torch.randn(w13.shape, generator=g).bfloat16()
+        (w13.float() * g13.float()).sum().backward()
+        assert torch.equal(ge.w1.grad, g13[:, :12]) and torch.equal(ge.w3.grad, g13[:, 12:])
+        ge.w2.grad = torch.zeros_like(ge.w2)
+        for p, gr in zip((ref.w1, ref.w2, ref.w3), (g13[:, :12].contiguous(), torch.zeros_like(ref.w2),
+                                                   g13[:, 12:].contiguous())):
+            p.grad = gr
+        opt.step()
+        opt_ref.step()
+        opt.zero_grad()
+        opt_ref.zero_grad()
+    for a, b in zip((ge.w1, ge.w2, ge.w3), (ref.w1, ref.w2, ref.w3)):
+        assert torch.equal(a.detach(), b.detach()) and torch.equal(opt.masters[a], opt_ref.masters[b])
+    assert ge._w13.data_ptr() == ge.w1.data_ptr()  # still the same buffer
+    ge.float()  # a dtype change replaces the data: fp32 weights fall back to the concatenation
+    assert ge._shared_13() is None and ge.local_weights_13()[0].dtype == torch.bfloat16

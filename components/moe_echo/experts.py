@@ -122,6 +122,24 @@ class _OptimizerCopy13(torch.autograd.Function):
         return None, None, None, None
 
 
+class _Shared13(torch.autograd.Function):
+    """Plain bf16 weights w1, w3 stored as the halves of one [w1; w3] tensor (GroupedExperts._shared_13): that
+    tensor itself, with no concatenation; backward hands each half of the gradient, in place, to w1.grad and
+    w3.grad (the optimizer's kernel reads such halves: kernels/adamw.py)."""
+
+    @staticmethod
+    def forward(ctx, w1, w3, w13):
+        ctx.params = (w1, w3)
+        return w13.detach()
+
+    @staticmethod
+    def backward(ctx, grad13):
+        h = ctx.params[0].shape[1]
+        for p, g in zip(ctx.params, (grad13[:, :h], grad13[:, h:])):
+            p.grad = g if p.grad is None else p.grad + g
+        return None, None, None
+
+
 class GroupedExperts(nn.Module):
     """E SwiGLU experts held as three stacked weights (see the module docstring for the layout)."""
 
@@ -230,10 +248,31 @@ class GroupedExperts(nn.Module):
                     _OptimizerCopy.apply(_local(w2), w2.compute_copy, [w2]))
         w1, w2, w3 = (_local(w) for w in (self.w1, self.w2, self.w3))
         if self.compute_dtype is None:
+            w13 = self._shared_13()
+            if w13 is not None:
+                return _Shared13.apply(self.w1, self.w3, w13), w2
             return torch.cat([w1, w3], dim=1).to(torch.bfloat16), w2
         scale = 1.0 / self._grad_divide
         return (_ComputeCastCat.apply(w1, w3, self.compute_dtype, scale),
                 _ComputeCast.apply(w2, self.compute_dtype, scale))
+
+    def _shared_13(self) -> torch.Tensor | None:
+        """[w1; w3] for QuACK without a per-step concatenation, where w1 and w3 are plain bf16 leaf parameters
+        with nothing between them and their gradients (one GPU: bf16 parameters, fp32 masters in the
+        optimizer): their data is moved once into the halves of one [E, 2H, D] tensor, which is returned.
+        A later ``.to()`` replaces their data; the next call moves it again. None where this does not apply."""
+        w1, w3 = self.w1, self.w3
+        if (isinstance(w1, DTensor) or w1.dtype != torch.bfloat16 or w3.dtype != w1.dtype or self._grad_divide != 1.0
+                or not w1.requires_grad):
+            return None
+        w13, h = getattr(self, "_w13", None), w1.shape[1]
+        if (w13 is None or w13.dtype != w1.dtype or w13.device != w1.device or w1.data_ptr() != w13.data_ptr()
+                or w3.data_ptr() != w13[:, h:].data_ptr()):
+            with torch.no_grad():
+                w13 = torch.cat([w1.detach(), w3.detach()], dim=1)
+            w1.data, w3.data = w13[:, :h], w13[:, h:]
+            self._w13 = w13
+        return w13
 
     def init_weights(self, init_std: float) -> None:
         _trunc_normal(self.w1, 0.02)

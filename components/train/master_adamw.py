@@ -67,9 +67,8 @@ class MasterAdamW(torch.optim.Optimizer):
             if isinstance(lr, torch.Tensor) and lr.device != params[0].device:  # a host tensor (DCP's state init)
                 lr = float(lr)
             beta1, beta2 = group["betas"]
-            for p, s in zip(params, states):
-                grad = p.grad if p.grad.is_contiguous() else p.grad.contiguous()
-                adamw_master_(p.data, grad, self.masters[p], s["exp_avg"], s["exp_avg_sq"], lr, s["step"], beta1,
+            for p, s in zip(params, states):  # param and grad may be halves of [w1; w3] (QuACK): read in place
+                adamw_master_(p.data, p.grad, self.masters[p], s["exp_avg"], s["exp_avg_sq"], lr, s["step"], beta1,
                               beta2, group["eps"], group["weight_decay"], skip, grad_mul)
         return loss
 
