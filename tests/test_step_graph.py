@@ -54,6 +54,36 @@ def test_capturable_optimizer_lr_is_a_tensor_the_scheduler_fills_in_place():
         assert float(lr) == pytest.approx(expect, rel=1e-6)
 
 
+def test_checkpoints_of_graphed_and_eager_runs_load_into_each_other(tmp_path):
+    """A capturable optimizer's lr is a tensor; the checkpoint holds a number, so it resumes a run that has not
+    made its optimizer capturable yet (the recipe loads first), and a capturable one keeps its lr tensor."""
+    from components.train import checkpoint
+    from components.train.train_state import ModelAndOptimizer
+
+    def build(capturable: bool):
+        torch.manual_seed(0)
+        model = torch.nn.Linear(3, 2)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=False)
+        if capturable:
+            make_capturable(opt, torch.device("cpu"))
+        return model, opt
+
+    for saved_graphed, loaded_graphed in ((True, False), (False, True), (True, True)):
+        model, opt = build(saved_graphed)
+        model(torch.randn(4, 3)).sum().backward()
+        opt.step()
+        opt.param_groups[0]["lr"] = (torch.tensor(2.5e-4) if saved_graphed else 2.5e-4)
+        path = checkpoint.save(str(tmp_path / f"{saved_graphed}{loaded_graphed}"), 1,
+                               {"app": ModelAndOptimizer(model, opt)})
+        model2, opt2 = build(loaded_graphed)
+        lr_before = opt2.param_groups[0]["lr"]
+        checkpoint.load(path, {"app": ModelAndOptimizer(model2, opt2)})
+        lr = opt2.param_groups[0]["lr"]
+        assert float(lr) == pytest.approx(2.5e-4) and (lr is lr_before) == loaded_graphed
+        assert torch.equal(model2.weight, model.weight)
+        assert torch.equal(opt2.state[model2.weight]["exp_avg"], opt.state[model.weight]["exp_avg"])
+
+
 def test_host_copy_is_a_detached_snapshot():
     t = torch.arange(4.0, requires_grad=True) * 1
     h = HostCopy((t, [t.sum(), None], 3.0))

@@ -20,11 +20,23 @@ class ModelAndOptimizer:
 
     def state_dict(self):
         model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
-        return {"model": with_masters(self.optimizer, model_sd), "optim": optim_sd}
+        return {"model": with_masters(self.optimizer, model_sd), "optim": _lr_as_number(optim_sd)}
 
     def load_state_dict(self, sd):
+        lr_tensors = [g["lr"] for g in self.optimizer.param_groups]
         set_state_dict(self.model, self.optimizer, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
+        for group, old in zip(self.optimizer.param_groups, lr_tensors):
+            if isinstance(old, torch.Tensor):  # a captured step reads this tensor: fill it, keep it
+                group["lr"] = old.fill_(float(group["lr"]))
         refresh_compute_copies(self.model)  # the bf16 copies the optimizer writes, from the loaded weights
+
+
+def _lr_as_number(optim_sd: dict) -> dict:
+    """A graphed run's learning rate is a device tensor (``make_capturable``); checkpoints hold it as a number,
+    so a checkpoint loads into a run with or without CUDA graphs (one host read per save)."""
+    groups = [{k: float(v) if k == "lr" and isinstance(v, torch.Tensor) else v for k, v in g.items()}
+              for g in optim_sd["param_groups"]]
+    return {**optim_sd, "param_groups": groups}
 
 
 class TrainState:
