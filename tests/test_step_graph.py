@@ -55,33 +55,42 @@ def test_capturable_optimizer_lr_is_a_tensor_the_scheduler_fills_in_place():
 
 
 def test_checkpoints_of_graphed_and_eager_runs_load_into_each_other(tmp_path):
-    """A capturable optimizer's lr is a tensor; the checkpoint holds a number, so it resumes a run that has not
-    made its optimizer capturable yet (the recipe loads first), and a capturable one keeps its lr tensor."""
+    """A capturable optimizer's lr (and so the scheduler's last lr) is a tensor; the checkpoint holds numbers,
+    so it resumes a run that has not made its optimizer capturable yet (the recipe loads first), and a
+    capturable one keeps its lr tensor, filled with the loaded value."""
     from components.train import checkpoint
-    from components.train.train_state import ModelAndOptimizer
+    from components.train.train_state import LRSchedule, ModelAndOptimizer
+
+    class Sched:
+        warmup_steps, total_steps, decay_ratio, decay_type, min_lr_factor = 4, None, None, "linear", 0.1
 
     def build(capturable: bool):
         torch.manual_seed(0)
         model = torch.nn.Linear(3, 2)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=False)
+        sched = build_lr_scheduler(opt, Sched(), 10)
         if capturable:
             make_capturable(opt, torch.device("cpu"))
-        return model, opt
+        return model, opt, sched
 
     for saved_graphed, loaded_graphed in ((True, False), (False, True), (True, True)):
-        model, opt = build(saved_graphed)
-        model(torch.randn(4, 3)).sum().backward()
-        opt.step()
-        opt.param_groups[0]["lr"] = (torch.tensor(2.5e-4) if saved_graphed else 2.5e-4)
-        path = checkpoint.save(str(tmp_path / f"{saved_graphed}{loaded_graphed}"), 1,
-                               {"app": ModelAndOptimizer(model, opt)})
-        model2, opt2 = build(loaded_graphed)
+        model, opt, sched = build(saved_graphed)
+        for _ in range(2):
+            model(torch.randn(4, 3)).sum().backward()
+            opt.step()
+            sched.step()
+        states = lambda m, o, s: {"app": ModelAndOptimizer(m, o), "lr_scheduler": LRSchedule(s)}
+        path = checkpoint.save(str(tmp_path / f"{saved_graphed}{loaded_graphed}"), 2, states(model, opt, sched))
+        model2, opt2, sched2 = build(loaded_graphed)
         lr_before = opt2.param_groups[0]["lr"]
-        checkpoint.load(path, {"app": ModelAndOptimizer(model2, opt2)})
+        checkpoint.load(path, states(model2, opt2, sched2))
         lr = opt2.param_groups[0]["lr"]
-        assert float(lr) == pytest.approx(2.5e-4) and (lr is lr_before) == loaded_graphed
+        assert float(lr) == pytest.approx(1e-3 * lr_factor(2, 4, 10, None, "linear", 0.1), rel=1e-6)
+        assert (lr is lr_before) == loaded_graphed and sched2.last_epoch == 2
         assert torch.equal(model2.weight, model.weight)
         assert torch.equal(opt2.state[model2.weight]["exp_avg"], opt.state[model.weight]["exp_avg"])
+        sched2.step()
+        assert float(opt2.param_groups[0]["lr"]) == pytest.approx(1e-3 * lr_factor(3, 4, 10, None, "linear", 0.1))
 
 
 def test_host_copy_is_a_detached_snapshot():

@@ -35,7 +35,7 @@ from .master_adamw import masters_in_model, refresh_compute_copies
 from .optim import build_lr_scheduler, build_optimizer
 from .overflow import StepGate
 from .tokenizer import build_tokenizer
-from .train_state import ModelAndOptimizer, TrainState
+from .train_state import LRSchedule, ModelAndOptimizer, TrainState
 
 
 @dataclass
@@ -150,7 +150,7 @@ def build_training(run: Run, model: torch.nn.Module, loader: TokenBatchLoader) -
     scale_into = optimizer if device.type == "cuda" and (master or cfg.optimizer.implementation == "fused") else None
     scheduler = build_lr_scheduler(optimizer, cfg.lr_scheduler, t.steps)
     state = TrainState(loader)
-    states = {"app": ModelAndOptimizer(model, optimizer), "lr_scheduler": scheduler, "train": state}
+    states = {"app": ModelAndOptimizer(model, optimizer), "lr_scheduler": LRSchedule(scheduler), "train": state}
     gate = (StepGate(layers if replay else [], optimizer, device, cfg.moe_echo.grow_capacity_after,
                      check_finite=t.max_nonfinite_steps > 0) if gated else None)
     ckpt_dir = os.path.join(cfg.job.dump_folder, cfg.checkpoint.folder)

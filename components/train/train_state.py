@@ -39,6 +39,21 @@ def _lr_as_number(optim_sd: dict) -> dict:
     return {**optim_sd, "param_groups": groups}
 
 
+class LRSchedule:
+    """DCP Stateful view of the lr scheduler, its last learning rates as numbers (a graphed run's are device
+    tensors), so a checkpoint loads into a run with or without CUDA graphs."""
+
+    def __init__(self, scheduler):
+        self.scheduler = scheduler
+
+    def state_dict(self):
+        sd = self.scheduler.state_dict()
+        return {**sd, "_last_lr": [float(lr) for lr in sd["_last_lr"]]}
+
+    def load_state_dict(self, sd):
+        self.scheduler.load_state_dict(sd)
+
+
 class TrainState:
     """Step counter, data position and RNG state."""
 
