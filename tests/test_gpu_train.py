@@ -155,3 +155,17 @@ def test_expert_copies_written_by_the_optimizer_train_as_the_per_step_cast(tmp_p
     assert "resumed from" in out and len(resumed) == STEPS - 10
     for s, (a, b) in enumerate(zip(copies[10:], resumed), 11):
         assert abs(a - b) <= 2e-3 * abs(a), f"step {s}: uninterrupted {a} vs resumed {b}"
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_graphed_run_resumes_graphed_and_eagerly(tmp_path):
+    """A CUDA-graphed run's checkpoint (its lr a device tensor while it trains) resumes both graphed and eagerly
+    from step 10, and both continue the uninterrupted run's loss curve."""
+    import shutil
+
+    ck = ["--checkpoint.enable", "true", "--checkpoint.interval", "10"]
+    graphed, _ = run_recipe(str(tmp_path), "graphed", 1, ck + ["--training.cuda_graph", "true"])
+    for name, graph in (("resumed_graphed", "true"), ("resumed_eager", "false")):
+        shutil.copytree(tmp_path / "graphed" / "checkpoint" / "step-10", tmp_path / name / "checkpoint" / "step-10")
+        resumed, out = run_recipe(str(tmp_path), name, 1, ck + ["--training.cuda_graph", graph])
+        assert "resumed from" in out and len(resumed) == STEPS - 10
+        for s, (a, b) in enumerate(zip(graphed[10:], resumed), 11):
+            assert abs(a - b) <= 2e-3 * abs(a), f"{name} step {s}: uninterrupted {a} vs resumed {b}"
