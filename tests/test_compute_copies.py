@@ -217,3 +217,28 @@ def test_one_gpu_bf16_weights_live_as_halves_of_one_w13_for_quack():
     assert ge._w13.data_ptr() == ge.w1.data_ptr()  # still the same buffer
     ge.float()  # a dtype change replaces the data: fp32 weights fall back to the concatenation
     assert ge._shared_13() is None and ge.local_weights_13()[0].dtype == torch.bfloat16
+
+
+def test_norm_of_gradient_halves_reads_their_whole_buffer():
+    """The [w1; w3] gradient's halves (QuACK's layout) enter the norm as their contiguous base (foreach's fused
+    path), only where they tile it exactly; the norm equals the norm of separate copies either way."""
+    from components.parallel.grad_norm import _whole
+
+    g13 = torch.randn(3, 10, 4).bfloat16()
+    h1, h3 = g13[:, :6], g13[:, 6:]
+    assert [t is g13 for t in _whole([h3, h1])] == [True]
+    other = torch.randn(5)
+    out = _whole([other, h1])  # one half alone, or halves of different widths that leave a gap: kept as they are
+    assert out[0] is other and out[1] is h1
+    assert _whole([g13[:, :3], g13[:, 6:]])[0]._base is g13 and len(_whole([g13[:, :3], g13[:, 6:]])) == 2
+    assert len(_whole([g13[:, :6], g13[:, 5:]])) == 2  # overlapping: kept
+
+    def param(g):
+        p = torch.nn.Parameter(torch.zeros(g.shape))
+        p.compute_grad, p.compute_grad_divide = g, 2.0
+        return p
+
+    got = clip_grad_norm_([param(h1), param(h3)], 0.0)
+    ref = clip_grad_norm_([param(h1.contiguous()), param(h3.contiguous())], 0.0)
+    torch.testing.assert_close(got, ref, rtol=1e-6, atol=0)
+    torch.testing.assert_close(got, g13.float().norm() / 2, rtol=1e-6, atol=0)

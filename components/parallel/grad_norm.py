@@ -21,6 +21,39 @@ def _copies(t: torch.Tensor, world: int) -> int:
     return (world // mesh.size()) * reps
 
 
+def _whole(tensors: list) -> list:
+    """``tensors`` for one norm pass, where slices along dim 1 that together tile a contiguous base (the
+    [w1; w3] gradient's halves) are replaced by that base: the same sum of squares, and the pass keeps
+    ``_foreach_norm``'s fused path (slices are not dense: it would cast a copy of each and reduce it alone)."""
+    out, views = [], {}
+    for t in tensors:
+        b = t._base
+        if t.is_contiguous() or b is None or not b.is_contiguous() or b.dim() < 2 or t.dim() != b.dim():
+            out.append(t)
+        else:
+            views.setdefault(id(b), (b, []))[1].append(t)
+    for b, vs in views.values():
+        out.extend([b] if _tiles_dim1(b, vs) else vs)
+    return out
+
+
+def _tiles_dim1(b: torch.Tensor, vs: list) -> bool:
+    """Whether the views ``vs`` are slices ``b[:, i:j]`` whose ranges cover ``range(b.shape[1])`` once."""
+    spans = []
+    for v in vs:
+        off = v.storage_offset() - b.storage_offset()
+        if (v.stride() != b.stride() or v.shape[0] != b.shape[0] or v.shape[2:] != b.shape[2:]
+                or off % b.stride(1) or not 0 <= off < b.stride(0)):
+            return False
+        spans.append((off // b.stride(1), off // b.stride(1) + v.shape[1]))
+    end = 0
+    for lo, hi in sorted(spans):
+        if lo != end:
+            return False
+        end = hi
+    return end == b.shape[1]
+
+
 def clip_grad_norm_(params, max_norm: float, scale_into=None) -> torch.Tensor:
     """Clip to ``max_norm`` (0 or inf: no clipping); returns the total norm (device; fp32, fp64 for fp64 grads).
 
@@ -45,7 +78,7 @@ def clip_grad_norm_(params, max_norm: float, scale_into=None) -> torch.Tensor:
     acc = torch.float64 if any(k[2] == torch.float64 for k in groups) else torch.float32
     total = torch.zeros((), dtype=acc, device=device)
     for (copies, _, dtype, factor), locals_ in groups.items():
-        norms = torch._foreach_norm(locals_, 2, dtype=dtype)
+        norms = torch._foreach_norm(_whole(locals_), 2, dtype=dtype)
         total = total + torch.stack(norms).to(acc).pow(2).sum() * factor ** 2 / copies
     if world > 1:
         dist.all_reduce(total)
