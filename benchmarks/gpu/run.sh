@@ -218,17 +218,18 @@ print('largest step difference over steps 1-20: %.2e at step %d' % max(rel[:20])
 
   copies_profile)  # -> step_breakdown_v2lite_6b_2gpu_copies_vs_cast_<GPU>.md: the graphed + compiled step at EP=2 on
     # the config that fills two GPUs, QuACK experts, with the optimizer writing the experts' bf16 copies vs the
-    # per-step cast ([training] master_weights false), by category side by side
+    # per-step cast ([training] master_weights false), by category side by side. GRAPH=false: eager steps, whose
+    # kernels the table can attribute to the ops that launched them (a graph replay's kernels have none)
     GPU=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1 | cut -d" " -f2)
     PROF="--training.steps 14 --metrics.log_freq 2 --profiling.enable_profiling true --profiling.profile_freq 12
-          --profiling.profiler_warmup 8 --profiling.profiler_active 4 --training.cuda_graph true --compile.enable true
-          --moe_echo.experts_gemm quack"
+          --profiling.profiler_warmup 8 --profiling.profiler_active 4 --training.cuda_graph ${GRAPH:-true}
+          --compile.enable true --moe_echo.experts_gemm quack"
     CFG=train_configs/v2lite_6b_2gpu.toml TMO=230 FROM=6 recipe prof_copies 2 $PROF | tail -2
     CFG=train_configs/v2lite_6b_2gpu.toml TMO=230 FROM=6 recipe prof_cast 2 $PROF --training.master_weights false | tail -2
     timeout 100 python3 benchmarks/step_breakdown.py \
       "copies=$(ls /tmp/run_prof_copies/profile_traces/iteration_*/rank0_trace.json | tail -1)" \
       "cast=$(ls /tmp/run_prof_cast/profile_traces/iteration_*/rank0_trace.json | tail -1)" \
-      --name "v2lite_6b_2gpu_copies_vs_cast_$GPU" --out "$OUT" | head -70 ;;
+      --name "v2lite_6b_2gpu_copies_vs_cast_graph_${GRAPH:-true}_$GPU" --out "$OUT" | head -70 ;;
 
   profile)  # -> step_breakdown_<config>.md: the eager step's GPU time by category
     for cfg in ${CONFIGS:-v2lite_1b_gpu}; do
