@@ -14,7 +14,9 @@ All five run by default (``--runs`` picks some). "torchtitan best" is the faster
 ``graph_vs_eager`` = ours_graph / ours_eager, ``compile_vs_graph`` = ours_compile_graph / ours_graph.
 ``--variants "torch=--moe_echo.experts_gemm torch;quack=--moe_echo.experts_gemm quack"`` runs each of our
 runs once per variant (its arguments after ``--ours``), so variants and torchtitan share one call and
-one baseline; rows carry ``variant``.
+one baseline; rows carry ``variant``. A variant whose arguments start with ``@DIR`` runs the recipe of the
+source tree at DIR (another revision, e.g. ``git archive``'s, with its own config of the same name), so a code
+change and the code before it are timed in one call: ``--variants "before=@/tmp/base;after="``.
 Every run trains the same model flavour on the same text (Python stdlib source as .jsonl) with the
 same byte-level HF tokenizer, batch, sequence length, AdamW (fused, same lr / warmup) and bf16
 compute with fp32 master weights; no checkpoints, no activation checkpointing.
@@ -196,6 +198,18 @@ def parse_variants(spec: str) -> list[tuple[str, str]]:
     return out
 
 
+def source_tree(extra: str) -> tuple[str, str]:
+    """(root of the source tree the run uses, the recipe arguments): ``"@DIR ARGS"`` -> (DIR, ARGS)."""
+    if not extra.startswith("@"):
+        return ROOT, extra
+    tree, _, rest = extra[1:].partition(" ")
+    tree = os.path.abspath(tree)
+    if not os.path.isfile(os.path.join(tree, "recipes", "pretrain.py")):
+        raise ValueError(f"--variants: @{tree} is not a moe-echo source tree (no recipes/pretrain.py); "
+                         "unpack one there, e.g. git archive REV | tar -x -C DIR")
+    return tree, rest.strip()
+
+
 def failure_line(log: str) -> str:
     """The line that says why a run failed: the recipe's one-line ``error: ...`` if printed, else the
     last line that is not a launcher banner or warning."""
@@ -229,7 +243,10 @@ def command(run: str, a, cfg_path: str, cfg: dict, dump: str, tok_dir: str, data
         toml = titan_toml(cfg, a.steps, dump, tok_dir, os.path.dirname(data), run == "torchtitan_compile")
         return launcher + [os.path.join(ROOT, "benchmarks", "torchtitan_main.py"), "--job.config_file", toml,
                            "--metrics.disable_color_printing"] + shlex.split(a.titan)
-    cmd = launcher + [os.path.join(ROOT, "recipes", "pretrain.py"), "--job.config_file", cfg_path,
+    root, extra = source_tree(extra)
+    own = os.path.join(root, "train_configs", os.path.basename(cfg_path))  # the tree's own config of that name
+    cmd = launcher + [os.path.join(root, "recipes", "pretrain.py"), "--job.config_file",
+                      own if os.path.isfile(own) else cfg_path,
                       "--job.dump_folder", dump, "--training.steps", str(a.steps), "--metrics.log_freq", "5",
                       "--metrics.enable_tensorboard", "false", "--checkpoint.enable", "false",
                       "--training.dataset", "local", "--training.dataset_path", data,
@@ -245,7 +262,7 @@ def measure(run: str, a, cfg_path: str, cfg: dict, tok_dir: str, data: str, work
     dump = tempfile.mkdtemp(prefix=f"{name}_{a.nproc}gpu{a.label}_{run}{tag}_", dir=work)  # always a fresh folder
     cmd = command(run, a, cfg_path, cfg, dump, tok_dir, data, extra)
     try:
-        p = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=a.timeout)
+        p = subprocess.run(cmd, capture_output=True, text=True, cwd=source_tree(extra)[0], timeout=a.timeout)
         log, rc = p.stdout + p.stderr, p.returncode
     except subprocess.TimeoutExpired as e:
         log, rc = (e.stdout or b"").decode() + (e.stderr or b"").decode(), "timeout"
@@ -303,6 +320,8 @@ def main():
         return
     try:
         variants = parse_variants(a.variants)
+        for _, extra in variants:
+            source_tree(extra)
     except ValueError as e:
         ap.error(str(e))
     a.label = f"_{a.label}" if a.label and not a.label.startswith("_") else a.label
@@ -328,7 +347,7 @@ def main():
             r.update({"config": name, "gpus": a.nproc, "label": a.label.lstrip("_")})
             if variant:
                 r["variant"] = variant
-            ran = with_overrides(cfg, a.titan if run.startswith("torchtitan") else f"{a.ours} {extra}")
+            ran = with_overrides(cfg, a.titan if run.startswith("torchtitan") else f"{a.ours} {source_tree(extra)[1]}")
             fpt, tokens = flops_per_token(ran), ran["training"]["local_batch_size"] * ran["training"]["seq_len"]
             if r.get("tokens_per_s_per_gpu"):
                 r["step_ms"] = 1e3 * tokens / r["tokens_per_s_per_gpu"]

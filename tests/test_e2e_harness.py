@@ -11,7 +11,7 @@ sys.path.insert(0, ROOT)
 import pytest  # noqa: E402
 
 from benchmarks.e2e import (compare, failure_line, parse_variants, peak_gib, rank_load_in_steady,  # noqa: E402
-                            replays_in_steady, steady, with_overrides)
+                            replays_in_steady, source_tree, steady, with_overrides)
 
 
 def test_steady_state_is_the_median_of_the_second_half():
@@ -90,3 +90,34 @@ def test_rank_load_is_averaged_over_the_steady_window_and_layers():
             {"step": 20, "moe/layer1/rank_load_max_over_mean": 1.3, "moe/layer2/rank_load_max_over_mean": 1.1}]
     assert abs(rank_load_in_steady(rows, steps=20) - 1.25) < 1e-12  # step 5 is before the window
     assert rank_load_in_steady([{"step": 15, "loss": 1.0}], steps=20) is None  # EP=1: nothing logged
+
+
+@pytest.mark.slow
+def test_a_variant_runs_another_source_tree(tmp_path):
+    """``@DIR`` variants time another revision's recipe in the same call: the run executes DIR's recipe and
+    code (a marker patched into that tree's recipe shows in the run's log), with DIR's own config."""
+    import argparse
+    import shutil
+    import tomllib
+
+    from benchmarks.e2e import make_assets, measure
+
+    tree = tmp_path / "base"
+    for sub in ("recipes", "components", "kernels", "train_configs"):
+        shutil.copytree(os.path.join(ROOT, sub), tree / sub, ignore=shutil.ignore_patterns("__pycache__"))
+    recipe = tree / "recipes" / "pretrain.py"
+    recipe.write_text(recipe.read_text().replace("def train(argv", "print('BASE-TREE-RECIPE')\n\n\ndef train(argv"))
+    assert source_tree(f"@{tree} --training.steps 3") == (str(tree), "--training.steps 3")
+    assert source_tree("--training.steps 3") == (ROOT, "--training.steps 3")
+    with pytest.raises(ValueError, match="not a moe-echo source tree"):
+        source_tree(f"@{tmp_path / 'missing'}")
+
+    a = argparse.Namespace(nproc=1, steps=6, ours="", titan="", label="", timeout=300)
+    cfg_path = os.path.join(ROOT, "train_configs", "debug_cpu.toml")
+    with open(cfg_path, "rb") as f:
+        cfg = tomllib.load(f)
+    tok_dir, data = make_assets(str(tmp_path / "assets"))
+    r = measure("ours_eager", a, cfg_path, cfg, tok_dir, data, str(tmp_path), "base", f"@{tree}")
+    assert r.get("tokens_per_s_per_gpu", 0) > 0, r
+    log = open(os.path.join(r["folder"], "run.log")).read()
+    assert "BASE-TREE-RECIPE" in log and str(tree / "train_configs" / "debug_cpu.toml") in log.splitlines()[0]

@@ -9,6 +9,9 @@
 OUT=${OUT:-./gpu_out}; mkdir -p "$OUT"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
+# another revision's source tree for e2e's "@/tmp/base" variants: made here with
+#   git archive REV recipes components kernels train_configs | gzip > build/base.tgz   (carry build/base.tgz)
+if [ -f build/base.tgz ]; then rm -rf /tmp/base && mkdir -p /tmp/base && tar xzf build/base.tgz -C /tmp/base; fi
 
 # QuACK (`experts_gemm = "quack"`; benchmarks/gpu/quack_offline.sh prepares it): installed once this machine
 # holds cutlass-dsl's MLIR library (`run.sh quack_unpack`, an earlier call) and .whl/extra/quack was carried.

@@ -25,7 +25,8 @@
 #   e2e         1-2  whole-run tokens/s, step ms and MFU vs torchtitan's trainer (no compile / compile), ours
 #                    eager and graphed (CONFIGS="debug_gpu ...", RUNS=..., PART=1gpu | ep2 | fill | variants:
 #                    VARIANTS="name=recipe args;..." at EP=2 on CONFIGS (default v2lite_1b_gpu), our runs once per
-#                    variant against one torchtitan baseline, e.g. "quack=--moe_echo.experts_gemm quack;torch=")
+#                    variant against one torchtitan baseline, e.g. "quack=--moe_echo.experts_gemm quack;torch=";
+#                    "base=@/tmp/base;head=" times another revision (build/base.tgz, see lib.sh) in the same call)
 #                    -> e2e_<GPU>.md
 #   fill_profile 2   the graphed + compiled v2lite_6b_2gpu step profiled at EP=2 (ARGS: extra recipe args, LABEL)
 #                    -> step_breakdown_v2lite_6b_2gpu_graph_compile_<LABEL>_<GPU>.md
