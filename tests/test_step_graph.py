@@ -93,6 +93,58 @@ def test_checkpoints_of_graphed_and_eager_runs_load_into_each_other(tmp_path):
         assert float(opt2.param_groups[0]["lr"]) == pytest.approx(1e-3 * lr_factor(3, 4, 10, None, "linear", 0.1))
 
 
+def test_checkpoints_of_graphed_runs_from_earlier_versions_still_load(tmp_path):
+    """Earlier versions saved a graphed run's learning rates as tensors (the optimizer's and the scheduler's
+    last); the loader matches its template to what the checkpoint stored instead of calling it corrupt."""
+    from components.train import checkpoint
+    from components.train.train_state import LRSchedule, ModelAndOptimizer
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    class Sched:
+        warmup_steps, total_steps, decay_ratio, decay_type, min_lr_factor = 4, None, None, "linear", 0.1
+
+    class Raw:  # what earlier versions wrote: the optimizer's and scheduler's state as they are
+        def __init__(self, fn):
+            self.fn = fn
+
+        def state_dict(self):
+            return self.fn()
+
+        def load_state_dict(self, sd):
+            raise AssertionError("only saved")
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(3, 2)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=False)
+    sched = build_lr_scheduler(opt, Sched(), 10)
+    make_capturable(opt, torch.device("cpu"))
+    for _ in range(2):
+        model(torch.randn(4, 3)).sum().backward()
+        opt.step()
+        sched.step()
+    old = {"app": Raw(lambda: dict(zip(("model", "optim"), get_state_dict(model, opt)))),
+           "lr_scheduler": Raw(sched.state_dict)}
+    assert isinstance(old["app"].state_dict()["optim"]["param_groups"][0]["lr"], torch.Tensor)
+    assert isinstance(old["lr_scheduler"].state_dict()["_last_lr"][0], torch.Tensor)
+    path = checkpoint.save(str(tmp_path / "ck"), 2, old)
+    for graphed in (False, True):
+        torch.manual_seed(1)
+        model2 = torch.nn.Linear(3, 2)
+        opt2 = torch.optim.AdamW(model2.parameters(), lr=1e-3, foreach=False)
+        sched2 = build_lr_scheduler(opt2, Sched(), 10)
+        if graphed:
+            make_capturable(opt2, torch.device("cpu"))
+        states = {"app": ModelAndOptimizer(model2, opt2), "lr_scheduler": LRSchedule(sched2)}
+        checkpoint.load(path, states)
+        lr = opt2.param_groups[0]["lr"]
+        assert isinstance(lr, torch.Tensor) == graphed and float(lr) == pytest.approx(float(sched.get_last_lr()[0]))
+        assert torch.equal(model2.weight, model.weight) and sched2.last_epoch == 2
+        assert [float(x) for x in sched2.get_last_lr()] == pytest.approx([float(x) for x in sched.get_last_lr()])
+        # the next save is in today's format again (numbers)
+        assert not isinstance(states["app"].state_dict()["optim"]["param_groups"][0]["lr"], torch.Tensor)
+        assert not isinstance(states["lr_scheduler"].state_dict()["_last_lr"][0], torch.Tensor)
+
+
 def test_host_copy_is_a_detached_snapshot():
     t = torch.arange(4.0, requires_grad=True) * 1
     h = HostCopy((t, [t.sum(), None], 3.0))

@@ -240,19 +240,34 @@ def _root_cause(err: BaseException) -> str:
     return (lines[-1] if lines else "")[:200]
 
 
+def _match_stored(path: str, states: dict) -> None:
+    """Tell each state that can adapt (``match_stored(keys)``) which of its entries ``path`` stored as tensors,
+    so its template matches what is there (a learning rate that earlier versions saved as a device tensor)."""
+    adapting = {name: st for name, st in states.items() if hasattr(st, "match_stored")}
+    if not adapting:
+        return
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    stored = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+    for name, st in adapting.items():
+        st.match_stored({k[len(name) + 1:] for k, m in stored.items()
+                         if k.startswith(name + ".") and isinstance(m, TensorStorageMetadata)})
+
+
 def load(path: str, states: dict) -> None:
     """Load ``states`` in place from checkpoint ``path``; any failure is a one-line UserError."""
     if not os.path.isdir(path):
         raise UserError(f"checkpoint not found: {path!r} (expected a step-N folder written by this recipe)")
     if not os.path.isfile(os.path.join(path, MARKER)) and _STEP_DIR.match(os.path.basename(path.rstrip("/"))):
-        raise UserError(f"checkpoint {path!r} is incomplete (no {MARKER} marker); delete it or pick another")
+        raise UserError(f"checkpoint {path!r} is incomplete (no {MARKER} marker); move it aside or pick another")
     try:
         with warnings.catch_warnings(), _quiet_dcp_logs():
             warnings.simplefilter("ignore", UserWarning)
+            _match_stored(path, states)
             dcp.load(states, checkpoint_id=path)
     except (Exception, CheckpointException) as err:  # CheckpointException is a BaseException
         first = _root_cause(err)
         raise UserError(
             f"checkpoint {path!r} could not be loaded ({first}); "
-            "it is corrupt or from another model — delete it or set --checkpoint.enable false"
+            "it is corrupt or from another model — move it aside or set --checkpoint.enable false"
         ) from None

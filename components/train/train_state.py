@@ -1,6 +1,8 @@
-"""What a checkpoint holds besides the lr scheduler: model + optimizer (DCP Stateful, FQN-keyed,
-so a checkpoint saved at one EP / FSDP layout loads at another) and the train state (step, data
-position, RNG)."""
+"""What a checkpoint holds: model + optimizer (DCP Stateful, FQN-keyed, so a checkpoint saved at one EP /
+FSDP layout loads at another), the lr schedule and the train state (step, data position, RNG). Learning
+rates are saved as numbers, so checkpoints load with or without CUDA graphs."""
+
+import re
 
 import torch
 import torch.distributed as dist
@@ -17,25 +19,36 @@ class ModelAndOptimizer:
 
     def __init__(self, model, optimizer):
         self.model, self.optimizer = model, optimizer
+        self.tensor_lr_groups: set[int] = set()  # groups whose lr the checkpoint being loaded holds as a tensor
 
     def state_dict(self):
         model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
-        return {"model": with_masters(self.optimizer, model_sd), "optim": _lr_as_number(optim_sd)}
+        return {"model": with_masters(self.optimizer, model_sd),
+                "optim": _lr_as_number(optim_sd, self.tensor_lr_groups)}
+
+    def match_stored(self, tensor_keys: set[str]) -> None:
+        """Checkpoints of graphed runs written before learning rates were saved as numbers hold them as tensors."""
+        self.tensor_lr_groups = {int(m.group(1)) for k in tensor_keys
+                                 if (m := re.fullmatch(r"optim\.param_groups\.(\d+)\.lr", k))}
 
     def load_state_dict(self, sd):
-        lr_tensors = [g["lr"] for g in self.optimizer.param_groups]
+        lr_before = [g["lr"] for g in self.optimizer.param_groups]
         set_state_dict(self.model, self.optimizer, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
-        for group, old in zip(self.optimizer.param_groups, lr_tensors):
-            if isinstance(old, torch.Tensor):  # a captured step reads this tensor: fill it, keep it
-                group["lr"] = old.fill_(float(group["lr"]))
+        for group, old in zip(self.optimizer.param_groups, lr_before):
+            value = float(group["lr"])  # a captured step reads a tensor lr: fill it and keep it
+            group["lr"] = old.fill_(value) if isinstance(old, torch.Tensor) else value
+        self.tensor_lr_groups = set()
         refresh_compute_copies(self.model)  # the bf16 copies the optimizer writes, from the loaded weights
 
 
-def _lr_as_number(optim_sd: dict) -> dict:
+def _lr_as_number(optim_sd: dict, as_tensor: set[int] = frozenset()) -> dict:
     """A graphed run's learning rate is a device tensor (``make_capturable``); checkpoints hold it as a number,
-    so a checkpoint loads into a run with or without CUDA graphs (one host read per save)."""
-    groups = [{k: float(v) if k == "lr" and isinstance(v, torch.Tensor) else v for k, v in g.items()}
-              for g in optim_sd["param_groups"]]
+    so a checkpoint loads into a run with or without CUDA graphs (one host read per save). Groups in
+    ``as_tensor``: a host tensor, to match a checkpoint that stored one."""
+    def lr(i, v):
+        return torch.tensor(float(v)) if i in as_tensor else float(v)
+
+    groups = [{k: lr(i, v) if k == "lr" else v for k, v in g.items()} for i, g in enumerate(optim_sd["param_groups"])]
     return {**optim_sd, "param_groups": groups}
 
 
@@ -45,13 +58,19 @@ class LRSchedule:
 
     def __init__(self, scheduler):
         self.scheduler = scheduler
+        self.tensor_last_lr = False  # the checkpoint being loaded holds them as tensors (written by earlier versions)
 
     def state_dict(self):
         sd = self.scheduler.state_dict()
-        return {**sd, "_last_lr": [float(lr) for lr in sd["_last_lr"]]}
+        last = [float(lr) for lr in sd["_last_lr"]]
+        return {**sd, "_last_lr": [torch.tensor(v) for v in last] if self.tensor_last_lr else last}
+
+    def match_stored(self, tensor_keys: set[str]) -> None:
+        self.tensor_last_lr = any(k.startswith("_last_lr.") for k in tensor_keys)
 
     def load_state_dict(self, sd):
-        self.scheduler.load_state_dict(sd)
+        self.scheduler.load_state_dict({**sd, "_last_lr": [float(lr) for lr in sd["_last_lr"]]})
+        self.tensor_last_lr = False
 
 
 class TrainState:
