@@ -222,12 +222,12 @@ print('largest step difference over steps 1-20: %.2e at step %d' % max(rel[:20])
     # per-step cast ([training] master_weights false), by category side by side. GRAPH=false: eager steps, whose
     # kernels the table can attribute to the ops that launched them (a graph replay's kernels have none)
     GPU=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1 | cut -d" " -f2)
-    PROF="--training.steps 14 --metrics.log_freq 2 --profiling.enable_profiling true --profiling.profile_freq 12
-          --profiling.profiler_warmup 8 --profiling.profiler_active 4 --training.cuda_graph ${GRAPH:-true}
+    PROF="--training.steps 12 --metrics.log_freq 2 --profiling.enable_profiling true --profiling.profile_freq 10
+          --profiling.profiler_warmup 6 --profiling.profiler_active 2 --training.cuda_graph ${GRAPH:-true}
           --compile.enable true --moe_echo.experts_gemm quack"
-    CFG=train_configs/v2lite_6b_2gpu.toml TMO=230 FROM=6 recipe prof_copies 2 $PROF | tail -2
-    CFG=train_configs/v2lite_6b_2gpu.toml TMO=230 FROM=6 recipe prof_cast 2 $PROF --training.master_weights false | tail -2
-    timeout 100 python3 benchmarks/step_breakdown.py \
+    CFG=train_configs/v2lite_6b_2gpu.toml TMO=220 FROM=6 recipe prof_copies 2 $PROF | tail -2
+    CFG=train_configs/v2lite_6b_2gpu.toml TMO=220 FROM=6 recipe prof_cast 2 $PROF --training.master_weights false | tail -2
+    timeout 120 python3 benchmarks/step_breakdown.py \
       "copies=$(ls /tmp/run_prof_copies/profile_traces/iteration_*/rank0_trace.json | tail -1)" \
       "cast=$(ls /tmp/run_prof_cast/profile_traces/iteration_*/rank0_trace.json | tail -1)" \
       --name "v2lite_6b_2gpu_copies_vs_cast_graph_${GRAPH:-true}_$GPU" --out "$OUT" | head -70 ;;
