@@ -35,14 +35,38 @@ def test_step_graph_says_why_and_runs_eagerly():
     assert logs == [] and "cuda_graph = false" in off.reason
 
 
-def test_capturable_optimizer_lr_is_a_tensor_the_scheduler_fills_in_place():
-    class Sched:
-        warmup_steps, decay_ratio, decay_type, min_lr_factor, total_steps = 4, None, "linear", 0.1, 0
+class _Sched:  # [lr_scheduler]: 4 warm-up steps, linear decay to 0.1 of the base lr
+    warmup_steps, total_steps, decay_ratio, decay_type, min_lr_factor = 4, None, None, "linear", 0.1
 
+
+def _lr_at(step: int) -> float:
+    return 1e-3 * lr_factor(step, 4, 10, None, "linear", 0.1)
+
+
+def _optimizer(capturable: bool, seed: int = 0, steps: int = 0):
+    """(model, AdamW, its schedule over 10 steps), made capturable as the graphed recipe does, after ``steps``
+    optimizer steps."""
+    torch.manual_seed(seed)
     model = torch.nn.Linear(3, 2)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=False)
-    sched = build_lr_scheduler(opt, Sched(), 10)
-    make_capturable(opt, torch.device("cpu"))
+    sched = build_lr_scheduler(opt, _Sched(), 10)
+    if capturable:
+        make_capturable(opt, torch.device("cpu"))
+    for _ in range(steps):
+        model(torch.randn(4, 3)).sum().backward()
+        opt.step()
+        sched.step()
+    return model, opt, sched
+
+
+def _states(model, opt, sched) -> dict:
+    from components.train.train_state import LRSchedule, ModelAndOptimizer
+
+    return {"app": ModelAndOptimizer(model, opt), "lr_scheduler": LRSchedule(sched)}
+
+
+def test_capturable_optimizer_lr_is_a_tensor_the_scheduler_fills_in_place():
+    model, opt, sched = _optimizer(capturable=True)
     lr = opt.param_groups[0]["lr"]
     assert isinstance(lr, torch.Tensor)
     for step in range(1, 8):
@@ -50,8 +74,7 @@ def test_capturable_optimizer_lr_is_a_tensor_the_scheduler_fills_in_place():
         opt.step()
         sched.step()
         assert opt.param_groups[0]["lr"] is lr  # same tensor: a captured optimizer step reads it
-        expect = 1e-3 * lr_factor(step, 4, 10, None, "linear", 0.1)
-        assert float(lr) == pytest.approx(expect, rel=1e-6)
+        assert float(lr) == pytest.approx(_lr_at(step), rel=1e-6)
 
 
 def test_checkpoints_of_graphed_and_eager_runs_load_into_each_other(tmp_path):
@@ -59,49 +82,28 @@ def test_checkpoints_of_graphed_and_eager_runs_load_into_each_other(tmp_path):
     so it resumes a run that has not made its optimizer capturable yet (the recipe loads first), and a
     capturable one keeps its lr tensor, filled with the loaded value."""
     from components.train import checkpoint
-    from components.train.train_state import LRSchedule, ModelAndOptimizer
-
-    class Sched:
-        warmup_steps, total_steps, decay_ratio, decay_type, min_lr_factor = 4, None, None, "linear", 0.1
-
-    def build(capturable: bool):
-        torch.manual_seed(0)
-        model = torch.nn.Linear(3, 2)
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=False)
-        sched = build_lr_scheduler(opt, Sched(), 10)
-        if capturable:
-            make_capturable(opt, torch.device("cpu"))
-        return model, opt, sched
 
     for saved_graphed, loaded_graphed in ((True, False), (False, True), (True, True)):
-        model, opt, sched = build(saved_graphed)
-        for _ in range(2):
-            model(torch.randn(4, 3)).sum().backward()
-            opt.step()
-            sched.step()
-        states = lambda m, o, s: {"app": ModelAndOptimizer(m, o), "lr_scheduler": LRSchedule(s)}
-        path = checkpoint.save(str(tmp_path / f"{saved_graphed}{loaded_graphed}"), 2, states(model, opt, sched))
-        model2, opt2, sched2 = build(loaded_graphed)
+        model, opt, sched = _optimizer(saved_graphed, steps=2)
+        path = checkpoint.save(str(tmp_path / f"{saved_graphed}{loaded_graphed}"), 2, _states(model, opt, sched))
+        model2, opt2, sched2 = _optimizer(loaded_graphed, seed=1)
         lr_before = opt2.param_groups[0]["lr"]
-        checkpoint.load(path, states(model2, opt2, sched2))
+        checkpoint.load(path, _states(model2, opt2, sched2))
         lr = opt2.param_groups[0]["lr"]
-        assert float(lr) == pytest.approx(1e-3 * lr_factor(2, 4, 10, None, "linear", 0.1), rel=1e-6)
+        assert float(lr) == pytest.approx(_lr_at(2), rel=1e-6)
         assert (lr is lr_before) == loaded_graphed and sched2.last_epoch == 2
         assert torch.equal(model2.weight, model.weight)
         assert torch.equal(opt2.state[model2.weight]["exp_avg"], opt.state[model.weight]["exp_avg"])
         sched2.step()
-        assert float(opt2.param_groups[0]["lr"]) == pytest.approx(1e-3 * lr_factor(3, 4, 10, None, "linear", 0.1))
+        assert float(opt2.param_groups[0]["lr"]) == pytest.approx(_lr_at(3))
 
 
 def test_checkpoints_of_graphed_runs_from_earlier_versions_still_load(tmp_path):
     """Earlier versions saved a graphed run's learning rates as tensors (the optimizer's and the scheduler's
     last); the loader matches its template to what the checkpoint stored instead of calling it corrupt."""
-    from components.train import checkpoint
-    from components.train.train_state import LRSchedule, ModelAndOptimizer
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
-    class Sched:
-        warmup_steps, total_steps, decay_ratio, decay_type, min_lr_factor = 4, None, None, "linear", 0.1
+    from components.train import checkpoint
 
     class Raw:  # what earlier versions wrote: the optimizer's and scheduler's state as they are
         def __init__(self, fn):
@@ -113,33 +115,20 @@ def test_checkpoints_of_graphed_runs_from_earlier_versions_still_load(tmp_path):
         def load_state_dict(self, sd):
             raise AssertionError("only saved")
 
-    torch.manual_seed(0)
-    model = torch.nn.Linear(3, 2)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=False)
-    sched = build_lr_scheduler(opt, Sched(), 10)
-    make_capturable(opt, torch.device("cpu"))
-    for _ in range(2):
-        model(torch.randn(4, 3)).sum().backward()
-        opt.step()
-        sched.step()
+    model, opt, sched = _optimizer(capturable=True, steps=2)
     old = {"app": Raw(lambda: dict(zip(("model", "optim"), get_state_dict(model, opt)))),
            "lr_scheduler": Raw(sched.state_dict)}
     assert isinstance(old["app"].state_dict()["optim"]["param_groups"][0]["lr"], torch.Tensor)
     assert isinstance(old["lr_scheduler"].state_dict()["_last_lr"][0], torch.Tensor)
     path = checkpoint.save(str(tmp_path / "ck"), 2, old)
     for graphed in (False, True):
-        torch.manual_seed(1)
-        model2 = torch.nn.Linear(3, 2)
-        opt2 = torch.optim.AdamW(model2.parameters(), lr=1e-3, foreach=False)
-        sched2 = build_lr_scheduler(opt2, Sched(), 10)
-        if graphed:
-            make_capturable(opt2, torch.device("cpu"))
-        states = {"app": ModelAndOptimizer(model2, opt2), "lr_scheduler": LRSchedule(sched2)}
+        model2, opt2, sched2 = _optimizer(graphed, seed=1)
+        states = _states(model2, opt2, sched2)
         checkpoint.load(path, states)
         lr = opt2.param_groups[0]["lr"]
-        assert isinstance(lr, torch.Tensor) == graphed and float(lr) == pytest.approx(float(sched.get_last_lr()[0]))
+        assert isinstance(lr, torch.Tensor) == graphed and float(lr) == pytest.approx(_lr_at(2), rel=1e-6)
         assert torch.equal(model2.weight, model.weight) and sched2.last_epoch == 2
-        assert [float(x) for x in sched2.get_last_lr()] == pytest.approx([float(x) for x in sched.get_last_lr()])
+        assert [float(x) for x in sched2.get_last_lr()] == pytest.approx([_lr_at(2)])
         # the next save is in today's format again (numbers)
         assert not isinstance(states["app"].state_dict()["optim"]["param_groups"][0]["lr"], torch.Tensor)
         assert not isinstance(states["lr_scheduler"].state_dict()["_last_lr"][0], torch.Tensor)
