@@ -5,6 +5,7 @@ torch's AdamW on the equivalent fp32 gradients; clipping, the step gate and chec
 
 import copy
 
+import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
@@ -181,6 +182,25 @@ def test_quack_layout_keeps_w1_and_w3_copies_as_halves_of_one_buffer():
         opt.zero_grad()
     assert torch.equal(ge._copy13, torch.cat([ge.w1.detach(), ge.w3.detach()], 1).bfloat16())
     assert torch.equal(ge.w2.compute_copy, ge.w2.detach().bfloat16())
+
+
+def test_a_weight_with_both_a_grad_and_a_compute_gradient_stops_the_step():
+    """torch's AdamW would apply the .grad as well (a second step, which once came from a zero .grad that
+    torch 2.11's DTensor.to_local backward wrote): the step refuses, and no weight moves."""
+    torch.manual_seed(0)
+    ge = GroupedExperts(16, 12, 4)
+    ge.init_weights(0.02)
+    ge.compute_dtype = torch.bfloat16
+    ge.enable_compute_copies()
+    opt = AdamWWithCopies(ge.parameters(), fused=True, **HP)
+    w1, w2, w3 = ge.local_weights()
+    (w1.float().sum() + w2.float().sum() + w3.float().sum()).backward()
+    assert all(w.grad is None and w.compute_grad is not None for w in (ge.w1, ge.w2, ge.w3))
+    ge.w2.grad = torch.zeros_like(ge.w2)
+    before = ge.w2.detach().clone()
+    with pytest.raises(RuntimeError, match="also has a .grad"):
+        opt.step()
+    assert torch.equal(ge.w2.detach(), before)
 
 
 def test_one_gpu_bf16_weights_live_as_halves_of_one_w13_for_quack():

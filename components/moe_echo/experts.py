@@ -91,27 +91,31 @@ class _OptimizerCopy(torch.autograd.Function):
     """A weight's persistent low-precision copy (``param.compute_copy``, written by the optimizer step) as the
     weight's differentiable stand-in. Backward sums the gradient, in the copy's dtype, into
     ``param.compute_grad`` and gives the weight none: the optimizer (components/train/master_adamw.py,
-    ``AdamWWithCopies``) divides, clips and applies it, writing the next copy in the same pass."""
+    ``AdamWWithCopies``) divides, clips and applies it, writing the next copy in the same pass.
+
+    The input is the weight itself, never ``w.to_local()``: torch 2.11 runs to_local's backward on the None
+    returned here and gives the weight a zero ``.grad``, which torch's AdamW would then apply as a second step."""
 
     @staticmethod
-    def forward(ctx, w_local, copy, holder):
-        ctx.param = holder[0]
+    def forward(ctx, w, copy):
+        ctx.param = w
         return copy.detach()  # the copy itself (an alias): no per-step cast
 
     @staticmethod
     def backward(ctx, grad):
         p = ctx.param
         p.compute_grad = grad if p.compute_grad is None else p.compute_grad + grad
-        return None, None, None
+        return None, None
 
 
 class _OptimizerCopy13(torch.autograd.Function):
     """[w1; w3]'s compute copies as one tensor (QuACK's gate/up layout: the two copies are its halves, so
-    nothing is concatenated per step); backward hands each half of the gradient, in place, to its weight."""
+    nothing is concatenated per step); backward hands each half of the gradient, in place, to its weight.
+    Its inputs are the weights themselves (see ``_OptimizerCopy``)."""
 
     @staticmethod
-    def forward(ctx, w1_local, w3_local, copy13, holder):
-        ctx.params = holder
+    def forward(ctx, w1, w3, copy13):
+        ctx.params = (w1, w3)
         return copy13.detach()
 
     @staticmethod
@@ -119,7 +123,7 @@ class _OptimizerCopy13(torch.autograd.Function):
         h = ctx.params[0].compute_copy.shape[1]
         for p, g in zip(ctx.params, (grad13[:, :h], grad13[:, h:])):
             p.compute_grad = g if p.compute_grad is None else p.compute_grad + g
-        return None, None, None, None
+        return None, None, None
 
 
 class _Shared13(torch.autograd.Function):
@@ -228,7 +232,7 @@ class GroupedExperts(nn.Module):
         params = (self.w1, self.w2, self.w3)
         if self.compute_copies:
             self._new_forward()
-            return tuple(_OptimizerCopy.apply(_local(w), w.compute_copy, [w]) for w in params)
+            return tuple(_OptimizerCopy.apply(w, w.compute_copy) for w in params)
         local = (_local(w) for w in params)
         if self.compute_dtype is None:
             return tuple(local)
@@ -244,8 +248,7 @@ class GroupedExperts(nn.Module):
             if copy13 is None:
                 c1, c2, c3 = self.local_weights()
                 return torch.cat([c1, c3], dim=1), c2
-            return (_OptimizerCopy13.apply(_local(w1), _local(w3), copy13, [w1, w3]),
-                    _OptimizerCopy.apply(_local(w2), w2.compute_copy, [w2]))
+            return _OptimizerCopy13.apply(w1, w3, copy13), _OptimizerCopy.apply(w2, w2.compute_copy)
         w1, w2, w3 = (_local(w) for w in (self.w1, self.w2, self.w3))
         if self.compute_dtype is None:
             w13 = self._shared_13()

@@ -101,6 +101,12 @@ class AdamWWithCopies(torch.optim.AdamW):
 
     @torch.no_grad()
     def step(self, closure=None):
+        for group in self.param_groups:  # host metadata only: torch's step below would apply such a .grad too
+            for p in group["params"]:
+                if p.grad is not None and getattr(p, "compute_grad", None) is not None:
+                    raise RuntimeError(f"a weight of shape {tuple(p.shape)} with a compute copy also has a .grad: "
+                                       "its forward must take the weight itself, not its local shard "
+                                       "(components/moe_echo/experts.py, _OptimizerCopy)")
         loss = super().step(closure)
         skip = getattr(self, "found_inf", None)
         scale = getattr(self, "grad_scale", None)
