@@ -1,5 +1,9 @@
 """Fused SwiGLU activation: h = silu(a) · b, with its backward, in one elementwise pass each.
 
+``swiglu`` takes a and b as two tensors; ``swiglu13`` takes one [N, 2H] tensor ab = [a | b] (the output of
+one GEMM against the gate and up weights concatenated, [w1; w3]) and returns its gradient as one [N, 2H]
+tensor, so that GEMM's backward gives x's gradient in one GEMM instead of two gradients to sum.
+
     forward:  h = a·σ(a)·b
     backward: da = g·b·σ(a)·(1 + a·(1 − σ(a))),  db = g·a·σ(a)
 Math in fp32, storage in the inputs' dtype. Triton on CUDA; torch elsewhere (same formulas).
@@ -54,6 +58,41 @@ if triton is not None:
         da, db = silu_mul_grads(g, a, b)
         tl.store(da_ptr + offs, da.to(da_ptr.dtype.element_ty), mask=mask)
         tl.store(db_ptr + offs, db.to(db_ptr.dtype.element_ty), mask=mask)
+
+    @triton.jit
+    def _tile13(ab_ptr, N, H, ab_stride, BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr):
+        """(rows, cols, mask, a, b) of this program's [BLOCK_R, BLOCK_H] tile of ab = [a | b], fp32."""
+        rows = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
+        cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+        mask = (rows < N)[:, None] & (cols < H)[None, :]
+        at = ab_ptr + rows[:, None] * ab_stride + cols[None, :]
+        a = tl.load(at, mask=mask, other=0.0).to(tl.float32)
+        b = tl.load(at + H, mask=mask, other=0.0).to(tl.float32)
+        return rows, cols, mask, a, b
+
+    @triton.jit
+    def _swiglu13_fwd_kernel(ab_ptr, h_ptr, N, H, ab_stride, rows_ptr, BLOCK_R: tl.constexpr,
+                             BLOCK_H: tl.constexpr, BOUNDED: tl.constexpr):
+        """h[r, c] = silu(ab[r, c]) · ab[r, H + c] (grid: row blocks, column blocks)."""
+        N = _elements(N, rows_ptr, 1, BOUNDED)
+        if tl.program_id(0) * BLOCK_R >= N:
+            return
+        rows, cols, mask, a, b = _tile13(ab_ptr, N, H, ab_stride, BLOCK_R, BLOCK_H)
+        tl.store(h_ptr + rows[:, None] * H + cols[None, :], silu_mul(a, b).to(h_ptr.dtype.element_ty), mask=mask)
+
+    @triton.jit
+    def _swiglu13_bwd_kernel(g_ptr, ab_ptr, dab_ptr, N, H, ab_stride, rows_ptr, BLOCK_R: tl.constexpr,
+                             BLOCK_H: tl.constexpr, BOUNDED: tl.constexpr):
+        """dab[r, c], dab[r, H + c] = SwiGLU's gradients for g[r, c] (dab: [N, 2H] contiguous)."""
+        N = _elements(N, rows_ptr, 1, BOUNDED)
+        if tl.program_id(0) * BLOCK_R >= N:
+            return
+        rows, cols, mask, a, b = _tile13(ab_ptr, N, H, ab_stride, BLOCK_R, BLOCK_H)
+        g = tl.load(g_ptr + rows[:, None] * H + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        da, db = silu_mul_grads(g, a, b)
+        out = dab_ptr + rows[:, None] * (2 * H) + cols[None, :]
+        tl.store(out, da.to(dab_ptr.dtype.element_ty), mask=mask)
+        tl.store(out + H, db.to(dab_ptr.dtype.element_ty), mask=mask)
 
 _BLOCK = 2048
 
@@ -114,3 +153,61 @@ def swiglu(a: torch.Tensor, b: torch.Tensor, rows_1: torch.Tensor | None = None)
     if a.dtype == b.dtype and _use_triton(a, b):
         return _SwiGLU.apply(a, b, rows_1)
     return F.silu(a) * b
+
+
+def _tiles13(N: int, H: int) -> tuple[tuple[int, int], int, int]:
+    """(grid, BLOCK_R, BLOCK_H) of the [N, 2H] kernels: 2048-element tiles, at most 256 columns wide."""
+    block_h = min(256, triton.next_power_of_2(H))
+    block_r = _BLOCK // block_h
+    return (triton.cdiv(N, block_r), triton.cdiv(H, block_h)), block_r, block_h
+
+
+def swiglu13_fwd(ab: torch.Tensor, rows_1: torch.Tensor | None = None) -> torch.Tensor:
+    """h [N, H] = silu(ab[:, :H]) · ab[:, H:] without autograd; ab [N, 2H], rows contiguous."""
+    H = ab.shape[-1] // 2
+    if not _use_triton(ab):
+        return (F.silu(ab[..., :H].float()) * ab[..., H:].float()).to(ab.dtype)
+    ab = ab if ab.stride(-1) == 1 else ab.contiguous()
+    h = ab.new_empty(ab.shape[0], H)
+    if ab.shape[0] and H:
+        grid, block_r, block_h = _tiles13(ab.shape[0], H)
+        _swiglu13_fwd_kernel[grid](ab, h, ab.shape[0], H, ab.stride(0), rows_1 if rows_1 is not None else ab,
+                                   BLOCK_R=block_r, BLOCK_H=block_h, BOUNDED=rows_1 is not None, num_warps=8)
+    return h
+
+
+def swiglu13_bwd(g: torch.Tensor, ab: torch.Tensor, rows_1: torch.Tensor | None = None) -> torch.Tensor:
+    """dab [N, 2H] of h = silu(ab[:, :H]) · ab[:, H:] for the output gradient g [N, H], without autograd."""
+    H = ab.shape[-1] // 2
+    if not _use_triton(g, ab):
+        da, db = swiglu_bwd(g, ab[..., :H], ab[..., H:])
+        return torch.cat([da, db], dim=-1)
+    g = g.contiguous()
+    ab = ab if ab.stride(-1) == 1 else ab.contiguous()
+    dab = torch.empty(ab.shape[0], 2 * H, dtype=ab.dtype, device=ab.device)
+    if ab.shape[0] and H:
+        grid, block_r, block_h = _tiles13(ab.shape[0], H)
+        _swiglu13_bwd_kernel[grid](g, ab, dab, ab.shape[0], H, ab.stride(0), rows_1 if rows_1 is not None else ab,
+                                   BLOCK_R=block_r, BLOCK_H=block_h, BOUNDED=rows_1 is not None, num_warps=8)
+    return dab
+
+
+class _SwiGLU13(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, ab, rows_1):
+        ctx.save_for_backward(ab, rows_1)
+        return swiglu13_fwd(ab, rows_1)
+
+    @staticmethod
+    def backward(ctx, g):
+        ab, rows_1 = ctx.saved_tensors
+        return swiglu13_bwd(g, ab, rows_1), None
+
+
+def swiglu13(ab: torch.Tensor, rows_1: torch.Tensor | None = None) -> torch.Tensor:
+    """silu(ab[:, :H]) * ab[:, H:] for ab [N, 2H] (gate | up), its gradient one [N, 2H] tensor; fused Triton
+    kernels on CUDA, torch ops otherwise. ``rows_1``: only the rows below rows_1[0] (see the module docstring)."""
+    if ab.dim() == 2 and _use_triton(ab):
+        return _SwiGLU13.apply(ab, rows_1)
+    H = ab.shape[-1] // 2
+    return F.silu(ab[..., :H]) * ab[..., H:]

@@ -150,17 +150,22 @@ def test_shared_experts_side_stream_equals_one_stream_eager_and_graphed():
         layer.cfg.shared_experts_stream = "on"
 
 
-@pytest.mark.parametrize("kind", ["random", "all_to_one", "empty_experts", "none"])
+@pytest.mark.parametrize("kind", ["random", "all_to_one", "empty_experts", "none", "random-owned"])
 def test_grouped_experts_match_fp64_and_never_read_padding_rows(kind):
-    """The bf16 grouped-GEMM experts on a fixed-capacity buffer: used rows (and weight gradients) match an
-    fp64 per-expert loop; the padding rows past the used ones hold NaN and must not leak into either."""
+    """The bf16 grouped-GEMM experts on a fixed-capacity buffer (one gate/up GEMM against [w1; w3]): used rows
+    (and weight gradients) match an fp64 per-expert loop; the padding rows past the used ones hold NaN and must
+    not leak into either. ``owned``: fp32 weights cast (and concatenated) for compute in one pass, as for
+    experts outside FSDP."""
     from components.moe_echo.experts import GroupedExperts
 
     torch.manual_seed(0)
     E, D, H, capacity = 8, 512, 384, 4096
+    kind, owned = kind.removesuffix("-owned"), kind.endswith("-owned")
     used = 0 if kind == "none" else 3000
     experts = GroupedExperts(D, H, E).to(DEV)
     experts.init_weights(0.02)
+    if owned:
+        experts.compute_dtype = torch.bfloat16
     counts = expert_counts(kind, E, used)
     x = torch.randn(capacity, D, device=DEV, dtype=torch.bfloat16)
     g = torch.randn(capacity, D, device=DEV, dtype=torch.bfloat16)

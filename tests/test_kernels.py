@@ -194,6 +194,22 @@ for used in (0, 1, 7, 64):
     (F.silu(a4) * b4).backward(g3[:used])
     torch.testing.assert_close(h3[:used], (F.silu(a4) * b4).detach())
     torch.testing.assert_close(a3.grad[:used], a4.grad); torch.testing.assert_close(b3.grad[:used], b4.grad)
+# [N, 2H] = [gate | up] in one tensor (rows possibly strided), its gradient one [N, 2H] tensor
+from kernels.swiglu import swiglu13
+for N, H, used in ((37, 300, 37), (64, 37, 7), (5, 1, 0)):
+    big = torch.randn(N, 2 * H + 3)  # a row stride larger than 2H
+    ab = big[:, :2 * H]; g = torch.randn(N, H)
+    ab[used:] = float("nan"); g[used:] = float("nan")
+    ab.requires_grad_()
+    h = swiglu13(ab, torch.tensor([used], dtype=torch.int32)); h.backward(g)
+    assert type(h.grad_fn).__name__ == "_SwiGLU13Backward", type(h.grad_fn)
+    ref = ab.detach()[:used].clone().requires_grad_()
+    h_ref = F.silu(ref[:, :H]) * ref[:, H:]; h_ref.backward(g[:used])
+    torch.testing.assert_close(h[:used], h_ref.detach()); torch.testing.assert_close(ab.grad[:used], ref.grad)
+ab = torch.randn(9, 16, requires_grad=True); g = torch.randn(9, 8)  # unbounded: every row
+swiglu13(ab).backward(g)
+ab2 = ab.detach().clone().requires_grad_(); (F.silu(ab2[:, :8]) * ab2[:, 8:]).backward(g)
+torch.testing.assert_close(ab.grad, ab2.grad)
 print("SWIGLU-OK")
 """
 
@@ -224,6 +240,14 @@ def test_swiglu_kernel_on_gpu_bf16():
     h2.backward(g2)
     assert torch.equal(h2[:used], swiglu(a, b)[:used])
     assert torch.equal(a2.grad[:used], a.grad[:used]) and torch.equal(b2.grad[:used], b.grad[:used])
+    # [gate | up] in one tensor: the same values and gradients as the two-tensor kernels
+    from kernels.swiglu import swiglu13
+
+    ab = torch.cat([a.detach(), b.detach()], dim=1).requires_grad_()
+    h13 = swiglu13(ab, torch.tensor([used], device="cuda", dtype=torch.int32))
+    h13.backward(g)
+    assert torch.equal(h13[:used], swiglu(a, b)[:used])
+    assert torch.equal(ab.grad[:used], torch.cat([a.grad, b.grad], dim=1)[:used])
 
 
 def test_missing_slots_contribute_nothing_and_get_no_gradient():

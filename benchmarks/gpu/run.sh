@@ -28,6 +28,7 @@
 #                    variant against one torchtitan baseline, e.g. "quack=--moe_echo.experts_gemm quack;torch=";
 #                    "base=@/tmp/base;head=" times another revision (build/base.tgz, see lib.sh) in the same call)
 #                    -> e2e_<GPU>.md
+#   gateup      2    one gate/up GEMM: its GPU tests and gate_up_gemm.py at three shapes
 #   fill_profile 2   the graphed + compiled v2lite_6b_2gpu step profiled at EP=2 (ARGS: extra recipe args, LABEL)
 #                    -> step_breakdown_v2lite_6b_2gpu_graph_compile_<LABEL>_<GPU>.md
 #   profile     1-2  an eager run with [profiling] traces, then rank 0's per-step GPU time by category
@@ -206,6 +207,15 @@ print('largest step difference over steps 1-20: %.2e at step %d' % max(rel[:20])
         2>&1 | grep -v '^{' | tail -12
     fi
     tar czf "$OUT/e2e_logs.tgz" --exclude assets -C /tmp/e2e . 2>/dev/null ;;
+
+  gateup)  # -> gate_up_gemm_<GPU>.md: the one gate/up GEMM's GPU tests, then two GEMMs vs one at three expert
+    # shapes (~300 s). The whole step against the base tree is a second call: PART=variants e2e with
+    # VARIANTS="base=@/tmp/base;gateup=" (carry build/base.tgz)
+    P="python3 -m pytest -p no:warnings -q -rfE -o addopts="
+    timeout 120 $P tests/test_gpu.py tests/test_kernels.py -k "gpu or swiglu" 2>&1 | tail -4
+    timeout 150 $P tests/test_gpu_train.py -k "local_1gpu or padded_2gpu or resumes" 2>&1 | tail -4
+    timeout 180 python3 benchmarks/gate_up_gemm.py --shapes 64x1408x2048x98304 32x1408x2048x196608 \
+      64x768x2048x98304 --out "$OUT" 2>&1 | grep -E "^\| (bf16|fp32)" ;;
 
   fill_profile)  # -> step_breakdown_v2lite_6b_2gpu_graph_compile_<LABEL>_<GPU>.md: the graphed + compiled step's GPU
     # time by category at EP=2 on the config that fills two GPUs (14 steps: early routing, still imbalanced)

@@ -10,7 +10,9 @@ are unspecified on the grouped-GEMM path; callers never read them.
 
 Paths (``GroupedExperts.precision = "fp8"``: FP8 GEMMs, components/moe_echo/fp8_experts.py;
 ``GroupedExperts.gemm = "quack"``: QuACK's grouped GEMMs on CUDA, components/moe_echo/quack_experts.py):
-- CUDA + bf16 (or bf16 autocast): ``torch._grouped_mm`` with int32 offsets read from device memory (no host sync).
+- CUDA + bf16 (or bf16 autocast): ``torch._grouped_mm`` with int32 offsets read from device memory (no host sync);
+  experts outside FSDP (cast for compute) run the gate and up projections as one GEMM against [w1; w3]
+  (``grouped_swiglu13``), which their one-pass cast concatenates for free.
 - otherwise (CPU, fp32/fp64 references): a per-expert loop that reads the counts on the host.
 """
 
@@ -20,7 +22,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from kernels.cast import cast_scale
-from kernels.swiglu import swiglu
+from kernels.swiglu import swiglu, swiglu13
 
 from .fp8_experts import fp8_grouped_swiglu
 from .quack_experts import quack_grouped_swiglu, quack_swiglu
@@ -32,6 +34,21 @@ def grouped_swiglu(
     if x_ND.is_cuda and (x_ND.dtype == torch.bfloat16 or _autocast_bf16()):
         return _grouped_mm_swiglu(x_ND.to(torch.bfloat16), w1_EHD, w2_EDH, w3_EHD, counts_E)
     return _looped_swiglu(x_ND, w1_EHD, w2_EDH, w3_EHD, counts_E)
+
+
+def grouped_swiglu13(x_ND: torch.Tensor, w13_E2HD: torch.Tensor, w2_EDH: torch.Tensor,
+                     counts_E: torch.Tensor) -> torch.Tensor:
+    """``grouped_swiglu`` with the gate and up weights concatenated ([w1; w3] along dim 1): one GEMM gives
+    [gate | up] per row, so its backward gives x's gradient in one GEMM (two GEMMs would leave two [N, D]
+    gradients for autograd to sum)."""
+    H = w13_E2HD.shape[1] // 2
+    if not (x_ND.is_cuda and (x_ND.dtype == torch.bfloat16 or _autocast_bf16())):
+        return _looped_swiglu(x_ND, w13_E2HD[:, :H], w2_EDH, w13_E2HD[:, H:], counts_E)
+    offs_E = torch.cumsum(counts_E, dim=0, dtype=torch.int32)
+    w13, w2 = w13_E2HD.to(torch.bfloat16), w2_EDH.to(torch.bfloat16)
+    ab_N2H = torch._grouped_mm(x_ND.to(torch.bfloat16), w13.transpose(-2, -1), offs=offs_E)
+    h_NH = swiglu13(ab_N2H, offs_E[-1:])  # used rows only
+    return torch._grouped_mm(h_NH, w2.transpose(-2, -1), offs=offs_E)
 
 
 def _autocast_bf16() -> bool:
@@ -184,8 +201,11 @@ class GroupedExperts(nn.Module):
         sharded on dim 0 over the EP mesh and only this rank's e = E / EP experts are used.
         ``extend(w, i) -> w'`` appends echo-slot (clone) weights to local weight i (w1, w2, w3); it runs inside
         this forward so FSDP's unshard / gradient reduce-scatter hooks see every use."""
-        if self.gemm == "quack" and self.precision == "bf16" and x_ND.is_cuda and extend is None:
-            return quack_swiglu(x_ND, *self.local_weights_13(), counts_e)
+        if self.precision == "bf16" and x_ND.is_cuda and extend is None:
+            if self.gemm == "quack":
+                return quack_swiglu(x_ND, *self.local_weights_13(), counts_e)
+            if self.compute_dtype is not None:  # [w1; w3] comes from the one-pass cast: no extra copy
+                return grouped_swiglu13(x_ND, *self.local_weights_13(), counts_e)
         weights = self.local_weights()
         if extend is not None:
             weights = tuple(extend(w, i) for i, w in enumerate(weights))
@@ -215,7 +235,7 @@ class GroupedExperts(nn.Module):
         for w in (self.w1, self.w2, self.w3):
             w.compute_copy = _local(w).detach().to(self.compute_dtype).contiguous()
             w.compute_grad, w.compute_grad_divide = None, self._grad_divide
-        if self.gemm == "quack" and self.precision == "bf16":  # w1's and w3's copies: halves of one [w1; w3]
+        if self.precision == "bf16":  # w1's and w3's copies: halves of one [w1; w3] (the one gate/up GEMM)
             self._copy13 = torch.cat([self.w1.compute_copy, self.w3.compute_copy], dim=1)
             h = self.w1.compute_copy.shape[1]
             self.w1.compute_copy, self.w3.compute_copy = self._copy13[:, :h], self._copy13[:, h:]
@@ -240,7 +260,7 @@ class GroupedExperts(nn.Module):
 
     def local_weights_13(self) -> tuple[torch.Tensor, torch.Tensor]:
         """([w1; w3] concatenated along dim 1, w2) of this rank's experts in the compute dtype (bf16 where
-        unset), differentiable: the layout of QuACK's gate/up GEMM (components/moe_echo/quack_experts.py)."""
+        unset), differentiable: the layout of the one gate/up GEMM (``grouped_swiglu13``, QuACK's)."""
         if self.compute_copies:
             w1, w2, w3 = self.w1, self.w2, self.w3
             self._new_forward()
