@@ -158,6 +158,8 @@ def test_expert_copies_written_by_the_optimizer_train_as_the_per_step_cast(tmp_p
     assert "resumed from" in out and len(resumed) == STEPS - 10
     for s, (a, b) in enumerate(zip(copies[10:], resumed), 11):
         assert abs(a - b) <= 2e-3 * abs(a), f"step {s}: uninterrupted {a} vs resumed {b}"
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
 def test_graphed_run_resumes_graphed_and_eagerly(tmp_path):
     """A CUDA-graphed run's checkpoint (its lr a device tensor while it trains) resumes both graphed and eagerly
