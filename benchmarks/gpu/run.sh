@@ -30,8 +30,9 @@
 #                    "base=@/tmp/base;head=" times another revision (build/base.tgz, see lib.sh) in the same call)
 #                    -> e2e_<GPU>.md
 #   gateup      2    one gate/up GEMM: its GPU tests and gate_up_gemm.py at three shapes
-#   fill_profile 2   the graphed + compiled v2lite_6b_2gpu step profiled at EP=2 (ARGS: extra recipe args, LABEL)
-#                    -> step_breakdown_v2lite_6b_2gpu_graph_compile_<LABEL>_<GPU>.md
+#   fill_profile 2   the compiled v2lite_6b_2gpu step profiled at EP=2, graphed (GRAPH=false: eager), one profile per
+#                    variant side by side (VARIANTS="echo=--moe_echo.echo true;off=", ARGS for all, LABEL)
+#                    -> step_breakdown_v2lite_6b_2gpu_<LABEL>_graph_<GRAPH>_<GPU>.md
 #   profile     1-2  an eager run with [profiling] traces, then rank 0's per-step GPU time by category
 #                    (CONFIGS=..., LABEL=before|after, ARGS=extra recipe args, NPROC=2 with
 #                    ARGS="--parallelism.expert_parallel_degree 2 ...") -> step_breakdown_<config>.md
@@ -218,15 +219,23 @@ print('largest step difference over steps 1-20: %.2e at step %d' % max(rel[:20])
     timeout 180 python3 benchmarks/gate_up_gemm.py --shapes 64x1408x2048x98304 32x1408x2048x196608 \
       64x768x2048x98304 --out "$OUT" 2>&1 | grep -E "^\| (bf16|fp32)" ;;
 
-  fill_profile)  # -> step_breakdown_v2lite_6b_2gpu_graph_compile_<LABEL>_<GPU>.md: the graphed + compiled step's GPU
-    # time by category at EP=2 on the config that fills two GPUs (14 steps: early routing, still imbalanced)
+  fill_profile)  # -> step_breakdown_v2lite_6b_2gpu_<LABEL>_graph_<GRAPH>_<GPU>.md: the compiled step at EP=2 on the
+    # config that fills two GPUs (12 steps, 2 profiled: early routing, still imbalanced), graphed unless GRAPH=false
+    # (eager kernels carry the ops that launched them; a graph replay's have none); one profile per variant, side by
+    # side: VARIANTS="name=recipe args;..." (default one, "fill"), ARGS added to every variant's
     GPU=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1 | cut -d" " -f2)
-    CFG=train_configs/v2lite_6b_2gpu.toml TMO=${TMO:-240} FROM=6 recipe prof_fill 2 --training.steps 14 --metrics.log_freq 2 \
-      --profiling.enable_profiling true --profiling.profile_freq 12 --profiling.profiler_warmup 8 \
-      --profiling.profiler_active 4 --training.cuda_graph true --compile.enable true ${ARGS:-} | tail -2
-    timeout 150 python3 benchmarks/step_breakdown.py \
-      "fill=$(ls /tmp/run_prof_fill/profile_traces/iteration_*/rank0_trace.json | tail -1)" \
-      --name "v2lite_6b_2gpu_graph_compile_${LABEL:-ep2}_$GPU" --out "$OUT" | head -70 ;;
+    PROF="--training.steps 12 --metrics.log_freq 2 --profiling.enable_profiling true --profiling.profile_freq 10
+          --profiling.profiler_warmup 6 --profiling.profiler_active 2 --training.cuda_graph ${GRAPH:-true}
+          --compile.enable true"
+    traces=()
+    IFS=';' read -ra vs <<< "${VARIANTS:-fill=}"
+    for v in "${vs[@]}"; do
+      name=${v%%=*}; args=${v#*=}
+      CFG=train_configs/v2lite_6b_2gpu.toml TMO=${TMO:-220} FROM=6 recipe "prof_$name" 2 $PROF ${ARGS:-} $args | tail -2
+      traces+=("$name=$(ls /tmp/run_prof_$name/profile_traces/iteration_*/rank0_trace.json | tail -1)")
+    done
+    timeout 120 python3 benchmarks/step_breakdown.py "${traces[@]}" \
+      --name "v2lite_6b_2gpu_${LABEL:-ep2}_graph_${GRAPH:-true}_$GPU" --out "$OUT" | head -70 ;;
 
   copies)  # the expert copies' tests on this torch: kernels, layer (torch and QuACK GEMMs), EP=2 graphed vs cast + resume
     P="python3 -m pytest -p no:warnings -q -rfEs -o addopts="
