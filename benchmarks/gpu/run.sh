@@ -17,7 +17,6 @@
 #   recapture   2    v2lite_1b EP=2 nvlink graphed, 200 steps, capacity 1.0 (overflows early) vs the eager
 #                    alltoall exact path: replays, re-captures, per-step losses -> recapture_<GPU>.md
 #   copies      2    the optimizer-written expert copies' GPU tests (QuACK's after quack_unpack), ~300 s
-#   copies_profile 2  fill config, graphed + compiled: optimizer-written expert copies vs the per-step cast (profiles)
 #   layer       1    MoE layer fwd+bwd vs torchtitan, Megatron-Core (.whl/extra/mcore) and a dense SwiGLU; bf16 and FP8 experts
 #                    (+ the layer/kernel tests)
 #   fp8         1    FP8 experts: their tests, v2lite_1b 300 steps bf16 vs fp8 vs bf16 compiled (loss curves), e2e bf16 vs fp8
@@ -241,21 +240,6 @@ print('largest step difference over steps 1-20: %.2e at step %d' % max(rel[:20])
     P="python3 -m pytest -p no:warnings -q -rfEs -o addopts="
     timeout 150 $P tests/test_compute_copies.py tests/test_master_adamw.py tests/test_quack_experts.py tests/test_gpu.py 2>&1 | tail -6
     timeout 240 $P tests/test_gpu_train.py -k "copies or masters or resumes" 2>&1 | tail -6 ;;
-
-  copies_profile)  # -> step_breakdown_v2lite_6b_2gpu_copies_vs_cast_<GPU>.md: the graphed + compiled step at EP=2 on
-    # the config that fills two GPUs, QuACK experts, with the optimizer writing the experts' bf16 copies vs the
-    # per-step cast ([training] master_weights false), by category side by side. GRAPH=false: eager steps, whose
-    # kernels the table can attribute to the ops that launched them (a graph replay's kernels have none)
-    GPU=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1 | cut -d" " -f2)
-    PROF="--training.steps 12 --metrics.log_freq 2 --profiling.enable_profiling true --profiling.profile_freq 10
-          --profiling.profiler_warmup 6 --profiling.profiler_active 2 --training.cuda_graph ${GRAPH:-true}
-          --compile.enable true --moe_echo.experts_gemm quack"
-    CFG=train_configs/v2lite_6b_2gpu.toml TMO=220 FROM=6 recipe prof_copies 2 $PROF | tail -2
-    CFG=train_configs/v2lite_6b_2gpu.toml TMO=220 FROM=6 recipe prof_cast 2 $PROF --training.master_weights false | tail -2
-    timeout 120 python3 benchmarks/step_breakdown.py \
-      "copies=$(ls /tmp/run_prof_copies/profile_traces/iteration_*/rank0_trace.json | tail -1)" \
-      "cast=$(ls /tmp/run_prof_cast/profile_traces/iteration_*/rank0_trace.json | tail -1)" \
-      --name "v2lite_6b_2gpu_copies_vs_cast_graph_${GRAPH:-true}_$GPU" --out "$OUT" | head -70 ;;
 
   profile)  # -> step_breakdown_<config>.md: the eager step's GPU time by category
     for cfg in ${CONFIGS:-v2lite_1b_gpu}; do
