@@ -209,7 +209,13 @@ def experts_fsdp_layout(rank, world):
             assert isinstance(moe.experts, FSDPModule), type(moe.experts)
 
 
-def compute_copies_train(rank, world, tmp=None):
+def compute_copies_echo_train(rank, world, tmp=None):
+    """``compute_copies_train`` with ECHO on (one clone slot a rank): clone weights come from the copies and
+    clone gradients flow back into the home experts' compute gradients (no DCP round trip)."""
+    compute_copies_train(rank, world, tmp, echo=True)
+
+
+def compute_copies_train(rank, world, tmp=None, echo=False):
     """EP=2, experts outside FSDP computing in bf16: the optimizer writing their bf16 copies
     (AdamWWithCopies) trains as the per-step cast path with torch's fused AdamW — same losses and gradient
     norms, weights within AdamW's rounding — and a DCP round trip restores weights, moments and copies."""
@@ -227,7 +233,8 @@ def compute_copies_train(rank, world, tmp=None):
     from components.train.train_state import ModelAndOptimizer
 
     cfg = load_config(["--job.config_file", os.path.join(ROOT, "train_configs", "debug_cpu.toml"),
-                       "--parallelism.expert_parallel_degree", "2", "--training.seq_len", "32"])
+                       "--parallelism.expert_parallel_degree", "2", "--training.seq_len", "32",
+                       "--moe_echo.echo", str(echo).lower()])
     dims = parallel_dims(cfg.parallelism, world, 8)
     mesh = build_mesh(dims, "cpu")
 
@@ -271,6 +278,9 @@ def compute_copies_train(rank, world, tmp=None):
     experts = [moe.experts for _, moe in moe_layers(ours)]
     for w in (experts[0].w1, experts[0].w3):
         assert torch.equal(w.compute_copy, w.detach().to_local().bfloat16())
+    if echo:  # some clone slot was used, so clone gradients did reach home experts
+        assert sum(float(moe.echo_stats[2]) for _, moe in moe_layers(ours)) > 0, rank
+        return
     # DCP round trip into a fresh model with copies (other weights): weights, moments and copies restored
     folder = [tempfile.mkdtemp() if rank == 0 else None]
     dist.broadcast_object_list(folder)

@@ -62,6 +62,7 @@ EP_CHECKS = [
     ("test_echo_on_equals_ep1_for_both_backends_and_adversarial_routing", (2, 4), "echo_equivalence_all"),
     ("test_experts_leave_fsdp_where_each_has_one_owner", (2, 4), "experts_fsdp_layout"),
     ("test_optimizer_written_expert_copies_train_as_the_per_step_cast", (2,), "compute_copies_train"),
+    ("test_optimizer_written_expert_copies_with_echo_train_as_the_per_step_cast", (2,), "compute_copies_echo_train"),
 ]
 
 
@@ -101,6 +102,12 @@ def test_experts_leave_fsdp_where_each_has_one_owner(ep_check, world):
 def test_optimizer_written_expert_copies_train_as_the_per_step_cast(ep_check):
     """EP=2, experts outside FSDP in bf16: AdamWWithCopies = the cast path + torch's fused AdamW; DCP round trip."""
     ep_check(2, "compute_copies_train")
+
+
+def test_optimizer_written_expert_copies_with_echo_train_as_the_per_step_cast(ep_check):
+    """The same with ECHO on: clones read the copies, and their gradients reach the home experts' compute
+    gradients through the multicast's backward."""
+    ep_check(2, "compute_copies_echo_train")
 
 
 @pytest.mark.parametrize("world", [2, 4])
