@@ -210,8 +210,9 @@ def experts_fsdp_layout(rank, world):
 
 
 def compute_copies_echo_train(rank, world, tmp=None):
-    """``compute_copies_train`` with ECHO on (one clone slot a rank): clone weights come from the copies and
-    clone gradients flow back into the home experts' compute gradients (no DCP round trip)."""
+    """``compute_copies_train`` with ECHO on (one clone slot a rank) and full activation checkpointing: clone
+    weights come from the copies, clone gradients flow back into the home experts' compute gradients, and the
+    recomputed forward in backward neither drops nor doubles them (no DCP round trip)."""
     compute_copies_train(rank, world, tmp, echo=True)
 
 
@@ -234,7 +235,8 @@ def compute_copies_train(rank, world, tmp=None, echo=False):
 
     cfg = load_config(["--job.config_file", os.path.join(ROOT, "train_configs", "debug_cpu.toml"),
                        "--parallelism.expert_parallel_degree", "2", "--training.seq_len", "32",
-                       "--moe_echo.echo", str(echo).lower()])
+                       "--moe_echo.echo", str(echo).lower()]
+                      + (["--activation_checkpoint.mode", "full"] if echo else []))
     dims = parallel_dims(cfg.parallelism, world, 8)
     mesh = build_mesh(dims, "cpu")
 

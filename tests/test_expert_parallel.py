@@ -105,8 +105,8 @@ def test_optimizer_written_expert_copies_train_as_the_per_step_cast(ep_check):
 
 
 def test_optimizer_written_expert_copies_with_echo_train_as_the_per_step_cast(ep_check):
-    """The same with ECHO on: clones read the copies, and their gradients reach the home experts' compute
-    gradients through the multicast's backward."""
+    """The same with ECHO on and full activation checkpointing: clones read the copies, their gradients reach
+    the home experts' compute gradients, and the forward recomputed in backward keeps them."""
     ep_check(2, "compute_copies_echo_train")
 
 
