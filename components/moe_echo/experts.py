@@ -125,40 +125,25 @@ class _OptimizerCopy(torch.autograd.Function):
         return None, None
 
 
-class _OptimizerCopy13(torch.autograd.Function):
-    """[w1; w3]'s compute copies as one tensor (QuACK's gate/up layout: the two copies are its halves, so
-    nothing is concatenated per step); backward hands each half of the gradient, in place, to its weight.
+class _Halves13(torch.autograd.Function):
+    """[w1; w3] held as one tensor whose halves are w1's and w3's (their compute copies, or one GPU's bf16
+    parameters moved there once: GroupedExperts._shared_13): that tensor itself, no concatenation per step.
+    Backward hands each half of the gradient, in place, to ``w.<into>``: ``compute_grad`` for the copies
+    (AdamWWithCopies), ``grad`` for the parameters (the optimizer's kernel reads such halves: kernels/adamw.py).
     Its inputs are the weights themselves (see ``_OptimizerCopy``)."""
 
     @staticmethod
-    def forward(ctx, w1, w3, copy13):
-        ctx.params = (w1, w3)
-        return copy13.detach()
-
-    @staticmethod
-    def backward(ctx, grad13):
-        h = ctx.params[0].compute_copy.shape[1]
-        for p, g in zip(ctx.params, (grad13[:, :h], grad13[:, h:])):
-            p.compute_grad = g if p.compute_grad is None else p.compute_grad + g
-        return None, None, None
-
-
-class _Shared13(torch.autograd.Function):
-    """Plain bf16 weights w1, w3 stored as the halves of one [w1; w3] tensor (GroupedExperts._shared_13): that
-    tensor itself, with no concatenation; backward hands each half of the gradient, in place, to w1.grad and
-    w3.grad (the optimizer's kernel reads such halves: kernels/adamw.py)."""
-
-    @staticmethod
-    def forward(ctx, w1, w3, w13):
-        ctx.params = (w1, w3)
+    def forward(ctx, w1, w3, w13, into: str):
+        ctx.params, ctx.into = (w1, w3), into
         return w13.detach()
 
     @staticmethod
     def backward(ctx, grad13):
-        h = ctx.params[0].shape[1]
+        h = grad13.shape[1] // 2
         for p, g in zip(ctx.params, (grad13[:, :h], grad13[:, h:])):
-            p.grad = g if p.grad is None else p.grad + g
-        return None, None, None
+            old = getattr(p, ctx.into)
+            setattr(p, ctx.into, g if old is None else old + g)
+        return None, None, None, None
 
 
 class GroupedExperts(nn.Module):
@@ -268,12 +253,12 @@ class GroupedExperts(nn.Module):
             if copy13 is None:
                 c1, c2, c3 = self.local_weights()
                 return torch.cat([c1, c3], dim=1), c2
-            return _OptimizerCopy13.apply(w1, w3, copy13), _OptimizerCopy.apply(w2, w2.compute_copy)
+            return _Halves13.apply(w1, w3, copy13, "compute_grad"), _OptimizerCopy.apply(w2, w2.compute_copy)
         w1, w2, w3 = (_local(w) for w in (self.w1, self.w2, self.w3))
         if self.compute_dtype is None:
             w13 = self._shared_13()
             if w13 is not None:
-                return _Shared13.apply(self.w1, self.w3, w13), w2
+                return _Halves13.apply(self.w1, self.w3, w13, "grad"), w2
             return torch.cat([w1, w3], dim=1).to(torch.bfloat16), w2
         scale = 1.0 / self._grad_divide
         return (_ComputeCastCat.apply(w1, w3, self.compute_dtype, scale),
