@@ -23,17 +23,23 @@ if triton is not None:
     import triton.language as tl
 
     @triton.jit
-    def _adamw_kernel(grad_ptr, w_ptr, m_ptr, v_ptr, param_ptr, n, lr_ptr, lr_value, step_ptr, skip_ptr,
-                      mul_ptr, beta1, beta2, eps, weight_decay, LR_PTR: tl.constexpr, HAS_SKIP: tl.constexpr,
-                      HAS_MUL: tl.constexpr, BLOCK: tl.constexpr):
+    def _adamw_kernel(grad_ptr, w_ptr, m_ptr, v_ptr, param_ptr, inner, lr_ptr, lr_value, step_ptr, skip_ptr,
+                      mul_ptr, beta1, beta2, eps, weight_decay, g_outer, p_outer,
+                      LR_PTR: tl.constexpr, HAS_SKIP: tl.constexpr, HAS_MUL: tl.constexpr, BLOCK: tl.constexpr):
+        """Grid (column blocks, rows): row r holds ``inner`` elements, at r*inner in w/m/v and r*outer in
+        grad/param (no per-element division)."""
         if HAS_SKIP:
             if tl.load(skip_ptr) > 0:
                 return
-        offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-        mask = offs < n
+        row = tl.program_id(1).to(tl.int64)
+        cols = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        mask = cols < inner
+        offs = row * inner + cols
         lr = tl.load(lr_ptr).to(tl.float32) if LR_PTR else lr_value
         t = tl.load(step_ptr).to(tl.float32)
-        g = tl.load(grad_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        g_offs = row * g_outer + cols
+        p_offs = row * p_outer + cols
+        g = tl.load(grad_ptr + g_offs, mask=mask, other=0.0).to(tl.float32)
         if HAS_MUL:
             g = g * tl.load(mul_ptr).to(tl.float32)
         w = tl.load(w_ptr + offs, mask=mask, other=0.0)
@@ -48,7 +54,7 @@ if triton is not None:
         tl.store(w_ptr + offs, w, mask=mask)
         tl.store(m_ptr + offs, m, mask=mask)
         tl.store(v_ptr + offs, v, mask=mask)
-        tl.store(param_ptr + offs, w.to(param_ptr.dtype.element_ty), mask=mask)
+        tl.store(param_ptr + p_offs, w.to(param_ptr.dtype.element_ty), mask=mask)
 
 _BLOCK = 2048
 
@@ -57,17 +63,37 @@ def adamw_master_(param: torch.Tensor, grad: torch.Tensor, w: torch.Tensor, m: t
                   lr: float | torch.Tensor, step: torch.Tensor, beta1: float, beta2: float, eps: float,
                   weight_decay: float, skip: torch.Tensor | None = None, grad_mul: torch.Tensor | None = None) -> None:
     """One AdamW step of fp32 master ``w`` (moments ``m``, ``v``), written back to ``param`` in its dtype.
-    All tensors contiguous and of one shape; ``step`` is the step count after this step (device)."""
+    All of one shape; ``w``, ``m``, ``v`` contiguous; ``param`` and ``grad`` contiguous or each ``t[i]`` contiguous
+    (a slice along dim 1 of a larger tensor: the experts' [w1; w3] halves); ``step`` is the step count after
+    this step (device)."""
     if _use_triton(param):
-        n = param.numel()
         lr_is_ptr = isinstance(lr, torch.Tensor)
-        _adamw_kernel[(triton.cdiv(n, _BLOCK),)](
-            grad, w, m, v, param, n, lr if lr_is_ptr else step, 0.0 if lr_is_ptr else float(lr), step,
+        if _rows(param) is None:
+            raise ValueError(f"adamw_master_: param of shape {tuple(param.shape)}, strides {param.stride()} "
+                             "is neither contiguous nor contiguous per index of dim 0")
+        grad = grad if _rows(grad) is not None else grad.contiguous()
+        rows = 1 if param.is_contiguous() and grad.is_contiguous() else param.shape[0]
+        inner = param.numel() // max(rows, 1)
+        if rows == 0 or inner == 0:
+            return
+        outer = lambda t: inner if rows == 1 else t.stride(0)
+        _adamw_kernel[(triton.cdiv(inner, _BLOCK), rows)](
+            grad, w, m, v, param, inner, lr if lr_is_ptr else step, 0.0 if lr_is_ptr else float(lr), step,
             skip if skip is not None else step, grad_mul if grad_mul is not None else step,
-            beta1, beta2, eps, weight_decay, LR_PTR=lr_is_ptr, HAS_SKIP=skip is not None,
-            HAS_MUL=grad_mul is not None, BLOCK=_BLOCK)
+            beta1, beta2, eps, weight_decay, outer(grad), outer(param), LR_PTR=lr_is_ptr,
+            HAS_SKIP=skip is not None, HAS_MUL=grad_mul is not None, BLOCK=_BLOCK)
         return
     adamw_master_reference_(param, grad, w, m, v, lr, step, beta1, beta2, eps, weight_decay, skip, grad_mul)
+
+
+def _rows(t: torch.Tensor) -> int | None:
+    """Rows of ``t`` for the kernel: 1 if contiguous, else ``t.shape[0]`` when each ``t[i]`` is contiguous
+    (a grid dimension: at most 65535); None if neither."""
+    if t.is_contiguous():
+        return 1
+    if t.dim() >= 2 and 0 < t.shape[0] <= 65535 and t[0].is_contiguous():
+        return t.shape[0]
+    return None
 
 
 def adamw_master_reference_(param, grad, w, m, v, lr, step, beta1, beta2, eps, weight_decay, skip=None,

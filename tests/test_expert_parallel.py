@@ -61,6 +61,8 @@ EP_CHECKS = [
     ("test_padded_overflow_is_detected_and_counted", (2,), "padded_overflow"),
     ("test_echo_on_equals_ep1_for_both_backends_and_adversarial_routing", (2, 4), "echo_equivalence_all"),
     ("test_experts_leave_fsdp_where_each_has_one_owner", (2, 4), "experts_fsdp_layout"),
+    ("test_optimizer_written_expert_copies_train_as_the_per_step_cast", (2,), "compute_copies_train"),
+    ("test_optimizer_written_expert_copies_with_echo_train_as_the_per_step_cast", (2,), "compute_copies_echo_train"),
 ]
 
 
@@ -95,6 +97,17 @@ def ep_check(request, tmp_path_factory):
 def test_experts_leave_fsdp_where_each_has_one_owner(ep_check, world):
     """EP=2 at world 2: experts out of FSDP, gradients divided by the world in a hook; at world 4: FSDP."""
     ep_check(world, "experts_fsdp_layout")
+
+
+def test_optimizer_written_expert_copies_train_as_the_per_step_cast(ep_check):
+    """EP=2, experts outside FSDP in bf16: AdamWWithCopies = the cast path + torch's fused AdamW; DCP round trip."""
+    ep_check(2, "compute_copies_train")
+
+
+def test_optimizer_written_expert_copies_with_echo_train_as_the_per_step_cast(ep_check):
+    """The same with ECHO on and full activation checkpointing: clones read the copies, their gradients reach
+    the home experts' compute gradients, and the forward recomputed in backward keeps them."""
+    ep_check(2, "compute_copies_echo_train")
 
 
 @pytest.mark.parametrize("world", [2, 4])

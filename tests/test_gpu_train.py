@@ -139,6 +139,27 @@ def test_bf16_params_with_fp32_masters_track_autocast_and_checkpoint_fp32(tmp_pa
         assert abs(a - b) <= 2e-3 * abs(a), f"step {s}: uninterrupted {a} vs resumed {b}"
 
 
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+def test_expert_copies_written_by_the_optimizer_train_as_the_per_step_cast(tmp_path):
+    """EP=2 on 2 GPUs (experts outside FSDP): the optimizer writing the experts' bf16 copies (the default)
+    gives the per-step cast path's losses (``master_weights = false``), graphed, and a run resumed from
+    its step-10 checkpoint (copies rewritten from the loaded weights) continues its loss curve."""
+    ep = ["--parallelism.expert_parallel_degree", "2", "--moe_echo.dispatcher", "nvlink",
+          "--moe_echo.capacity_factor", "2.0", "--training.cuda_graph", "true"]
+    ck = ["--checkpoint.enable", "true", "--checkpoint.interval", "10"]
+    copies, _ = run_recipe(str(tmp_path), "copies", 2, ep + ck)
+    cast, _ = run_recipe(str(tmp_path), "cast", 2, ep + ["--training.master_weights", "false"])
+    assert abs(copies[0] - cast[0]) <= 1e-5 * abs(cast[0])  # same weights, same bf16 compute
+    for s, (a, b) in enumerate(zip(cast, copies), 1):
+        assert abs(a - b) <= 2e-3 * abs(a), f"step {s}: per-step cast {a} vs optimizer-written copies {b}"
+    import shutil
+    shutil.copytree(tmp_path / "copies" / "checkpoint" / "step-10", tmp_path / "resumed" / "checkpoint" / "step-10")
+    resumed, out = run_recipe(str(tmp_path), "resumed", 2, ep + ck)
+    assert "resumed from" in out and len(resumed) == STEPS - 10
+    for s, (a, b) in enumerate(zip(copies[10:], resumed), 11):
+        assert abs(a - b) <= 2e-3 * abs(a), f"step {s}: uninterrupted {a} vs resumed {b}"
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
 def test_graphed_run_resumes_graphed_and_eagerly(tmp_path):
     """A CUDA-graphed run's checkpoint (its lr a device tensor while it trains) resumes both graphed and eagerly

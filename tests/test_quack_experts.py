@@ -29,19 +29,25 @@ def _rel(a, b):
 
 @needs_quack
 @pytest.mark.gpu
-@pytest.mark.parametrize("kind, owned", [("random", False), ("all_to_one", False), ("empty_experts", False),
-                                         ("none", False), ("random", True)])
-def test_quack_experts_match_fp64_reference(kind, owned):
+@pytest.mark.parametrize("kind, mode", [("random", "fp32"), ("all_to_one", "fp32"), ("empty_experts", "fp32"),
+                                        ("none", "fp32"), ("random", "owned"), ("random", "copies"),
+                                        ("all_to_one", "bf16")])
+def test_quack_experts_match_fp64_reference(kind, mode):
     """owned: experts outside FSDP (fp32 weights cast to bf16 with [w1; w3] in one pass, gradients divided
-    by 2 in the cast's backward)."""
+    by 2 in the cast's backward); copies: the same with optimizer-written bf16 copies ([w1; w3] one buffer,
+    bf16 gradients in compute_grad, undivided); bf16: plain bf16 weights stored as halves of one [w1; w3]."""
     torch.manual_seed(0)
     E, D, H, capacity = 8, 512, 384, 3328
     used = 0 if kind == "none" else 3000
     experts = GroupedExperts(D, H, E, gemm="quack").cuda()
     experts.init_weights(0.02)
-    if owned:
+    if mode in ("owned", "copies"):
         experts.compute_dtype = torch.bfloat16
         experts.set_gradient_divide_factor(2.0)
+    if mode == "copies":
+        experts.enable_compute_copies()
+    if mode == "bf16":
+        experts.bfloat16()
     counts = expert_counts(kind, E, used).cuda()
     x = torch.randn(capacity, D, device="cuda", dtype=torch.bfloat16)
     x[used:] = float("nan")  # padding rows past the used ones must not be read
@@ -53,12 +59,16 @@ def test_quack_experts_match_fp64_reference(kind, owned):
     ref = experts_fp64(x, experts.w1, experts.w2, experts.w3, counts, g)
     assert _rel(y[:used], ref[0]) < 1e-2
     assert _rel(x.grad[:used], ref[1]) < 2e-2
-    for w, r in zip((experts.w1, experts.w2, experts.w3), ref[2:]):
-        assert torch.isfinite(w.grad).all() and w.grad.dtype == torch.float32
-        assert _rel(w.grad, r / 2 if owned else r) < 2e-2
+    grads = [w.compute_grad if mode == "copies" else w.grad for w in (experts.w1, experts.w2, experts.w3)]
+    want = {"fp32": torch.float32, "owned": torch.float32, "copies": torch.bfloat16, "bf16": torch.bfloat16}[mode]
+    if mode == "bf16":
+        assert experts.w1.data_ptr() == experts._w13.data_ptr()  # w1, w3 live in one [w1; w3]
+    for grad, r in zip(grads, ref[2:]):
+        assert torch.isfinite(grad).all() and grad.dtype == want
+        assert _rel(grad, r / 2 if mode == "owned" else r) < 2e-2
     empty = counts == 0
-    for w in (experts.w1, experts.w2, experts.w3):
-        assert (w.grad[empty] == 0).all()  # experts without rows get a zero gradient
+    for grad in grads:
+        assert (grad[empty] == 0).all()  # experts without rows get a zero gradient
 
 
 @needs_quack

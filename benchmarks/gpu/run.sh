@@ -16,6 +16,7 @@
 #                    nvlink debug step that overflows, is replayed, grows capacity (and is captured again)
 #   recapture   2    v2lite_1b EP=2 nvlink graphed, 200 steps, capacity 1.0 (overflows early) vs the eager
 #                    alltoall exact path: replays, re-captures, per-step losses -> recapture_<GPU>.md
+#   copies      2    the optimizer-written expert copies' GPU tests (QuACK's after quack_unpack), ~300 s
 #   layer       1    MoE layer fwd+bwd vs torchtitan, Megatron-Core (.whl/extra/mcore) and a dense SwiGLU; bf16 and FP8 experts
 #                    (+ the layer/kernel tests)
 #   fp8         1    FP8 experts: their tests, v2lite_1b 300 steps bf16 vs fp8 vs bf16 compiled (loss curves), e2e bf16 vs fp8
@@ -234,6 +235,11 @@ print('largest step difference over steps 1-20: %.2e at step %d' % max(rel[:20])
     done
     timeout 120 python3 benchmarks/step_breakdown.py "${traces[@]}" \
       --name "v2lite_6b_2gpu_${LABEL:-ep2}_graph_${GRAPH:-true}_$GPU" --out "$OUT" | head -70 ;;
+
+  copies)  # the expert copies' tests on this torch: kernels, layer (torch and QuACK GEMMs), EP=2 graphed vs cast + resume
+    P="python3 -m pytest -p no:warnings -q -rfEs -o addopts="
+    timeout 150 $P tests/test_compute_copies.py tests/test_master_adamw.py tests/test_quack_experts.py tests/test_gpu.py 2>&1 | tail -6
+    timeout 240 $P tests/test_gpu_train.py -k "copies or masters or resumes" 2>&1 | tail -6 ;;
 
   profile)  # -> step_breakdown_<config>.md: the eager step's GPU time by category
     for cfg in ${CONFIGS:-v2lite_1b_gpu}; do

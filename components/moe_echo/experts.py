@@ -104,6 +104,48 @@ class _ComputeCastCat(torch.autograd.Function):
                 None, None)
 
 
+class _OptimizerCopy(torch.autograd.Function):
+    """A weight's persistent low-precision copy (``param.compute_copy``, written by the optimizer step) as the
+    weight's differentiable stand-in. Backward sums the gradient, in the copy's dtype, into
+    ``param.compute_grad`` and gives the weight none: the optimizer (components/train/master_adamw.py,
+    ``AdamWWithCopies``) divides, clips and applies it, writing the next copy in the same pass.
+
+    The input is the weight itself, never ``w.to_local()``: torch 2.11 runs to_local's backward on the None
+    returned here and gives the weight a zero ``.grad``, which torch's AdamW would then apply as a second step."""
+
+    @staticmethod
+    def forward(ctx, w, copy):
+        ctx.param = w
+        return copy.detach()  # the copy itself (an alias): no per-step cast
+
+    @staticmethod
+    def backward(ctx, grad):
+        p = ctx.param
+        p.compute_grad = grad if p.compute_grad is None else p.compute_grad + grad
+        return None, None
+
+
+class _Halves13(torch.autograd.Function):
+    """[w1; w3] held as one tensor whose halves are w1's and w3's (their compute copies, or one GPU's bf16
+    parameters moved there once: GroupedExperts._shared_13): that tensor itself, no concatenation per step.
+    Backward hands each half of the gradient, in place, to ``w.<into>``: ``compute_grad`` for the copies
+    (AdamWWithCopies), ``grad`` for the parameters (the optimizer's kernel reads such halves: kernels/adamw.py).
+    Its inputs are the weights themselves (see ``_OptimizerCopy``)."""
+
+    @staticmethod
+    def forward(ctx, w1, w3, w13, into: str):
+        ctx.params, ctx.into = (w1, w3), into
+        return w13.detach()
+
+    @staticmethod
+    def backward(ctx, grad13):
+        h = grad13.shape[1] // 2
+        for p, g in zip(ctx.params, (grad13[:, :h], grad13[:, h:])):
+            old = getattr(p, ctx.into)
+            setattr(p, ctx.into, g if old is None else old + g)
+        return None, None, None, None
+
+
 class GroupedExperts(nn.Module):
     """E SwiGLU experts held as three stacked weights (see the module docstring for the layout)."""
 
@@ -120,12 +162,16 @@ class GroupedExperts(nn.Module):
         self.compute_dtype: torch.dtype | None = None
         self._grad_divide = 1.0
         self._grad_hooks: list = []
+        self.compute_copies = False  # enable_compute_copies: the optimizer writes the compute dtype's copies
 
     def set_gradient_divide_factor(self, factor: float) -> None:
         """Divide the weights' gradients by ``factor`` (FSDPModule's method of the same name, for weights
         FSDP does not manage): every rank's tokens reach each expert, so its gradient sums the
         ranks' per-rank mean losses."""
         self._grad_divide = float(factor)
+        for w in (self.w1, self.w2, self.w3):
+            if getattr(w, "compute_copy", None) is not None:
+                w.compute_grad_divide = self._grad_divide
         if not self._grad_hooks:
             for w in (self.w1, self.w2, self.w3):
                 self._grad_hooks.append(w.register_hook(self._divide_grad))
@@ -163,9 +209,36 @@ class GroupedExperts(nn.Module):
             hint = self._fp8_hint = torch.zeros(2, E, dtype=torch.float32, device=w1.device)
         return hint
 
+    def enable_compute_copies(self) -> None:
+        """Experts outside FSDP (``compute_dtype`` set): keep each weight's local shard in ``compute_dtype`` as a
+        persistent copy (``w.compute_copy``) that the optimizer step writes, instead of casting the fp32 weights
+        every forward and their gradients every backward. Gradients land in ``w.compute_grad`` (compute dtype,
+        not yet divided by ``w.compute_grad_divide``); ``w.grad`` stays None. Call ``refresh_compute_copies``
+        after loading weights (components/train/master_adamw.py)."""
+        if self.compute_dtype is None:
+            raise ValueError("compute copies are for experts with a compute_dtype (outside FSDP)")
+        for w in (self.w1, self.w2, self.w3):
+            w.compute_copy = _local(w).detach().to(self.compute_dtype).contiguous()
+            w.compute_grad, w.compute_grad_divide = None, self._grad_divide
+        if self.precision == "bf16":  # w1's and w3's copies: halves of one [w1; w3] (the one gate/up GEMM)
+            self._copy13 = torch.cat([self.w1.compute_copy, self.w3.compute_copy], dim=1)
+            h = self.w1.compute_copy.shape[1]
+            self.w1.compute_copy, self.w3.compute_copy = self._copy13[:, :h], self._copy13[:, h:]
+        self.compute_copies = True
+
+    def _new_forward(self) -> None:
+        """A forward that will be differentiated: the compute gradients of the last step were applied."""
+        if torch.is_grad_enabled():
+            for w in (self.w1, self.w2, self.w3):
+                w.compute_grad = None
+
     def local_weights(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(w1, w2, w3) of this rank's experts as plain tensors (differentiable)."""
-        local = (w.to_local() if isinstance(w, DTensor) else w for w in (self.w1, self.w2, self.w3))
+        params = (self.w1, self.w2, self.w3)
+        if self.compute_copies:
+            self._new_forward()
+            return tuple(_OptimizerCopy.apply(w, w.compute_copy) for w in params)
+        local = (_local(w) for w in params)
         if self.compute_dtype is None:
             return tuple(local)
         return tuple(_ComputeCast.apply(w, self.compute_dtype, 1.0 / self._grad_divide) for w in local)
@@ -173,17 +246,50 @@ class GroupedExperts(nn.Module):
     def local_weights_13(self) -> tuple[torch.Tensor, torch.Tensor]:
         """([w1; w3] concatenated along dim 1, w2) of this rank's experts in the compute dtype (bf16 where
         unset), differentiable: the layout of the one gate/up GEMM (``grouped_swiglu13``, QuACK's)."""
-        w1, w2, w3 = (w.to_local() if isinstance(w, DTensor) else w for w in (self.w1, self.w2, self.w3))
+        if self.compute_copies:
+            w1, w2, w3 = self.w1, self.w2, self.w3
+            self._new_forward()
+            copy13 = getattr(self, "_copy13", None)
+            if copy13 is None:
+                c1, c2, c3 = self.local_weights()
+                return torch.cat([c1, c3], dim=1), c2
+            return _Halves13.apply(w1, w3, copy13, "compute_grad"), _OptimizerCopy.apply(w2, w2.compute_copy)
+        w1, w2, w3 = (_local(w) for w in (self.w1, self.w2, self.w3))
         if self.compute_dtype is None:
+            w13 = self._shared_13()
+            if w13 is not None:
+                return _Halves13.apply(self.w1, self.w3, w13, "grad"), w2
             return torch.cat([w1, w3], dim=1).to(torch.bfloat16), w2
         scale = 1.0 / self._grad_divide
         return (_ComputeCastCat.apply(w1, w3, self.compute_dtype, scale),
                 _ComputeCast.apply(w2, self.compute_dtype, scale))
 
+    def _shared_13(self) -> torch.Tensor | None:
+        """[w1; w3] for QuACK without a per-step concatenation, where w1 and w3 are plain bf16 leaf parameters
+        with nothing between them and their gradients (one GPU: bf16 parameters, fp32 masters in the
+        optimizer): their data is moved once into the halves of one [E, 2H, D] tensor, which is returned.
+        A later ``.to()`` replaces their data; the next call moves it again. None where this does not apply."""
+        w1, w3 = self.w1, self.w3
+        if (isinstance(w1, DTensor) or w1.dtype != torch.bfloat16 or w3.dtype != w1.dtype or self._grad_divide != 1.0
+                or not w1.requires_grad):
+            return None
+        w13, h = getattr(self, "_w13", None), w1.shape[1]
+        if (w13 is None or w13.dtype != w1.dtype or w13.device != w1.device or w1.data_ptr() != w13.data_ptr()
+                or w3.data_ptr() != w13[:, h:].data_ptr()):
+            with torch.no_grad():
+                w13 = torch.cat([w1.detach(), w3.detach()], dim=1)
+            w1.data, w3.data = w13[:, :h], w13[:, h:]
+            self._w13 = w13
+        return w13
+
     def init_weights(self, init_std: float) -> None:
         _trunc_normal(self.w1, 0.02)
         _trunc_normal(self.w2, init_std)
         _trunc_normal(self.w3, init_std)
+
+
+def _local(w: torch.Tensor) -> torch.Tensor:
+    return w.to_local() if isinstance(w, DTensor) else w
 
 
 class SwiGLU(nn.Module):

@@ -21,25 +21,65 @@ def _copies(t: torch.Tensor, world: int) -> int:
     return (world // mesh.size()) * reps
 
 
+def _whole(tensors: list) -> list:
+    """``tensors`` for one norm pass, where slices along dim 1 that together tile a contiguous base (the
+    [w1; w3] gradient's halves) are replaced by that base: the same sum of squares, and the pass keeps
+    ``_foreach_norm``'s fused path (slices are not dense: it would cast a copy of each and reduce it alone)."""
+    out, views = [], {}
+    for t in tensors:
+        b = t._base
+        if t.is_contiguous() or b is None or not b.is_contiguous() or b.dim() < 2 or t.dim() != b.dim():
+            out.append(t)
+        else:
+            views.setdefault(id(b), (b, []))[1].append(t)
+    for b, vs in views.values():
+        out.extend([b] if _tiles_dim1(b, vs) else vs)
+    return out
+
+
+def _tiles_dim1(b: torch.Tensor, vs: list) -> bool:
+    """Whether the views ``vs`` are slices ``b[:, i:j]`` whose ranges cover ``range(b.shape[1])`` once."""
+    spans = []
+    for v in vs:
+        off = v.storage_offset() - b.storage_offset()
+        if (v.stride() != b.stride() or v.shape[0] != b.shape[0] or v.shape[2:] != b.shape[2:]
+                or off % b.stride(1) or not 0 <= off < b.stride(0)):
+            return False
+        spans.append((off // b.stride(1), off // b.stride(1) + v.shape[1]))
+    end = 0
+    for lo, hi in sorted(spans):
+        if lo != end:
+            return False
+        end = hi
+    return end == b.shape[1]
+
+
 def clip_grad_norm_(params, max_norm: float, scale_into=None) -> torch.Tensor:
     """Clip to ``max_norm`` (0 or inf: no clipping); returns the total norm (device; fp32, fp64 for fp64 grads).
 
     The norm takes one fused pass per group of tensors (``_foreach_norm``, fp32 accumulation). With
     ``scale_into`` (an optimizer that divides gradients by its ``grad_scale`` inside its step: torch's
-    fused AdamW, MasterAdamW) the clipping factor goes there instead of a pass over the gradients."""
-    grads = [p.grad for p in params if p.grad is not None]
+    fused AdamW, MasterAdamW) the clipping factor goes there instead of a pass over the gradients. A parameter
+    without ``.grad`` but with ``compute_grad`` (components/train/master_adamw.py, AdamWWithCopies) counts with
+    that gradient divided by its ``compute_grad_divide``."""
     world = dist.get_world_size() if dist.is_initialized() else 1
-    groups: dict[tuple, list] = {}  # (copies, device, accumulation dtype) -> local gradients
-    for g in grads:
+    groups: dict[tuple, list] = {}  # (copies, device, accumulation dtype, factor) -> local gradients
+    for p in params:
+        g, factor = p.grad, 1.0
+        if g is None:  # a weight whose optimizer writes its compute copy: its gradient, not yet divided
+            g = getattr(p, "compute_grad", None)
+            if g is None:
+                continue
+            factor = 1.0 / p.compute_grad_divide
         local = g.to_local() if isinstance(g, DTensor) else g
         acc = torch.promote_types(local.dtype, torch.float32)
-        groups.setdefault((_copies(g, world), local.device, acc), []).append(local)
+        groups.setdefault((_copies(p, world), local.device, acc, factor), []).append(local)
     device = next(iter(groups))[1] if groups else "cpu"
     acc = torch.float64 if any(k[2] == torch.float64 for k in groups) else torch.float32
     total = torch.zeros((), dtype=acc, device=device)
-    for (copies, _, dtype), locals_ in groups.items():
-        norms = torch._foreach_norm(locals_, 2, dtype=dtype)
-        total = total + torch.stack(norms).to(acc).pow(2).sum() / copies
+    for (copies, _, dtype, factor), locals_ in groups.items():
+        norms = torch._foreach_norm(_whole(locals_), 2, dtype=dtype)
+        total = total + torch.stack(norms).to(acc).pow(2).sum() * factor ** 2 / copies
     if world > 1:
         dist.all_reduce(total)
     norm = total.sqrt()

@@ -24,5 +24,7 @@ def inject(step: int, model: torch.nn.Module, layers, rank: int, world: int) -> 
         with torch.no_grad():
             local = w1.to_local() if hasattr(w1, "to_local") else w1
             local.view(-1)[0] = float("nan")
+            if getattr(w1, "compute_copy", None) is not None:  # what the forward reads (AdamWWithCopies)
+                w1.compute_copy.view(-1)[0] = float("nan")
     if _at("MOE_ECHO_FAULT_STOP_AT_STEP", step) and rank == world - 1 and world > 1:
         os.kill(os.getpid(), signal.SIGSTOP)

@@ -56,7 +56,9 @@ class Training:
     """With mixed_precision_param = "bfloat16" on a GPU and no FSDP: the model's parameters are bf16
     and the optimizer keeps fp32 master weights and moments, writing the bf16 copy after each update
     (no weight casts per step, bf16 gradients). false: fp32 parameters under bf16 autocast. Checkpoints
-    hold fp32 weights either way. (With FSDP, its MixedPrecisionPolicy casts in the all-gather.)"""
+    hold fp32 weights either way. (With FSDP, its MixedPrecisionPolicy casts in the all-gather; experts
+    each rank owns alone stay out of FSDP, and with this on the optimizer writes their bf16 copies and
+    takes their bf16 gradients, so they are not cast every step either.)"""
     hang_report_s: float = 900.0
     """When no step has finished for this many seconds, every rank prints its Python stacks (where a
     hung collective or peer-memory barrier waits); the run goes on. 0 = off. The first step, which

@@ -67,9 +67,8 @@ class MasterAdamW(torch.optim.Optimizer):
             if isinstance(lr, torch.Tensor) and lr.device != params[0].device:  # a host tensor (DCP's state init)
                 lr = float(lr)
             beta1, beta2 = group["betas"]
-            for p, s in zip(params, states):
-                grad = p.grad if p.grad.is_contiguous() else p.grad.contiguous()
-                adamw_master_(p.data, grad, self.masters[p], s["exp_avg"], s["exp_avg_sq"], lr, s["step"], beta1,
+            for p, s in zip(params, states):  # param and grad may be halves of [w1; w3] (QuACK): read in place
+                adamw_master_(p.data, p.grad, self.masters[p], s["exp_avg"], s["exp_avg_sq"], lr, s["step"], beta1,
                               beta2, group["eps"], group["weight_decay"], skip, grad_mul)
         return loss
 
@@ -90,6 +89,71 @@ class MasterAdamW(torch.optim.Optimizer):
         with torch.no_grad():
             for p, w in self.masters.items():
                 p.data.copy_(w)
+
+
+class AdamWWithCopies(torch.optim.AdamW):
+    """torch's AdamW (fused) for the parameters with a ``.grad``, and one pass of kernels/adamw.py for those
+    with a compute copy (``GroupedExperts.enable_compute_copies``: experts outside FSDP): the fp32 local
+    shard is the master, the moments live in AdamW's own state format (checkpoints load across the two
+    paths), the gradient ``p.compute_grad`` (bf16) is divided by ``p.compute_grad_divide`` and clipped
+    (``grad_scale``) inside the kernel, and the bf16 copy the next forward reads is written in the same
+    pass: no per-step cast of those weights or their gradients. Honours ``found_inf`` like the fused step."""
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:  # host metadata only: torch's step below would apply such a .grad too
+            for p in group["params"]:
+                if p.grad is not None and getattr(p, "compute_grad", None) is not None:
+                    raise RuntimeError(f"a weight of shape {tuple(p.shape)} with a compute copy also has a .grad: "
+                                       "its forward must take the weight itself, not its local shard "
+                                       "(components/moe_echo/experts.py, _OptimizerCopy)")
+        loss = super().step(closure)
+        skip = getattr(self, "found_inf", None)
+        scale = getattr(self, "grad_scale", None)
+        for group in self.param_groups:
+            beta1, beta2 = group["betas"]
+            for p in group["params"]:
+                g = getattr(p, "compute_grad", None)
+                if g is None:
+                    continue
+                state = self.state[p]
+                if not state:  # AdamW's format: step (fp32, on the device), moments shaped like the parameter
+                    state["step"] = torch.zeros((), dtype=torch.float32, device=g.device)
+                    state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                    state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                state["step"].add_(1.0)
+                if skip is not None:
+                    state["step"].sub_(skip)
+                mul = torch.full((), 1.0 / p.compute_grad_divide, dtype=torch.float32, device=g.device)
+                if scale is not None:
+                    mul = mul / scale.float()
+                lr = group["lr"]
+                if isinstance(lr, torch.Tensor) and lr.device != g.device:  # a host tensor (DCP's state init)
+                    lr = float(lr)
+                # g and the copy may be halves of [w1; w3] (QuACK's layout): the kernel reads them in place
+                adamw_master_(p.compute_copy, g, _local(p), _local(state["exp_avg"]),
+                              _local(state["exp_avg_sq"]), lr, state["step"], beta1, beta2, group["eps"],
+                              group["weight_decay"], skip, mul)
+        return loss
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        super().zero_grad(set_to_none)
+        for group in self.param_groups:
+            for p in group["params"]:
+                if getattr(p, "compute_grad", None) is not None:
+                    p.compute_grad = None
+
+
+def refresh_compute_copies(model: torch.nn.Module) -> None:
+    """Rewrite every compute copy from its weights (after weights were loaded into them)."""
+    with torch.no_grad():
+        for p in model.parameters():
+            if getattr(p, "compute_copy", None) is not None:
+                p.compute_copy.copy_(_local(p))
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if hasattr(t, "to_local") else t
 
 
 def has_masters(optimizer) -> bool:

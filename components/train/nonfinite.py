@@ -57,7 +57,8 @@ def first_nonfinite(model: nn.Module, loss_fn, inputs_BS: torch.Tensor, labels_B
             loss_finite = bool(torch.isfinite(loss).all())
             loss.backward()
         for name, p in reversed(list(model.named_parameters())):  # the last layer's gradients come first
-            g = p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad
+            g = p.grad if p.grad is not None else getattr(p, "compute_grad", None)  # see AdamWWithCopies
+            g = g.to_local() if hasattr(g, "to_local") else g
             if g is not None and not bool(torch.isfinite(g).all()):
                 found.setdefault("parameter", _clean(name))
                 break

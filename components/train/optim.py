@@ -7,7 +7,7 @@ import torch
 
 from components.errors import UserError
 
-from .master_adamw import MasterAdamW
+from .master_adamw import AdamWWithCopies, MasterAdamW
 
 
 def build_optimizer(model: torch.nn.Module, opt_cfg, gated: bool = False,
@@ -15,7 +15,8 @@ def build_optimizer(model: torch.nn.Module, opt_cfg, gated: bool = False,
     """[optimizer] name, lr, beta1, beta2, eps, weight_decay and implementation, all honoured.
     ``gated``: the step must honour ``optimizer.found_inf`` (the overflow and non-finite gates),
     which only the fused implementation does. ``master_dtype`` (AdamW only): convert the parameters
-    to it and keep fp32 masters in the optimizer (MasterAdamW, its own fused step)."""
+    to it and keep fp32 masters in the optimizer (MasterAdamW, its own fused step). Parameters with a
+    compute copy (experts outside FSDP) take AdamWWithCopies (fused AdamW only)."""
     if gated and opt_cfg.implementation != "fused":
         raise UserError(f"[optimizer] implementation = {opt_cfg.implementation!r}: the step is gated on the device "
                         "(overflow replay or non-finite guard), which only 'fused' supports; use 'fused'")
@@ -30,6 +31,10 @@ def build_optimizer(model: torch.nn.Module, opt_cfg, gated: bool = False,
     else:
         kwargs["foreach"] = opt_cfg.implementation == "foreach"
     cls = torch.optim.AdamW if opt_cfg.name == "AdamW" else torch.optim.Adam
+    if any(getattr(p, "compute_copy", None) is not None for p in params):
+        if opt_cfg.name != "AdamW" or opt_cfg.implementation != "fused":
+            raise ValueError("compute copies need [optimizer] name = 'AdamW', implementation = 'fused'")
+        cls = AdamWWithCopies
     return cls(params, **kwargs)
 
 

@@ -31,7 +31,7 @@ from . import checkpoint
 from .config import check_global_batch, load_config
 from .data import TokenBatchLoader, build_token_stream
 from .hf_weights import load_initial_weights
-from .master_adamw import masters_in_model
+from .master_adamw import masters_in_model, refresh_compute_copies
 from .optim import build_lr_scheduler, build_optimizer
 from .overflow import StepGate
 from .tokenizer import build_tokenizer
@@ -143,6 +143,9 @@ def build_training(run: Run, model: torch.nn.Module, loader: TokenBatchLoader) -
     fixed = any(is_fixed_capacity(moe.dispatcher) for _, moe in layers)
     replay = fixed and cfg.moe_echo.on_overflow == "replay"
     gated = replay or t.max_nonfinite_steps > 0
+    if use_copies(run, model):  # experts outside FSDP: the optimizer writes their bf16 copies
+        for _, moe in layers:
+            moe.experts.enable_compute_copies()
     optimizer = build_optimizer(model, cfg.optimizer, gated=gated, master_dtype=torch.bfloat16 if master else None)
     scale_into = optimizer if device.type == "cuda" and (master or cfg.optimizer.implementation == "fused") else None
     scheduler = build_lr_scheduler(optimizer, cfg.lr_scheduler, t.steps)
@@ -153,6 +156,15 @@ def build_training(run: Run, model: torch.nn.Module, loader: TokenBatchLoader) -
     ckpt_dir = os.path.join(cfg.job.dump_folder, cfg.checkpoint.folder)
     return Training(layers, optimizer, scheduler, gate, state, states, autocast, master, scale_into, fixed, replay,
                     ckpt_dir)
+
+
+def use_copies(run: Run, model: torch.nn.Module) -> bool:
+    """[training] master_weights with FSDP: experts outside FSDP (each with one owner, cast for compute) keep
+    persistent bf16 copies written by the optimizer (fused AdamW) instead of casting weights and gradients
+    every step."""
+    t, o = run.cfg.training, run.cfg.optimizer
+    owned = [moe for _, moe in moe_layers(model) if moe.experts.compute_dtype is not None]
+    return bool(owned) and t.master_weights and o.name == "AdamW" and o.implementation == "fused"
 
 
 def resume(run: Run, tr: Training, model: torch.nn.Module) -> bool:
@@ -167,6 +179,7 @@ def resume(run: Run, tr: Training, model: torch.nn.Module) -> bool:
             loaded = load_initial_weights(model, ckpt.initial_load_path, ckpt.initial_load_in_hf, cfg.model.name)
         if tr.master:
             tr.optimizer.sync_params()
+        refresh_compute_copies(model)
         run.say(f"initial weights: {loaded}")
     if tr.state.step >= t.steps:
         run.say(f"nothing to do: {found[1] if found else cfg.job.dump_folder} is at step {tr.state.step}, "

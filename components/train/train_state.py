@@ -9,7 +9,7 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from .data import TokenBatchLoader
-from .master_adamw import with_masters
+from .master_adamw import refresh_compute_copies, with_masters
 
 
 class ModelAndOptimizer:
@@ -38,6 +38,7 @@ class ModelAndOptimizer:
             value = float(group["lr"])  # a captured step reads a tensor lr: fill it and keep it
             group["lr"] = old.fill_(value) if isinstance(old, torch.Tensor) else value
         self.tensor_lr_groups = set()
+        refresh_compute_copies(self.model)  # the bf16 copies the optimizer writes, from the loaded weights
 
 
 def _lr_as_number(optim_sd: dict, as_tensor: set[int] = frozenset()) -> dict:

@@ -1,0 +1,264 @@
+"""Experts outside FSDP with compute copies (GroupedExperts.enable_compute_copies + AdamWWithCopies): the
+optimizer writes the bf16 weights the next forward reads and takes the bf16 gradients as they come, so
+nothing is cast per step. Against the per-step cast path (same forward, same gradients after the divide) and
+torch's AdamW on the equivalent fp32 gradients; clipping, the step gate and checkpoints included."""
+
+import copy
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+
+from components.moe_echo.experts import GroupedExperts
+from components.parallel.grad_norm import clip_grad_norm_
+from components.train.master_adamw import AdamWWithCopies, refresh_compute_copies
+from components.train.train_state import ModelAndOptimizer
+
+HP = dict(lr=3e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+COUNTS = torch.tensor([5, 0, 9, 2])  # an expert with no rows
+DIVIDE = 3.0
+
+
+class Block(torch.nn.Module):
+    """A dense layer FSDP would manage (plain ``.grad``) and experts outside it."""
+
+    def __init__(self, copies: bool, seed: int = 0):
+        super().__init__()
+        torch.manual_seed(seed)
+        self.dense = torch.nn.Linear(16, 16)
+        self.experts = GroupedExperts(16, 12, len(COUNTS))
+        self.experts.init_weights(0.02)
+        self.experts.compute_dtype = torch.bfloat16
+        self.experts.set_gradient_divide_factor(DIVIDE)
+        if copies:
+            self.experts.enable_compute_copies()
+
+    def forward(self, x):
+        return self.experts(self.dense(x).bfloat16(), COUNTS).float()
+
+
+def _loss(block, seed):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(int(COUNTS.sum()) + 3, 16, generator=g)  # 3 rows of padding
+    y = block(x)[: int(COUNTS.sum())]
+    return (y * torch.randn(y.shape, generator=g)).sum()
+
+
+def _experts(block):
+    return (block.experts.w1, block.experts.w2, block.experts.w3)
+
+
+def test_copies_compute_like_the_cast_and_their_gradients_arrive_undivided():
+    cast, copies = Block(copies=False), Block(copies=True)
+    out_cast, out_copies = _loss(cast, 1), _loss(copies, 1)
+    assert torch.equal(out_cast, out_copies)  # the copy is bf16(w), as the cast was
+    out_cast.backward()
+    out_copies.backward()
+    for a, b in zip(_experts(cast), _experts(copies)):
+        assert b.grad is None and b.compute_grad.dtype == torch.bfloat16 and b.compute_grad.abs().sum() > 0
+        assert torch.equal(a.grad, b.compute_grad.float() * (1 / DIVIDE))  # the cast path's one-pass divide
+    assert torch.equal(cast.dense.weight.grad, copies.dense.weight.grad)
+    # the QuACK layout ([w1; w3] concatenated) sends each half's gradient to its weight
+    w13, w2 = copies.experts.local_weights_13()
+    (w13.float().sum() + 2 * w2.float().sum()).backward()
+    assert torch.equal(copies.experts.w1.compute_grad.float(), torch.ones_like(copies.experts.w1))
+    assert torch.equal(copies.experts.w2.compute_grad.float(), torch.full_like(copies.experts.w2, 2.0))
+
+
+def test_optimizer_tracks_adamw_on_the_divided_fp32_gradients_and_writes_the_copies():
+    ref, ours = Block(copies=False), Block(copies=True)
+    opt_ref = torch.optim.AdamW(ref.parameters(), fused=True, **HP)
+    opt = AdamWWithCopies(ours.parameters(), fused=True, **HP)
+    for step in range(5):
+        for block, o in ((ref, opt_ref), (ours, opt)):
+            _loss(block, step).backward()
+            o.step()
+            o.zero_grad(set_to_none=True)
+        assert all(w.compute_grad is None for w in _experts(ours))
+    for a, b in zip(ref.parameters(), ours.parameters()):
+        torch.testing.assert_close(b.detach(), a.detach(), rtol=2e-5, atol=1e-7)
+    for w in _experts(ours):
+        assert torch.equal(w.compute_copy, w.detach().bfloat16())  # what the next forward reads
+        state = opt.state[w]
+        assert float(state["step"]) == 5 and state["exp_avg"].dtype == torch.float32
+        assert state["exp_avg"].shape == w.shape
+
+
+def test_found_inf_keeps_everything_and_grad_scale_divides():
+    block = Block(copies=True)
+    opt = AdamWWithCopies(block.parameters(), fused=True, **HP)
+    _loss(block, 0).backward()
+    opt.step()
+    opt.zero_grad()
+    w = block.experts.w2
+    before = (w.detach().clone(), w.compute_copy.clone(), opt.state[w]["exp_avg"].clone(), opt.state[w]["step"].clone())
+    opt.found_inf = torch.ones(())
+    _loss(block, 1).backward()
+    opt.step()
+    after = (w.detach(), w.compute_copy, opt.state[w]["exp_avg"], opt.state[w]["step"])
+    assert all(torch.equal(x, y) for x, y in zip(before, after))
+    opt.zero_grad()
+    # grad_scale = 4 (clipping): the update of gradients divided by 4
+    twin = Block(copies=True, seed=5)
+    opt_twin = AdamWWithCopies(twin.parameters(), fused=True, **HP)
+    twin.load_state_dict(block.state_dict())
+    refresh_compute_copies(twin)  # nn.Module.load_state_dict leaves the copies alone
+    opt_twin.load_state_dict(copy.deepcopy(opt.state_dict()))  # torch would share the step tensors
+    opt.found_inf, opt.grad_scale = torch.zeros(()), torch.tensor(4.0)
+    _loss(block, 2).backward()
+    _loss(twin, 2).backward()
+    for p in twin.parameters():
+        if p.grad is not None:
+            p.grad /= 4
+    for p in _experts(twin):
+        p.compute_grad = p.compute_grad / 4  # exact: a power of two
+    opt.step()
+    opt_twin.step()
+    for a, b in zip(block.parameters(), twin.parameters()):
+        torch.testing.assert_close(a.detach(), b.detach(), rtol=1e-5, atol=1e-7)
+
+
+def test_clipping_counts_compute_gradients_divided():
+    cast, copies = Block(copies=False), Block(copies=True)
+    _loss(cast, 3).backward()
+    _loss(copies, 3).backward()
+    ref = clip_grad_norm_(list(cast.parameters()), 0.0)
+
+    class Opt:
+        grad_scale = None
+
+    opt = Opt()
+    got = clip_grad_norm_(list(copies.parameters()), 1e-3, opt)
+    torch.testing.assert_close(got, ref, rtol=1e-6, atol=0)
+    assert float(opt.grad_scale) > 1  # clipped: the factor goes to the optimizer
+    coef = clip_grad_norm_(list(copies.parameters()), 1e-3)  # no optimizer: gradients scaled in place
+    assert float(coef) == float(got) and copies.experts.w1.compute_grad.abs().max() < cast.experts.w1.grad.abs().max()
+
+
+def test_checkpoints_load_weights_moments_and_rewrite_the_copies(tmp_path):
+    block = Block(copies=True)
+    opt = AdamWWithCopies(block.parameters(), fused=True, **HP)
+    for step in range(3):
+        _loss(block, step).backward()
+        opt.step()
+        opt.zero_grad()
+    dcp.save({"app": ModelAndOptimizer(block, opt)}, checkpoint_id=str(tmp_path / "ck"))
+    again = Block(copies=True, seed=1)
+    opt2 = AdamWWithCopies(again.parameters(), fused=True, **HP)
+    dcp.load({"app": ModelAndOptimizer(again, opt2)}, checkpoint_id=str(tmp_path / "ck"))
+    for a, b in zip(_experts(block), _experts(again)):
+        assert torch.equal(a.detach(), b.detach()) and torch.equal(b.compute_copy, b.detach().bfloat16())
+        assert torch.equal(opt.state[a]["exp_avg_sq"], opt2.state[b]["exp_avg_sq"])
+        assert float(opt2.state[b]["step"]) == 3
+    # and into a run without copies (the per-step cast path, torch's AdamW): same weights and moments
+    plain = Block(copies=False, seed=2)
+    opt3 = torch.optim.AdamW(plain.parameters(), fused=True, **HP)
+    dcp.load({"app": ModelAndOptimizer(plain, opt3)}, checkpoint_id=str(tmp_path / "ck"))
+    for a, b in zip(_experts(block), _experts(plain)):
+        assert torch.equal(a.detach(), b.detach()) and torch.equal(opt.state[a]["exp_avg"], opt3.state[b]["exp_avg"])
+
+
+def test_quack_layout_keeps_w1_and_w3_copies_as_halves_of_one_buffer():
+    """QuACK's gate/up GEMM reads [w1; w3]: with compute copies it is one persistent buffer whose halves are
+    w1's and w3's copies (no per-step concatenation); its gradient's halves reach w1 and w3, and the
+    optimizer writes each copy back into its half."""
+    torch.manual_seed(0)
+    ge = GroupedExperts(16, 12, 4, gemm="quack")
+    ge.init_weights(0.02)
+    ge.compute_dtype = torch.bfloat16
+    ge.set_gradient_divide_factor(2.0)
+    ge.enable_compute_copies()
+    opt = AdamWWithCopies(ge.parameters(), fused=True, **HP)
+    for step in range(2):
+        w13, w2 = ge.local_weights_13()
+        assert w13.data_ptr() == ge._copy13.data_ptr()  # the buffer itself, not a concatenation
+        assert torch.equal(w13, torch.cat([ge.w1.detach(), ge.w3.detach()], 1).bfloat16())
+        g13 = torch.randn(w13.shape).bfloat16()
+        (w13.float() * g13.float()).sum().backward(retain_graph=False)
+        (w2.float().sum()).backward()
+        assert torch.equal(ge.w1.compute_grad, g13[:, :12]) and torch.equal(ge.w3.compute_grad, g13[:, 12:])
+        assert not ge.w1.compute_grad.is_contiguous()  # a half, read in place by the optimizer
+        opt.step()
+        opt.zero_grad()
+    assert torch.equal(ge._copy13, torch.cat([ge.w1.detach(), ge.w3.detach()], 1).bfloat16())
+    assert torch.equal(ge.w2.compute_copy, ge.w2.detach().bfloat16())
+
+
+def test_a_weight_with_both_a_grad_and_a_compute_gradient_stops_the_step():
+    """torch's AdamW would apply the .grad as well (a second step, which once came from a zero .grad that
+    torch 2.11's DTensor.to_local backward wrote): the step refuses, and no weight moves."""
+    torch.manual_seed(0)
+    ge = GroupedExperts(16, 12, 4)
+    ge.init_weights(0.02)
+    ge.compute_dtype = torch.bfloat16
+    ge.enable_compute_copies()
+    opt = AdamWWithCopies(ge.parameters(), fused=True, **HP)
+    w1, w2, w3 = ge.local_weights()
+    (w1.float().sum() + w2.float().sum() + w3.float().sum()).backward()
+    assert all(w.grad is None and w.compute_grad is not None for w in (ge.w1, ge.w2, ge.w3))
+    ge.w2.grad = torch.zeros_like(ge.w2)
+    before = ge.w2.detach().clone()
+    with pytest.raises(RuntimeError, match="also has a .grad"):
+        opt.step()
+    assert torch.equal(ge.w2.detach(), before)
+
+
+def test_one_gpu_bf16_weights_live_as_halves_of_one_w13_for_quack():
+    """Plain bf16 parameters with fp32 masters (one GPU): QuACK's [w1; w3] is one tensor whose halves are
+    w1's and w3's data (moved there once, no per-step concatenation); the gradient halves reach w1.grad and
+    w3.grad, and MasterAdamW's update through them equals its update from contiguous gradients."""
+    from components.train.master_adamw import MasterAdamW
+
+    def make():
+        torch.manual_seed(0)
+        ge = GroupedExperts(16, 12, 4, gemm="quack")
+        ge.init_weights(0.02)
+        return ge, MasterAdamW(ge.parameters(), **HP)
+
+    (ge, opt), (ref, opt_ref) = make(), make()
+    for step in range(3):
+        w13, w2 = ge.local_weights_13()
+        assert w13.data_ptr() == ge.w1.data_ptr() and not ge.w1.is_contiguous()  # w1 is w13's first half
+        assert torch.equal(w13, torch.cat([ref.w1, ref.w3], 1).detach())
+        g = torch.Generator().manual_seed(step)
+        g13 = torch.randn(w13.shape, generator=g).bfloat16()
+        (w13.float() * g13.float()).sum().backward()
+        assert torch.equal(ge.w1.grad, g13[:, :12]) and torch.equal(ge.w3.grad, g13[:, 12:])
+        ge.w2.grad = torch.zeros_like(ge.w2)
+        for p, gr in zip((ref.w1, ref.w2, ref.w3), (g13[:, :12].contiguous(), torch.zeros_like(ref.w2),
+                                                   g13[:, 12:].contiguous())):
+            p.grad = gr
+        opt.step()
+        opt_ref.step()
+        opt.zero_grad()
+        opt_ref.zero_grad()
+    for a, b in zip((ge.w1, ge.w2, ge.w3), (ref.w1, ref.w2, ref.w3)):
+        assert torch.equal(a.detach(), b.detach()) and torch.equal(opt.masters[a], opt_ref.masters[b])
+    assert ge._w13.data_ptr() == ge.w1.data_ptr()  # still the same buffer
+    ge.float()  # a dtype change replaces the data: fp32 weights fall back to the concatenation
+    assert ge._shared_13() is None and ge.local_weights_13()[0].dtype == torch.bfloat16
+
+
+def test_norm_of_gradient_halves_reads_their_whole_buffer():
+    """The [w1; w3] gradient's halves (QuACK's layout) enter the norm as their contiguous base (foreach's fused
+    path), only where they tile it exactly; the norm equals the norm of separate copies either way."""
+    from components.parallel.grad_norm import _whole
+
+    g13 = torch.randn(3, 10, 4).bfloat16()
+    h1, h3 = g13[:, :6], g13[:, 6:]
+    assert [t is g13 for t in _whole([h3, h1])] == [True]
+    other = torch.randn(5)
+    out = _whole([other, h1])  # one half alone, or halves of different widths that leave a gap: kept as they are
+    assert out[0] is other and out[1] is h1
+    assert _whole([g13[:, :3], g13[:, 6:]])[0]._base is g13 and len(_whole([g13[:, :3], g13[:, 6:]])) == 2
+    assert len(_whole([g13[:, :6], g13[:, 5:]])) == 2  # overlapping: kept
+
+    def param(g):
+        p = torch.nn.Parameter(torch.zeros(g.shape))
+        p.compute_grad, p.compute_grad_divide = g, 2.0
+        return p
+
+    got = clip_grad_norm_([param(h1), param(h3)], 0.0)
+    ref = clip_grad_norm_([param(h1.contiguous()), param(h3.contiguous())], 0.0)
+    torch.testing.assert_close(got, ref, rtol=1e-6, atol=0)
+    torch.testing.assert_close(got, g13.float().norm() / 2, rtol=1e-6, atol=0)
