@@ -16,6 +16,9 @@ category whose rule matches, innermost op first:
                     with EP also the peer-memory copy kernels and their barriers)
     collectives     NCCL kernels (FSDP's all-gathers and reduce-scatters, the alltoall/padded
                     dispatchers' all_to_all), by kernel name, whatever op launched them
+    echo            anything inside ECHO's ops (its ``echo_route`` span: counts, planner, routing rewrite;
+                    ``_ExtendWithClones``: clone weights in, their gradients back), whatever the inner op,
+                    and the planner's Triton kernels by name
     router          scores, top-k, bias, normalisation of the gate
     norms           RMSNorm (fused or composite)
     loss            cross-entropy / log-softmax / NLL (also kernels/cross_entropy.py's fused kernels)
@@ -35,9 +38,11 @@ from collections import defaultdict
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-CATEGORIES = ("optimizer", "routed experts", "dense GEMMs", "attention", "dispatch", "collectives", "router", "norms",
-              "loss", "casts/copies", "other")
+CATEGORIES = ("optimizer", "routed experts", "dense GEMMs", "attention", "dispatch", "collectives", "echo", "router",
+              "norms", "loss", "casts/copies", "other")
 COLLECTIVE = re.compile(r"^nccl", re.I)  # decided by the kernel alone: FSDP launches them under copy ops
+ECHO = re.compile(r"echo_route|ExtendWithClones|PeerMulticast")  # any enclosing op: ECHO's cost, whatever ran inside
+ECHO_KERNEL = re.compile(r"^_(fill|select|quota|greedy_slots)_kernel$")  # kernels/echo_plan.py
 # (category, pattern on an op name); tried innermost op first, then outwards
 RULES = [
     ("optimizer", re.compile(r"Optimizer\.(step|zero_grad)|_fused_adamw|_foreach_")),
@@ -71,6 +76,8 @@ BARRIER = re.compile(r"barrier", re.I)  # symmetric-memory / peer barriers: time
 def classify(stack: list[str], kernel: str) -> str:
     if COLLECTIVE.search(kernel):
         return "collectives"
+    if ECHO_KERNEL.search(kernel) or any(ECHO.search(name) for name in stack):
+        return "echo"
     for name in reversed(stack):  # innermost first
         for cat, rule in RULES:
             if rule.search(name):

@@ -74,6 +74,24 @@ def test_nccl_kernels_are_collectives_whatever_launched_them(tmp_path):
     assert abs(r["ms"]["collectives"] - 0.3) < 1e-12 and abs(r["ms"]["dispatch"] - 0.1) < 1e-12
 
 
+def test_echo_claims_what_runs_inside_its_ops_and_its_planner_kernels(tmp_path):
+    """ECHO's cost in one place: a cat inside the clone extension, its backward's index_add, the counts'
+    copy inside echo_route, and the planner's kernels by name; a cat elsewhere stays casts/copies."""
+    events = [
+        {"ph": "X", "cat": "user_annotation", "name": "ProfilerStep#1", "ts": 0, "dur": 2000, "tid": 1},
+        {"ph": "X", "cat": "user_annotation", "name": "echo_route", "ts": 10, "dur": 80, "tid": 1},
+        _op("aten::copy_", 20, 10), _launch(1, 25), _kernel(1, 100, 10, "elementwise_kernel"),
+        _launch(2, 40), _kernel(2, 120, 20, "_fill_kernel"),
+        _op("_ExtendWithClones", 200, 50), _op("aten::cat", 210, 20), _launch(3, 215),
+        _kernel(3, 300, 30, "CatArrayBatchedCopy"),
+        _op("_ExtendWithClonesBackward", 400, 50), _op("aten::index_add_", 410, 20), _launch(4, 415),
+        _kernel(4, 500, 40, "indexFuncLargeIndex"),
+        _op("aten::cat", 600, 20), _launch(5, 605), _kernel(5, 700, 50, "CatArrayBatchedCopy"),
+    ]
+    r = breakdown(_trace(tmp_path, events))
+    assert abs(r["ms"]["echo"] - 0.1) < 1e-12 and abs(r["ms"]["casts/copies"] - 0.05) < 1e-12
+
+
 def test_cutlass_grouped_gemm_without_an_op_is_routed_experts(tmp_path):
     name = ("_ZN7cutlass13device_kernelIN2at4cuda6detail25enable_3x_kernel_for_sm9xINS_4gemm6kernel13GemmUniversal"
             "INS5_15GroupProblemShapeIN4cute5tupleIJiiiEEEEENS5_10collective13CollectiveMmaINS5_"
