@@ -30,12 +30,13 @@ class Echo:
 
     def route(self, ids_TK: torch.Tensor, counts_E: torch.Tensor) -> tuple[torch.Tensor, EchoPlan]:
         """ids in the dispatcher's id space (dest·(e+S) + local) and the step's plan."""
-        counts_RE = self.transport.all_gather(counts_E)
-        plan = plan_echo(counts_RE, self.S, self.rule)
-        self.last_plan = plan
-        self.last_load = echo_load_columns(plan, counts_RE.sum(0))
-        virtual = rewrite(ids_TK, plan, self.rank, self.E)
-        return rank_local_ids(virtual, self.E, self.R, self.S), plan
+        with torch.profiler.record_function("echo_route"):  # benchmarks/step_breakdown.py's "echo"
+            counts_RE = self.transport.all_gather(counts_E)
+            plan = plan_echo(counts_RE, self.S, self.rule)
+            self.last_plan = plan
+            self.last_load = echo_load_columns(plan, counts_RE.sum(0))
+            virtual = rewrite(ids_TK, plan, self.rank, self.E)
+            return rank_local_ids(virtual, self.E, self.R, self.S), plan
 
     def local_weights(self, w_eX: torch.Tensor, plan: EchoPlan, index: int = 0) -> torch.Tensor:
         """[e + S, ...]: home experts then this rank's clones (their gradients reach the home experts)."""
