@@ -212,6 +212,11 @@ def test_nvlink_weight_multicast_and_gradient_reduce_back(shape):
         w = w_R[rank].clone().requires_grad_()
         out = extend_with_clones(w, slot_expert_G, PeerMemoryTransport(ws, "layer", rank, S, e), index=0)
         (out * g_R[rank]).sum().backward()
+        w2 = w_R[rank].clone().requires_grad_()  # an expanded gradient (of a sum): each clone adds ones
+        extend_with_clones(w2, slot_expert_G, PeerMemoryTransport(ws, "layer2", rank, S, e), index=0).sum().backward()
+        mine = [x % e for x in slot_expert_G.tolist() if x >= 0 and x // e == rank]
+        assert torch.equal(w2.grad, 1 + torch.bincount(torch.tensor(mine, dtype=torch.long), minlength=e)
+                           .to(w2.grad).view(-1, *[1] * (len(shape) - 1)).expand(shape))
         return out.detach(), w.grad
 
     outs = run_ranks(R, rank_fn)

@@ -131,6 +131,8 @@ class _ExtendWithClones(torch.autograd.Function):
     def backward(ctx, grad_eSX):
         (slot_expert_G,) = ctx.saved_tensors
         local_G, grad_GX = ctx.transport.clone_grads(grad_eSX[ctx.e:], slot_expert_G, ctx.index)
+        if 0 in grad_eSX.stride():  # an expanded gradient (e.g. of a sum) shares memory between rows
+            grad_eSX = grad_eSX.contiguous()
         grad_eX = grad_eSX[:ctx.e]  # the extended weights' gradient is this Function's own buffer: added in place
         grad_eX.index_add_(0, local_G, grad_GX.to(grad_eX.dtype))
         return grad_eX, None, None, None
