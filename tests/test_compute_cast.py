@@ -46,6 +46,46 @@ def test_cast_cat_equals_separate_casts_then_cat():
     assert torch.equal(got[0], w1.grad) and torch.equal(got[1], w3.grad) and got[0].dtype == torch.float32
 
 
+def test_echo_clones_w13_whole_like_w1_and_w3_apart():
+    """With ECHO (``extend`` appends clone rows), experts cast for compute clone [w1; w3] as one tensor (one
+    multicast, no concatenation of the extended weights): output and fp32 gradients equal cloning w1, w2 and
+    w3 apart and running two gate/up GEMMs; clone rows' gradients reach their home experts."""
+    from components.moe_echo.experts import W13, grouped_swiglu
+
+    counts = torch.tensor([5, 0, 9, 2, 4, 3])  # 4 home experts, then clones of experts 2 and 0
+    clones = [2, 0]
+    x = torch.randn(int(counts.sum()) + 3, 16, generator=torch.Generator().manual_seed(1)).bfloat16()
+    gy = torch.linspace(-1, 1, 16)
+
+    def make():
+        torch.manual_seed(0)
+        ge = GroupedExperts(16, 12, 4)
+        ge.init_weights(0.02)
+        ge.compute_dtype = torch.bfloat16
+        ge.set_gradient_divide_factor(2.0)
+        return ge
+
+    seen = []
+
+    def extend(w, i):
+        seen.append(i)
+        return torch.cat([w, w[clones]])
+
+    ours = make()
+    y = ours(x, counts, extend)
+    (y.float() * gy).sum().backward()
+    assert sorted(seen) == [1, W13]  # [w1; w3] and w2: two multicasts, not three
+
+    ref = make()
+    w1, w2, w3 = (extend(w, i) for i, w in enumerate(ref.local_weights()))
+    y_ref = grouped_swiglu(x, w1, w2, w3, counts)
+    (y_ref.float() * gy).sum().backward()
+    assert torch.equal(y, y_ref)
+    for a, b in zip((ours.w1, ours.w2, ours.w3), (ref.w1, ref.w2, ref.w3)):
+        assert a.grad.dtype == torch.float32 and torch.equal(a.grad, b.grad)
+    assert ours.w1.grad[2].abs().sum() > 0 and ours.w1.grad[1].abs().sum() == 0  # a clone's rows; no rows
+
+
 _SCRIPT = r"""
 import pytest
 import torch

@@ -196,33 +196,40 @@ def test_nvlink_dispatcher_kernels_in_interpreter():
 
 @pytest.mark.parametrize("shape", [(2, 3, 5), (2, 5, 3)])  # w1/w3-like [e, H, D] and w2-like [e, D, H]
 def test_nvlink_weight_multicast_and_gradient_reduce_back(shape):
-    """Clone slot s of rank r holds expert x = slot_expert[r·S + s] (zeros if unused); the home
-    expert's gradient gains the sum of its clones' gradients — fp64, against direct indexing."""
-    from components.moe_echo.echo_transport import nvlink_multicast
+    """Extended weights over peer memory: rows [:e] are the home experts, clone slot s of rank r holds expert
+    x = slot_expert[r·S + s] (zeros if unused); the home experts' gradient is their rows' gradient plus the
+    sum of their clones' gradients — fp64, against direct indexing."""
+    from components.moe_echo.echo_transport import PeerMemoryTransport, extend_with_clones
 
     R, S = 3, 2
     e = shape[0]
     slot_expert_G = torch.tensor([3, -1, 0, 5, 3, -1])  # expert 3 cloned twice, rank 2's slot 1 unused
     gen = torch.Generator().manual_seed(0)
     w_R = [torch.randn(*shape, generator=gen, dtype=torch.float64) for _ in range(R)]
-    g_R = [torch.randn(S, *shape[1:], generator=gen, dtype=torch.float64) for _ in range(R)]
+    g_R = [torch.randn(e + S, *shape[1:], generator=gen, dtype=torch.float64) for _ in range(R)]
 
     def rank_fn(rank, ws):
         w = w_R[rank].clone().requires_grad_()
-        clones = nvlink_multicast(w, slot_expert_G, ws, "layer/w0", rank, S)
-        (clones * g_R[rank]).sum().backward()
-        return clones.detach(), w.grad
+        out = extend_with_clones(w, slot_expert_G, PeerMemoryTransport(ws, "layer", rank, S, e), index=0)
+        (out * g_R[rank]).sum().backward()
+        w2 = w_R[rank].clone().requires_grad_()  # an expanded gradient (of a sum): each clone adds ones
+        extend_with_clones(w2, slot_expert_G, PeerMemoryTransport(ws, "layer2", rank, S, e), index=0).sum().backward()
+        mine = [x % e for x in slot_expert_G.tolist() if x >= 0 and x // e == rank]
+        assert torch.equal(w2.grad, 1 + torch.bincount(torch.tensor(mine, dtype=torch.long), minlength=e)
+                           .to(w2.grad).view(-1, *[1] * (len(shape) - 1)).expand(shape))
+        return out.detach(), w.grad
 
     outs = run_ranks(R, rank_fn)
-    for rank, (clones, grad) in enumerate(outs):
+    for rank, (out, grad) in enumerate(outs):
+        torch.testing.assert_close(out[:e], w_R[rank], rtol=0, atol=0)
         for s in range(S):
             x = int(slot_expert_G[rank * S + s])
             want = w_R[x // e][x % e] if x >= 0 else torch.zeros(shape[1:], dtype=torch.float64)
-            torch.testing.assert_close(clones[s], want, rtol=0, atol=0)
-        want_grad = torch.zeros(shape, dtype=torch.float64)
+            torch.testing.assert_close(out[e + s], want, rtol=0, atol=0)
+        want_grad = g_R[rank][:e].clone()
         for g, x in enumerate(slot_expert_G.tolist()):
             if x >= 0 and x // e == rank:
-                want_grad[x % e] += g_R[g // S][g % S]
+                want_grad[x % e] += g_R[g // S][e + g % S]
         torch.testing.assert_close(grad, want_grad, rtol=1e-12, atol=1e-12)
 
 
@@ -238,7 +245,7 @@ def test_echo_layer_over_nvlink_equals_ep1(R, routing, recompute):
     import copy
 
     from components.moe_echo.echo import Echo
-    from components.moe_echo.echo_transport import PeerMemoryTransport
+    from components.moe_echo.echo_transport import build_transport
     from ep_worker import _layer
 
     E, K, T_rank, S = 8, 2, 10, 1 if routing == "more_hot_than_slots" else 2
@@ -268,7 +275,7 @@ def test_echo_layer_over_nvlink_equals_ep1(R, routing, recompute):
             setattr(layer.experts, name, torch.nn.Parameter(full[rank * e:(rank + 1) * e].clone()))
         disp = NVLinkDispatcher(R * (e + S), None, R, float(R), workspace=ws, name="layer")
         layer.dispatcher, layer.ep_size = disp, R
-        layer.echo = Echo(E, R, rank, S, "greedy", PeerMemoryTransport(disp, rank, S))  # counts over the workspace too
+        layer.echo = Echo(E, R, rank, S, "greedy", build_transport(disp, None, R, rank, S, e))  # counts over the workspace too
         x = x_all[rank:rank + 1].clone().requires_grad_()
         y = torch.utils.checkpoint.checkpoint(layer, x, use_reentrant=False) if recompute else layer(x)
         (y * gy_all[rank:rank + 1]).sum().backward()

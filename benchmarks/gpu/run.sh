@@ -28,6 +28,8 @@
 #                    variant against one torchtitan baseline, e.g. "quack=--moe_echo.experts_gemm quack;torch=";
 #                    "base=@/tmp/base;head=" times another revision (build/base.tgz, see lib.sh) in the same call)
 #                    -> e2e_<GPU>.md
+#   echo_tests  2    ECHO's GPU tests: graph = eager with ECHO (torch and QuACK GEMMs; QuACK's after quack_unpack),
+#                    the EP=2 layer checks (padded / nvlink x ECHO off / on), ~250 s
 #   gateup      2    one gate/up GEMM: its GPU tests and gate_up_gemm.py at three shapes
 #   fill_profile 2   the compiled v2lite_6b_2gpu step profiled at EP=2, graphed (GRAPH=false: eager), one profile per
 #                    variant side by side (VARIANTS="echo=--moe_echo.echo true;off=", ARGS for all, LABEL)
@@ -208,6 +210,10 @@ print('largest step difference over steps 1-20: %.2e at step %d' % max(rel[:20])
         2>&1 | grep -v '^{' | tail -12
     fi
     tar czf "$OUT/e2e_logs.tgz" --exclude assets -C /tmp/e2e . 2>/dev/null ;;
+
+  echo_tests)  # ECHO's GPU tests on this torch (no benchmark)
+    P="python3 -m pytest -p no:warnings -q -rfEs -o addopts="
+    timeout 400 $P tests/test_gpu_train.py tests/test_gpu_ep.py -k "echo or two_gpu_expert_parallel" 2>&1 | tail -6 ;;
 
   gateup)  # -> gate_up_gemm_<GPU>.md: the one gate/up GEMM's GPU tests, then two GEMMs vs one at three expert
     # shapes (~300 s). The whole step against the base tree is a second call: PART=variants e2e with

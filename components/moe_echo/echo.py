@@ -5,8 +5,8 @@ Per step, on every rank of the EP group (R ranks, e = E / R home experts, S echo
     counts_E ─all_gather─► counts_RE ─plan_echo─► plan (identical on all ranks)
     ids_TK ─rewrite─► virtual ids ─rank_local_ids─► ids in the dispatcher's R·(e+S) id space
     weights: W_local [e+S] = home experts [e] ++ clones [S]; clone s of this rank receives its home
-    expert's current weights (``multicast``), and in backward the clone's weight gradient flows
-    back into the home expert's gradient (autograd through the same all_to_all).
+    expert's current weights (``extend_with_clones``), and in backward the clone's weight gradient is
+    added into its home expert's rows of W_local's gradient.
 
 Counts and clone weights move through a transport (``echo_transport.py``): the group's collectives,
 or the ``nvlink`` dispatcher's peer memory.
@@ -14,6 +14,7 @@ or the ``nvlink`` dispatcher's peer memory.
 
 import torch
 
+from .echo_transport import extend_with_clones
 from .planner import EchoPlan, plan_echo, rank_local_ids, rewrite
 
 
@@ -29,16 +30,17 @@ class Echo:
 
     def route(self, ids_TK: torch.Tensor, counts_E: torch.Tensor) -> tuple[torch.Tensor, EchoPlan]:
         """ids in the dispatcher's id space (dest·(e+S) + local) and the step's plan."""
-        counts_RE = self.transport.all_gather(counts_E)
-        plan = plan_echo(counts_RE, self.S, self.rule)
-        self.last_plan = plan
-        self.last_load = echo_load_columns(plan, counts_RE.sum(0))
-        virtual = rewrite(ids_TK, plan, self.rank, self.E)
-        return rank_local_ids(virtual, self.E, self.R, self.S), plan
+        with torch.profiler.record_function("echo_route"):  # benchmarks/step_breakdown.py's "echo"
+            counts_RE = self.transport.all_gather(counts_E)
+            plan = plan_echo(counts_RE, self.S, self.rule)
+            self.last_plan = plan
+            self.last_load = echo_load_columns(plan, counts_RE.sum(0))
+            virtual = rewrite(ids_TK, plan, self.rank, self.E)
+            return rank_local_ids(virtual, self.E, self.R, self.S), plan
 
     def local_weights(self, w_eX: torch.Tensor, plan: EchoPlan, index: int = 0) -> torch.Tensor:
-        """[e + S, ...]: home experts then this rank's clones."""
-        return torch.cat([w_eX, self.transport.multicast(w_eX, plan.slot_expert_G, index).to(w_eX.dtype)])
+        """[e + S, ...]: home experts then this rank's clones (their gradients reach the home experts)."""
+        return extend_with_clones(w_eX, plan.slot_expert_G, self.transport, index)
 
 
 def echo_stats(plan: EchoPlan) -> torch.Tensor:

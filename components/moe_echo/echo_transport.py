@@ -2,8 +2,12 @@
 weights (multicast forward, gradients summed back to the home experts in backward).
 
     t = build_transport(dispatcher, group, ep_size, rank, slots, local_experts)
-    counts_RE = t.all_gather(counts_E)          # every rank's counts, [R, E]
-    clones_S = t.multicast(w_eX, slot_expert_G, index)   # [S, ...] weights of this rank's echo slots
+    counts_RE = t.all_gather(counts_E)                     # every rank's counts, [R, E]
+    w_eSX = extend_with_clones(w_eX, slot_expert_G, t, index)  # [e + S, ...]: home experts ++ clones
+
+A transport moves the clones (``clones``: forward) and their gradients back to the home ranks
+(``clone_grads``: backward); ``extend_with_clones`` adds each clone's gradient into its home expert's rows
+of the extended weights' gradient in place, so backward moves and adds only cloned rows.
 
 Two transports, both static-shape with no host read:
 - ``CollectiveTransport`` (NCCL/gloo; with the ``padded`` / ``alltoall`` dispatchers): counts by
@@ -35,81 +39,108 @@ class CollectiveTransport:
         dist.all_gather(parts, counts_E.contiguous(), group=self.group)
         return torch.stack(parts)
 
-    def multicast(self, w_eX: torch.Tensor, slot_expert_G: torch.Tensor, index: int = 0) -> torch.Tensor:
+    def clones(self, w_eX: torch.Tensor, slot_expert_G: torch.Tensor, index: int = 0) -> torch.Tensor:
+        """[S, ...] weights of this rank's echo slots (zeros for unused slots)."""
         x_G, e, S = slot_expert_G, self.e, self.S
         flat = w_eX.reshape(e, -1)
         mine_G = (x_G >= 0) & (x_G // e == self.rank)  # slots (anywhere) that clone my experts
         send = flat.index_select(0, (x_G % e).clamp(min=0)) * mine_G.unsqueeze(1).to(flat.dtype)
         recv = all_to_all(send, None, None, self.group)  # row h·S + s: home h's weights for my slot s
-        my_x = x_G[self.rank * S:(self.rank + 1) * S]
-        used = (my_x >= 0).unsqueeze(1).to(flat.dtype)
-        rows = (my_x.clamp(min=0) // e) * S + torch.arange(S, device=x_G.device)
-        return (recv.index_select(0, rows) * used).view(S, *w_eX.shape[1:])
+        rows, used = self._my_rows(x_G)
+        return (recv.index_select(0, rows) * used.to(flat.dtype)).view(S, *w_eX.shape[1:])
+
+    def clone_grads(self, grad_SX: torch.Tensor, slot_expert_G: torch.Tensor, index: int = 0):
+        """(local expert of each slot [G], gradient of each slot that clones one of my experts [G, ...], zeros
+        for the others): the transpose of ``clones``."""
+        x_G, e, S = slot_expert_G, self.e, self.S
+        flat = grad_SX.reshape(S, -1)
+        rows, used = self._my_rows(x_G)
+        grad_recv = flat.new_zeros(self.R * S, flat.shape[1]).index_copy_(0, rows, flat * used.to(flat.dtype))
+        grad_send = all_to_all(grad_recv, None, None, self.group)  # row g: the gradient of slot g, from its rank
+        mine_G = (x_G >= 0) & (x_G // e == self.rank)
+        grad_G = grad_send * mine_G.unsqueeze(1).to(flat.dtype)
+        return (x_G % e).clamp(min=0), grad_G.view(-1, *grad_SX.shape[1:])
+
+    def _my_rows(self, x_G: torch.Tensor):
+        """Row h·S + s of the exchanged block for each of my slots s (h: its expert's home), and whether used."""
+        my_x = x_G[self.rank * self.S:(self.rank + 1) * self.S]
+        rows = (my_x.clamp(min=0) // self.e) * self.S + torch.arange(self.S, device=x_G.device)
+        return rows, (my_x >= 0).unsqueeze(1)
 
 
 class PeerMemoryTransport:
-    """Counts and clone weights over the ``nvlink`` dispatcher's peer memory (its workspace and CTAs)."""
+    """Counts and clone weights over the ``nvlink`` dispatcher's peer memory (its workspace and CTAs). Forward:
+    every home rank writes each of its experts that a slot clones straight into that slot's row of the clone
+    rank's buffer [S, ...] (only the cloned experts move). Backward: each clone rank exposes its slots' weight
+    gradients; each home rank pulls the gradients of the slots cloning its experts."""
 
-    def __init__(self, dispatcher: NVLinkDispatcher, rank: int, slots: int):
-        self.d, self.rank, self.S = dispatcher, rank, slots
+    def __init__(self, ws, name: str, rank: int, slots: int, local_experts: int, programs: int = 64):
+        self.ws, self.name, self.rank, self.S, self.e, self.programs = ws, name, rank, slots, local_experts, programs
 
     def all_gather(self, counts_E: torch.Tensor) -> torch.Tensor:
-        return all_gather_rows(self.d.ws, f"{self.d.name}/echo_counts", counts_E)
+        return all_gather_rows(self.ws, f"{self.name}/echo_counts", counts_E)
 
-    def multicast(self, w_eX: torch.Tensor, slot_expert_G: torch.Tensor, index: int = 0) -> torch.Tensor:
-        d = self.d
-        return nvlink_multicast(w_eX, slot_expert_G, d.ws, f"{d.name}/w{index}", self.rank, self.S, d.programs)
+    def _routes(self, slot_expert_G: torch.Tensor, rows: int):
+        """Each clone row's destination rank and row in its buffer (-1: not one of my experts' clones)."""
+        G, S, e, dev = slot_expert_G.shape[0], self.S, self.e, slot_expert_G.device
+        mine_G = (slot_expert_G >= 0) & (slot_expert_G // e == self.rank)  # slots (anywhere) cloning my experts
+        g_N = torch.arange(G * rows, device=dev) // rows
+        dest_N1 = (g_N // S).view(-1, 1)
+        row_N1 = torch.where(mine_G.index_select(0, g_N), (g_N % S) * rows + torch.arange(G * rows, device=dev) % rows,
+                             -1).view(-1, 1)
+        return (slot_expert_G % e).clamp(min=0), dest_N1, row_N1
+
+    def clones(self, w_eX: torch.Tensor, slot_expert_G: torch.Tensor, index: int = 0) -> torch.Tensor:
+        e, G, S = self.e, slot_expert_G.shape[0], self.S
+        rows, width = (w_eX[0].numel() // w_eX.shape[-1]), w_eX.shape[-1]  # each expert = rows x width
+        local_G, dest_N1, row_N1 = self._routes(slot_expert_G, rows)
+        buf = self.ws.buffer(f"{self.name}/w{index}/clone", (S * rows, width), w_eX.dtype, w_eX.device)
+        src_ND = w_eX.reshape(e, rows, width).index_select(0, local_G).reshape(G * rows, width)
+        peer_scatter(src_ND, dest_N1, row_N1, buf.ptrs_R, buf.peers, programs=self.programs)
+        self.ws.barrier(buf)
+        used_S = slot_expert_G[self.rank * S:(self.rank + 1) * S] >= 0
+        out = buf.local.view(S, rows, width) * used_S.view(-1, 1, 1).to(w_eX.dtype)  # unused slots: zeros
+        return out.view(S, *w_eX.shape[1:])
+
+    def clone_grads(self, grad_SX: torch.Tensor, slot_expert_G: torch.Tensor, index: int = 0):
+        S = self.S
+        rows, width = (grad_SX[0].numel() // grad_SX.shape[-1]), grad_SX.shape[-1]
+        gbuf = self.ws.buffer(f"{self.name}/w{index}/clone_grad", (S * rows, width), grad_SX.dtype, grad_SX.device)
+        gbuf.local.copy_(grad_SX.reshape(-1, width))
+        self.ws.barrier(gbuf)
+        local_G, dest_N1, row_N1 = self._routes(slot_expert_G, rows)
+        pulled_ND = peer_gather_sum(dest_N1, row_N1, gbuf.ptrs_R, gbuf.peers, programs=self.programs)  # 0: not mine
+        return local_G, pulled_ND.view(-1, *grad_SX.shape[1:])
 
 
 def build_transport(dispatcher, group, ep_size: int, rank: int, slots: int, local_experts: int):
     """Peer memory when the layer dispatches over NVLink, the group's collectives otherwise."""
     if isinstance(dispatcher, NVLinkDispatcher):
-        return PeerMemoryTransport(dispatcher, rank, slots)
+        return PeerMemoryTransport(dispatcher.ws, dispatcher.name, rank, slots, local_experts, dispatcher.programs)
     return CollectiveTransport(group, ep_size, rank, slots, local_experts)
 
 
-class _PeerMulticast(torch.autograd.Function):
-    """Clone weights over peer memory. Forward: every home rank writes each of its experts that a
-    slot clones straight into that slot's row of the clone rank's buffer [S, ...] (only the cloned
-    experts move). Backward: each clone rank exposes its slots' weight gradients; each home rank
-    pulls the gradients of the slots cloning its experts and adds them to its experts' gradients."""
+class _ExtendWithClones(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, w_eX, slot_expert_G, transport, index: int):
+        ctx.save_for_backward(slot_expert_G)
+        ctx.transport, ctx.index, ctx.e = transport, index, w_eX.shape[0]
+        return torch.cat([w_eX, transport.clones(w_eX, slot_expert_G, index).to(w_eX.dtype)])
 
     @staticmethod
-    def forward(ctx, w_eX, slot_expert_G, ws, name: str, rank: int, slots: int, programs: int):
-        e, G = w_eX.shape[0], slot_expert_G.shape[0]
-        rows, width = (w_eX[0].numel() // w_eX.shape[-1]), w_eX.shape[-1]  # each expert = rows x width
-        dev = w_eX.device
-        mine_G = (slot_expert_G >= 0) & (slot_expert_G // e == rank)  # slots (anywhere) cloning my experts
-        local_G = (slot_expert_G % e).clamp(min=0)
-        g_N = torch.arange(G * rows, device=dev) // rows
-        dest_N1 = (g_N // slots).view(-1, 1)
-        row_N1 = torch.where(mine_G.index_select(0, g_N), (g_N % slots) * rows + torch.arange(G * rows, device=dev) % rows,
-                             -1).view(-1, 1)
-        buf = ws.buffer(f"{name}/clone", (slots * rows, width), w_eX.dtype, dev)
-        src_ND = w_eX.reshape(e, rows, width).index_select(0, local_G).reshape(G * rows, width)
-        peer_scatter(src_ND, dest_N1, row_N1, buf.ptrs_R, buf.peers, programs=programs)
-        ws.barrier(buf)
-        used_S = slot_expert_G[rank * slots:(rank + 1) * slots] >= 0
-        out = buf.local.view(slots, rows, width) * used_S.view(-1, 1, 1).to(w_eX.dtype)  # unused slots: zeros
-        ctx.save_for_backward(local_G, dest_N1, row_N1)
-        ctx.ws, ctx.name, ctx.shape, ctx.programs = ws, name, (e, rows, width), programs
-        return out.view(slots, *w_eX.shape[1:])
-
-    @staticmethod
-    def backward(ctx, grad_SX):
-        local_G, dest_N1, row_N1 = ctx.saved_tensors
-        e, rows, width = ctx.shape
-        gbuf = ctx.ws.buffer(f"{ctx.name}/clone_grad", (grad_SX.shape[0] * rows, width), grad_SX.dtype, grad_SX.device)
-        gbuf.local.copy_(grad_SX.reshape(-1, width))
-        ctx.ws.barrier(gbuf)
-        pulled_ND = peer_gather_sum(dest_N1, row_N1, gbuf.ptrs_R, gbuf.peers, programs=ctx.programs)  # 0: not mine
-        grad_eX = torch.zeros(e, rows, width, dtype=grad_SX.dtype, device=grad_SX.device)
-        grad_eX.index_add_(0, local_G, pulled_ND.view(-1, rows, width))
-        return grad_eX.view(e, *grad_SX.shape[1:]), None, None, None, None, None, None
+    def backward(ctx, grad_eSX):
+        (slot_expert_G,) = ctx.saved_tensors
+        local_G, grad_GX = ctx.transport.clone_grads(grad_eSX[ctx.e:], slot_expert_G, ctx.index)
+        if 0 in grad_eSX.stride():  # an expanded gradient (e.g. of a sum) shares memory between rows
+            grad_eSX = grad_eSX.contiguous()
+        grad_eX = grad_eSX[:ctx.e]  # the extended weights' gradient is this Function's own buffer: added in place
+        grad_eX.index_add_(0, local_G, grad_GX.to(grad_eX.dtype))
+        return grad_eX, None, None, None
 
 
-def nvlink_multicast(w_eX: torch.Tensor, slot_expert_G: torch.Tensor, ws, name: str, rank: int, slots: int,
-                     programs: int = 64) -> torch.Tensor:
-    """[S, ...] clone weights of this rank's echo slots from their home experts (differentiable:
-    the clones' gradients are summed into the home experts'). ``name`` must be unique per weight."""
-    return _PeerMulticast.apply(w_eX, slot_expert_G, ws, name, rank, slots, programs)
+def extend_with_clones(w_eX: torch.Tensor, slot_expert_G: torch.Tensor, transport, index: int = 0) -> torch.Tensor:
+    """[e + S, ...]: this rank's home experts, then the clone weights of its echo slots (zeros for unused slots).
+    Differentiable: each clone's gradient is added into its home expert's rows, which are the extended weights'
+    gradient rows [:e] themselves (no dense [e, ...] buffer, no extra add). ``index`` names the weight (one
+    buffer pair per weight and layer)."""
+    return _ExtendWithClones.apply(w_eX, slot_expert_G, transport, index)

@@ -36,6 +36,9 @@ def grouped_swiglu(
     return _looped_swiglu(x_ND, w1_EHD, w2_EDH, w3_EHD, counts_E)
 
 
+W13 = 13  # ``extend``'s index of [w1; w3] (GroupedExperts.forward): its own clone buffer
+
+
 def grouped_swiglu13(x_ND: torch.Tensor, w13_E2HD: torch.Tensor, w2_EDH: torch.Tensor,
                      counts_E: torch.Tensor) -> torch.Tensor:
     """``grouped_swiglu`` with the gate and up weights concatenated ([w1; w3] along dim 1): one GEMM gives
@@ -184,13 +187,17 @@ class GroupedExperts(nn.Module):
     def forward(self, x_ND: torch.Tensor, counts_e: torch.Tensor, extend=None) -> torch.Tensor:
         """counts_e: rows of each *local* expert; with expert parallelism the weights are DTensors
         sharded on dim 0 over the EP mesh and only this rank's e = E / EP experts are used.
-        ``extend(w, i) -> w'`` appends echo-slot (clone) weights to local weight i (w1, w2, w3); it runs inside
-        this forward so FSDP's unshard / gradient reduce-scatter hooks see every use."""
-        if self.precision == "bf16" and x_ND.is_cuda and extend is None:
-            if self.gemm == "quack":
-                return quack_swiglu(x_ND, *self.local_weights_13(), counts_e)
-            if self.compute_dtype is not None:  # [w1; w3] comes from the one-pass cast: no extra copy
-                return grouped_swiglu13(x_ND, *self.local_weights_13(), counts_e)
+        ``extend(w, i) -> w'`` appends echo-slot (clone) weights to local weight i (0, 1, 2: w1, w2, w3;
+        ``W13``: [w1; w3]); it runs inside this forward so FSDP's unshard / gradient reduce-scatter hooks see
+        every use."""
+        quack = self.gemm == "quack" and x_ND.is_cuda
+        if self.precision == "bf16" and (quack or self.compute_dtype is not None):
+            # one gate/up GEMM on [w1; w3] (QuACK's layout, or free from the one-pass cast); ECHO clones it
+            # whole, so the extended weights need no [w1; w3] concatenation and there is one multicast less
+            w13, w2 = self.local_weights_13()
+            if extend is not None:
+                w13, w2 = extend(w13, W13), extend(w2, 1)
+            return (quack_swiglu if quack else grouped_swiglu13)(x_ND, w13, w2, counts_e)
         weights = self.local_weights()
         if extend is not None:
             weights = tuple(extend(w, i) for i, w in enumerate(weights))
