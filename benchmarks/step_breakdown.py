@@ -160,11 +160,13 @@ def breakdown(trace_path: str) -> dict:
     # (the last step's replay launched before the window closes), so replays launched in it count the steps
     n = max(1, len(set(steps)), replays)
     total = sum(ms.values())
+    ranked = sorted(top.items(), key=lambda kv: -kv[1])
     return {"steps": n, "kernel_ms": total / n, "busy_ms": busy / 1e3 / n, "barrier_ms": wait / n,
             "ms": {c: ms.get(c, 0.0) / n for c in CATEGORIES},
             "pct": {c: 100 * ms.get(c, 0.0) / total if total else 0.0 for c in CATEGORIES},
-            "top": [{"category": c, "ops": o, "kernel": k, "ms": v / n}
-                    for (c, o, k), v in sorted(top.items(), key=lambda kv: -kv[1])[:30]]}
+            "top": [{"category": c, "ops": o, "kernel": k, "ms": v / n} for (c, o, k), v in ranked[:30]],
+            "by_category": {cat: [{"ops": o, "kernel": k, "ms": v / n} for (c, o, k), v in ranked if c == cat][:12]
+                            for cat in CATEGORIES}}
 
 
 def table(rows: list[dict]) -> str:
@@ -186,6 +188,8 @@ def main():
     ap.add_argument("traces", nargs="+", help="Chrome trace JSON files (label=path to name a column)")
     ap.add_argument("--out", default=None, help="write step_breakdown_<name>.md/.json here")
     ap.add_argument("--name", default="v2lite_1b")
+    ap.add_argument("--detail", action="append", default=[], choices=CATEGORIES, metavar="CATEGORY",
+                    help="also list this category's largest kernels by op (repeatable), e.g. --detail echo")
     a = ap.parse_args()
     rows = []
     for spec in a.traces:
@@ -198,6 +202,11 @@ def main():
         text += f"\n\nLargest kernels of {r['label']} (ms per step; innermost op < its parent):\n\n"
         text += "| ms | category | ops | kernel |\n|---|---|---|---|\n"
         text += "\n".join(f"| {t['ms']:.2f} | {t['category']} | {t['ops']} | {t['kernel'][:70]} |" for t in r["top"][:20])
+    for cat in a.detail:
+        for r in rows:
+            text += f"\n\nLargest {cat} kernels of {r['label']} (ms per step; innermost op < its parent):\n\n"
+            text += "| ms | ops | kernel |\n|---|---|---|\n"
+            text += "\n".join(f"| {t['ms']:.2f} | {t['ops']} | {t['kernel'][:70]} |" for t in r["by_category"][cat])
     print(text)
     if a.out:
         os.makedirs(a.out, exist_ok=True)

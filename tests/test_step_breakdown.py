@@ -90,6 +90,28 @@ def test_echo_claims_what_runs_inside_its_ops_and_its_planner_kernels(tmp_path):
     ]
     r = breakdown(_trace(tmp_path, events))
     assert abs(r["ms"]["echo"] - 0.1) < 1e-12 and abs(r["ms"]["casts/copies"] - 0.05) < 1e-12
+    # the category's own list, largest first, names the op each kernel ran in
+    echo = r["by_category"]["echo"]
+    assert [t["kernel"] for t in echo] == ["indexFuncLargeIndex", "CatArrayBatchedCopy", "_fill_kernel",
+                                           "elementwise_kernel"]
+    assert echo[0]["ops"].startswith("aten::index_add_ < _ExtendWithClonesBackward")
+    assert [t["kernel"] for t in r["by_category"]["casts/copies"]] == ["CatArrayBatchedCopy"]
+
+
+def test_detail_lists_a_categorys_kernels_in_the_table(tmp_path):
+    import subprocess
+    import sys
+
+    events = [{"ph": "X", "cat": "user_annotation", "name": "ProfilerStep#1", "ts": 0, "dur": 2000, "tid": 1},
+              _op("_ExtendWithClones", 200, 50), _op("aten::cat", 210, 20), _launch(3, 215),
+              _kernel(3, 300, 30, "CatArrayBatchedCopy")]
+    path = _trace(tmp_path, events)
+    out = subprocess.run([sys.executable, "benchmarks/step_breakdown.py", f"a={path}", "--detail", "echo"],
+                         capture_output=True, text=True, check=True).stdout
+    assert "Largest echo kernels of a" in out and "| 0.03 | aten::cat < _ExtendWithClones | CatArrayBatchedCopy |" in out
+    bad = subprocess.run([sys.executable, "benchmarks/step_breakdown.py", path, "--detail", "nope"],
+                         capture_output=True, text=True)
+    assert bad.returncode == 2 and "invalid choice" in bad.stderr
 
 
 def test_cutlass_grouped_gemm_without_an_op_is_routed_experts(tmp_path):

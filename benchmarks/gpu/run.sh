@@ -33,7 +33,8 @@
 #                    the EP=2 layer checks (padded / nvlink x ECHO off / on), ~250 s
 #   gateup      2    one gate/up GEMM: its GPU tests and gate_up_gemm.py at three shapes
 #   fill_profile 2   the compiled v2lite_6b_2gpu step profiled at EP=2, graphed (GRAPH=false: eager), one profile per
-#                    variant side by side (VARIANTS="echo=--moe_echo.echo true;off=", ARGS for all, LABEL)
+#                    variant side by side (VARIANTS="echo=--moe_echo.echo true;off=", ARGS for all, LABEL;
+#                    DETAIL="echo collectives": those categories' largest kernels by op)
 #                    -> step_breakdown_v2lite_6b_2gpu_<LABEL>_graph_<GRAPH>_<GPU>.md
 #   profile     1-2  an eager run with [profiling] traces, then rank 0's per-step GPU time by category
 #                    (CONFIGS=..., LABEL=before|after, ARGS=extra recipe args, NPROC=2 with
@@ -251,7 +252,8 @@ print('largest step difference over steps 1-20: %.2e at step %d' % max(rel[:20])
       traces+=("$name=$(ls /tmp/run_prof_$name/profile_traces/iteration_*/rank0_trace.json | tail -1)")
     done
     timeout 120 python3 benchmarks/step_breakdown.py "${traces[@]}" \
-      --name "v2lite_6b_2gpu_${LABEL:-ep2}_graph_${GRAPH:-true}_$GPU" --out "$OUT" | head -70 ;;
+      --name "v2lite_6b_2gpu_${LABEL:-ep2}_graph_${GRAPH:-true}_$GPU" --out "$OUT" \
+      $(for c in ${DETAIL:-}; do printf -- '--detail %s ' "$c"; done) | head -${LINES_OUT:-120} ;;
 
   copies)  # the expert copies' tests on this torch: kernels, layer (torch and QuACK GEMMs), EP=2 graphed vs cast + resume
     P="python3 -m pytest -p no:warnings -q -rfEs -o addopts="
