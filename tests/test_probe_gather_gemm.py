@@ -1,0 +1,27 @@
+"""benchmarks/probe_gather_gemm.py's routing: the expert-major rows both designs of the experts read."""
+
+import torch
+
+from benchmarks.probe_gather_gemm import routing
+from kernels.moe_rows import gather_sum_torch
+
+
+def test_rows_are_expert_major_and_map_back_to_their_tokens():
+    T, E, K = 40, 8, 3
+    for skew in (0.0, 4.0):
+        tok_N, s_N, s_TK, row_of_slot_TK, cu_E1 = routing(T, E, K, skew, torch.Generator().manual_seed(1))
+        scores = torch.rand(T, E, generator=torch.Generator().manual_seed(1)) - skew * torch.arange(E) / E
+        ids_TK = scores.softmax(-1).topk(K, dim=-1).indices
+        N = T * K
+        assert torch.equal(row_of_slot_TK.flatten().sort().values, torch.arange(N))  # each row once
+        assert torch.equal(tok_N[row_of_slot_TK].long(), torch.arange(T)[:, None].expand(T, K))
+        assert torch.equal(s_N[row_of_slot_TK], s_TK)
+        expert_N = torch.empty(N, dtype=torch.long).scatter_(0, row_of_slot_TK.flatten(), ids_TK.flatten())
+        assert bool((expert_N[1:] >= expert_N[:-1]).all())  # expert-major
+        assert cu_E1[0] == 0 and torch.equal(cu_E1[1:].diff().long(), torch.bincount(ids_TK.flatten(), minlength=E)[1:])
+        assert int(cu_E1[-1]) == N
+        # combining the rows of x gathered by token with weight 1 gives each token K times itself
+        x_TD = torch.randn(T, 5, dtype=torch.float64)
+        assert torch.allclose(gather_sum_torch(x_TD[tok_N.long()], row_of_slot_TK), K * x_TD)
+    skewed = routing(T, E, K, 4.0, torch.Generator().manual_seed(1))[4]
+    assert int(skewed[1]) > N // E  # the hot expert (id 0) gets more than its share
