@@ -40,6 +40,7 @@ CASES = {
                         "--moe_echo.capacity_factor", "2.0"]),
 }
 CASES["echo_nvlink_quack_2gpu"] = (2, CASES["echo_nvlink_2gpu"][1] + ["--moe_echo.experts_gemm", "quack"])
+CASES["gathered_quack_1gpu"] = (1, ["--moe_echo.experts_gemm", "quack", "--moe_echo.gathered_experts", "true"])
 
 
 @pytest.mark.parametrize("case", list(CASES))
@@ -47,7 +48,7 @@ def test_sync_free_steps_and_graph_equals_eager(case, tmp_path):
     nproc, extra = CASES[case]
     if torch.cuda.device_count() < nproc:
         pytest.skip(f"needs {nproc} GPUs")
-    if "quack" in case:  # ECHO's clone weights through QuACK's GEMMs
+    if "quack" in case:  # ECHO's clone weights, or token rows read by index, through QuACK's GEMMs
         pytest.importorskip("quack")
     eager, _ = run_recipe(str(tmp_path), "eager", nproc, extra)
     graphed, out = run_recipe(str(tmp_path), "graphed", nproc, extra + ["--training.cuda_graph", "true"])

@@ -12,12 +12,12 @@ D, H = 12, 10
 
 
 def make_layer(E=8, K=2, shared=1, score="softmax", norm=False, scale=1.0, groups=None, limited=None,
-               aux=0.0, seed=0):
+               aux=0.0, seed=0, gathered=False):
     torch.manual_seed(seed)
     args = MoEArgs(num_experts=E, num_shared_experts=shared, top_k=K, score_func=score, route_norm=norm,
                    route_scale=scale, num_expert_groups=groups, num_limited_groups=limited,
                    score_before_experts=False)
-    layer = MoELayer(args, D, H, MoEEchoConfig(aux_loss_coeff=aux)).double()
+    layer = MoELayer(args, D, H, MoEEchoConfig(aux_loss_coeff=aux, gathered_experts=gathered)).double()
     layer.init_weights(0.3)
     with torch.no_grad():  # larger weights than training init, so every term matters
         layer.router.gate.weight.normal_(0, 1.0)
@@ -64,14 +64,16 @@ def check_against_reference(layer, x_BSD, bias_E=None):
     ],
     ids=["softmax", "sigmoid_norm_scale", "group_limited", "no_shared", "top1_two_shared"],
 )
-def test_random_routing(kw):
-    layer = make_layer(**kw)
+@pytest.mark.parametrize("gathered", [False, True], ids=["dispatched", "gathered"])
+def test_random_routing(kw, gathered):
+    layer = make_layer(**kw, gathered=gathered)
     x = torch.randn(3, 7, D, dtype=torch.float64)
     check_against_reference(layer, x)
 
 
-def test_all_tokens_to_one_expert():
-    layer = make_layer(E=8, K=1)
+@pytest.mark.parametrize("gathered", [False, True], ids=["dispatched", "gathered"])
+def test_all_tokens_to_one_expert(gathered):
+    layer = make_layer(E=8, K=1, gathered=gathered)
     x = torch.randn(2, 9, D, dtype=torch.float64)
     bias = torch.full((8,), -50.0, dtype=torch.float64)
     bias[5] = 50.0
@@ -81,8 +83,9 @@ def test_all_tokens_to_one_expert():
     assert g is None or g.abs().sum() == 0  # grads were zeroed after the check
 
 
-def test_all_tokens_to_one_expert_topk2_and_empty_experts():
-    layer = make_layer(E=8, K=2)
+@pytest.mark.parametrize("gathered", [False, True], ids=["dispatched", "gathered"])
+def test_all_tokens_to_one_expert_topk2_and_empty_experts(gathered):
+    layer = make_layer(E=8, K=2, gathered=gathered)
     x = torch.randn(2, 9, D, dtype=torch.float64)
     bias = torch.zeros(8, dtype=torch.float64)
     bias[[0, 1, 2, 7]] = -50.0  # four experts receive nothing

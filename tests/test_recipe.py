@@ -216,3 +216,16 @@ def test_corrupt_checkpoint_is_one_line_error(launches):
     line = _bad(dump, "--checkpoint.interval", "2", "--training.steps", "4",
                 "--job.dump_folder", str(dump))
     assert "step-2" in line and "could not be loaded" in line
+
+
+def test_gathered_experts_train_as_the_dispatched_path(tmp_path):
+    """[moe_echo] gathered_experts on CPU (the experts read token rows and apply the combine): the same
+    losses as the dispatched path, step by step."""
+    common = ["--training.steps", "3", "--metrics.log_freq", "1", "--checkpoint.enable", "false",
+              "--metrics.enable_tensorboard", "false"]
+    run(tmp_path / "dispatched", *common)
+    run(tmp_path / "gathered", *common, "--moe_echo.gathered_experts", "true")
+    a, b = losses(tmp_path / "dispatched"), losses(tmp_path / "gathered")
+    assert len(a) == 3 and a.keys() == b.keys()
+    for step in a:
+        assert abs(a[step] - b[step]) <= 1e-5 * abs(a[step]), (step, a[step], b[step])

@@ -32,7 +32,8 @@
 #   echo_tests  2    ECHO's GPU tests: graph = eager with ECHO (torch and QuACK GEMMs; QuACK's after quack_unpack),
 #                    the EP=2 layer checks (padded / nvlink x ECHO off / on), ~250 s
 #   gateup      2    one gate/up GEMM: its GPU tests and gate_up_gemm.py at three shapes
-#   gather_probe 1   QuACK GEMMs gathering token rows by index vs expanded expert rows (after quack_unpack)
+#   gathered    1    QuACK GEMMs gathering token rows by index vs expanded expert rows (probe_gather_gemm.py), then
+#                    gathered_experts' GPU tests (after quack_unpack)
 #   fill_profile 2   the compiled v2lite_6b_2gpu step profiled at EP=2, graphed (GRAPH=false: eager), one profile per
 #                    variant side by side (VARIANTS="echo=--moe_echo.echo true;off=", ARGS for all, LABEL;
 #                    DETAIL="echo collectives": those categories' largest kernels by op)
@@ -228,10 +229,14 @@ print('largest step difference over steps 1-20: %.2e at step %d' % max(rel[:20])
     P="python3 -m pytest -p no:warnings -q -rfEs -o addopts="
     timeout 400 $P tests/test_gpu_train.py tests/test_gpu_ep.py -k "echo or two_gpu_expert_parallel" 2>&1 | tail -6 ;;
 
-  gather_probe)  # -> probe_gather_gemm_<GPU>.md: the experts reading token rows through QuACK's GEMMs (A_idx, the
-    # dSwiGLU epilogue's per-row scale and reduction) vs expanded expert-major copies (after quack_unpack; ~120 s)
-    timeout 400 python3 benchmarks/probe_gather_gemm.py --shapes 64x1408x2048x16384x6 128x768x2048x16384x8 \
-      --out "$OUT" 2>&1 | tail -30 ;;
+  gathered)  # -> probe_gather_gemm_<GPU>.md: the experts reading token rows through QuACK's GEMMs (A_idx, the
+    # dSwiGLU epilogue's per-row scale and reduction) vs expanded expert-major copies, then gathered_experts'
+    # GPU tests (after quack_unpack; ~250 s)
+    timeout 300 python3 benchmarks/probe_gather_gemm.py --shapes 64x1408x2048x16384x6 128x768x2048x16384x8 \
+      --out "$OUT" 2>&1 | tail -30
+    P="python3 -m pytest -p no:warnings -q -rfEs -o addopts="
+    timeout 200 $P tests/test_gathered_experts.py 2>&1 | tail -8
+    timeout 200 $P tests/test_gpu_train.py -k gathered 2>&1 | tail -6 ;;
 
   gateup)  # -> gate_up_gemm_<GPU>.md: the one gate/up GEMM's GPU tests, then two GEMMs vs one at three expert
     # shapes (~300 s). The whole step against the base tree is a second call: PART=variants e2e with

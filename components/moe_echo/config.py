@@ -34,6 +34,13 @@ class MoEEchoConfig:
     kernels. ``quack``: QuACK's CuTe-DSL grouped GEMMs with SwiGLU and its backward in the GEMM
     epilogues (``pip install "moe-echo[quack]"``; Hopper GPUs; components/moe_echo/quack_experts.py)."""
 
+    gathered_experts: bool = False
+    """The routed experts read token rows through their GEMMs (row indices in the prologue) and take the
+    combine weights into their backward's epilogue: no expert-major copy of the tokens, and the experts'
+    outputs are not kept for backward (components/moe_echo/gathered_experts.py). One EP rank (the ``local``
+    dispatcher), bf16 experts, ECHO off; on CUDA with ``experts_gemm = "quack"`` (Hopper). Experimental:
+    ``benchmarks/probe_gather_gemm.py`` measures it against the expanded rows."""
+
     on_overflow: Literal["replay", "stop"] = "replay"
     """When a fixed-capacity (padded) buffer overflowed: ``replay`` — the step is gated on the device
     and replayed on the exact path (never drops a token; no host read before the optimizer step);

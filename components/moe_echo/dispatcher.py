@@ -99,17 +99,21 @@ class LocalDispatcher(Dispatcher):
     def __init__(self, num_experts: int):
         self.num_experts = num_experts
 
-    def dispatch(self, x_TD, ids_TK, w_TK):
+    def rows(self, ids_TK):
+        """The expert-major rows of ``ids_TK`` without moving any token: (token_of_row_N, row_of_slot_TK,
+        counts_E), int64 (what ``dispatch`` gathers by; experts that read token rows themselves take these)."""
         T, K = ids_TK.shape
         flat_ids_N = ids_TK.reshape(-1)
         slot_of_row_N = torch.argsort(flat_ids_N, stable=True)  # row n holds slot t*K+k
         row_of_slot_N = torch.empty_like(slot_of_row_N).scatter_(
             0, slot_of_row_N, torch.arange(T * K, device=ids_TK.device)
         )
-        token_of_row_N = slot_of_row_N // K
         counts_E = torch.zeros(self.num_experts, dtype=torch.int64, device=ids_TK.device)
         counts_E.scatter_add_(0, flat_ids_N, torch.ones_like(flat_ids_N))
-        row_of_slot_TK = row_of_slot_N.view(T, K)
+        return slot_of_row_N // K, row_of_slot_N.view(T, K), counts_E
+
+    def dispatch(self, x_TD, ids_TK, w_TK):
+        token_of_row_N, row_of_slot_TK, counts_E = self.rows(ids_TK)
         x_ND = gather_rows(x_TD, token_of_row_N, row_of_slot_TK)
         return x_ND, counts_E, LocalHandle(token_of_row_N, row_of_slot_TK, w_TK, x_TD.dtype)
 

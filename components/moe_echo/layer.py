@@ -5,6 +5,9 @@
           ─dispatch─► x_ND, counts_e ─experts (+ clone weights)─► y_ND ─combine─► routed_TD
           y_TD = routed_TD + shared_experts(x_TD)   (shared experts on a side stream, see below)
 
+With ``gathered_experts`` (one rank) the experts read token rows by index and apply the combine themselves
+(components/moe_echo/gathered_experts.py): no dispatch copy.
+
 Runs as-is at EP=1 (``local`` dispatcher); ``components.parallel.parallelize`` switches it to
 expert parallelism (an EP dispatcher, sharded experts, optional ``Echo``). Fixed-capacity
 dispatchers report dropped assignments in ``overflow_count`` (the training loop gates and replays).
@@ -36,6 +39,7 @@ from .config import MoEEchoConfig
 from .dispatcher import Dispatcher, LocalDispatcher
 from .echo import echo_stats
 from .experts import GroupedExperts, SwiGLU
+from .gathered_experts import RowLayout, gathered_swiglu_combine
 from .router import TopKRouter, sequence_aux_loss, updated_expert_bias
 
 
@@ -141,26 +145,15 @@ class MoELayer(nn.Module):
         with torch.no_grad():
             self.tokens_per_expert.add_(r.counts_E)
 
-        ids_TK = r.topk_ids_TK
+        ids_TK, plan = r.topk_ids_TK, None
         if self.echo is not None:
             with torch.no_grad():
                 ids_TK, plan = self.echo.route(ids_TK, r.counts_E)
                 self.echo_stats.copy_(echo_stats(plan))
-        x_ND, counts_e, handle = self.dispatcher.dispatch(x_TD, ids_TK, r.topk_w_TK)
-        if DEBUG_CHECKS:
-            _check_dispatch(self, ids_TK, counts_e, x_ND.shape[0])
-        if handle.dropped is not None:
-            with torch.no_grad():
-                self.overflow_count.add_(handle.dropped)
-        if handle.needed_factor is not None:
-            with torch.no_grad():
-                self.capacity_need.copy_(torch.maximum(self.capacity_need, handle.needed_factor))
-        extend = None if self.echo is None else (lambda w, i: self.echo.local_weights(w, plan, i))
-        if self.echo is not None and self.cfg.echo_recompute and torch.is_grad_enabled():
-            y_ND = torch.utils.checkpoint.checkpoint(self.experts, x_ND, counts_e, extend, use_reentrant=False)
+        if self.cfg.gathered_experts:
+            y_TD = self._gathered(x_TD, ids_TK, r.topk_w_TK)
         else:
-            y_ND = self.experts(x_ND, counts_e, extend)
-        y_TD = self.dispatcher.combine(y_ND, handle)
+            y_TD = self._dispatched(x_TD, ids_TK, r.topk_w_TK, plan)
         if side is not None:  # join
             torch.cuda.current_stream(x_TD.device).wait_stream(side)
             shared_TD.record_stream(torch.cuda.current_stream(x_TD.device))
@@ -175,6 +168,38 @@ class MoELayer(nn.Module):
             self.last_aux_loss = aux.detach()
             y_TD = _AddAuxLossGrad.apply(y_TD, aux)
         return y_TD.view(B, S, D)
+
+    def _dispatched(self, x_TD, ids_TK, w_TK, plan) -> torch.Tensor:
+        """dispatch -> experts (+ ECHO's clone weights) -> combine: the routed experts' y_TD."""
+        x_ND, counts_e, handle = self.dispatcher.dispatch(x_TD, ids_TK, w_TK)
+        if DEBUG_CHECKS:
+            _check_dispatch(self, ids_TK, counts_e, x_ND.shape[0])
+        if handle.dropped is not None:
+            with torch.no_grad():
+                self.overflow_count.add_(handle.dropped)
+        if handle.needed_factor is not None:
+            with torch.no_grad():
+                self.capacity_need.copy_(torch.maximum(self.capacity_need, handle.needed_factor))
+        extend = None if plan is None else (lambda w, i: self.echo.local_weights(w, plan, i))
+        if plan is not None and self.cfg.echo_recompute and torch.is_grad_enabled():
+            y_ND = torch.utils.checkpoint.checkpoint(self.experts, x_ND, counts_e, extend, use_reentrant=False)
+        else:
+            y_ND = self.experts(x_ND, counts_e, extend)
+        return self.dispatcher.combine(y_ND, handle)
+
+    def _gathered(self, x_TD, ids_TK, w_TK) -> torch.Tensor:
+        """The experts read token rows themselves and apply the combine (``gathered_experts``; one rank)."""
+        if not isinstance(self.dispatcher, LocalDispatcher) or self.echo is not None:
+            raise ValueError("[moe_echo] gathered_experts = true runs on one EP rank without ECHO (the local "
+                             "dispatcher): set gathered_experts = false")
+        layout = RowLayout.of(*self.dispatcher.rows(ids_TK))
+        if x_TD.is_cuda:  # bf16 [w1; w3] as QuACK reads it (copies, shared halves or a per-step cast)
+            w13, w2 = self.experts.local_weights_13()
+            w2 = w2.to(torch.bfloat16)
+        else:  # the weights' own dtype: the same values as the dispatched path's
+            w1, w2, w3 = self.experts.local_weights()
+            w13 = torch.cat([w1, w3], dim=1)
+        return gathered_swiglu_combine(x_TD, w13, w2.to(w13.dtype), w_TK, layout).to(x_TD.dtype)
 
     def _shared_stream(self, x_TD: torch.Tensor) -> torch.cuda.Stream | None:
         """The side stream for the shared experts, or None where they run on the current stream."""

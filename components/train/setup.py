@@ -20,6 +20,7 @@ import torch
 from components.errors import UserError
 from components.moe_echo.dispatcher import is_fixed_capacity
 from components.moe_echo.fp8_experts import check_fp8_supported
+from components.moe_echo.gathered_experts import check_gathered_supported
 from components.moe_echo.quack_experts import check_quack_supported
 from components.moe_echo.models import build_model, model_args_for, moe_layers
 from components.parallel.cuda_graph import make_capturable
@@ -91,6 +92,8 @@ def start(argv: list[str]) -> Run:
     if cfg.moe_echo.experts_gemm == "quack" and cfg.moe_echo.expert_precision == "bf16":
         check_quack_supported(device)
     dims = parallel_dims(cfg.parallelism, world, moe_args.num_experts if moe_args else None)
+    if cfg.moe_echo.gathered_experts:
+        check_gathered_supported(cfg.moe_echo, dims.ep, device)
     check_global_batch(cfg, world)
     mesh = build_mesh(dims, device.type)
     if cfg.debug.deterministic:  # cuBLAS needs a fixed workspace for deterministic GEMMs

@@ -1,0 +1,139 @@
+"""Experts reading token rows and taking the combine (components/moe_echo/gathered_experts.py) against an
+independent fp64 reference: y[t] = Σ_k w[t, k] · SwiGLU_{e(t, k)}(x[t]), token by token, and its autograd
+gradients for x, [w1; w3], w2 and the combine weights. Random, all tokens to one expert, empty experts."""
+
+import importlib.util
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from components.moe_echo.dispatcher import LocalDispatcher
+from components.moe_echo.gathered_experts import RowLayout, gathered_swiglu_combine
+
+
+def reference(x_TD, w13, w2, w_TK, ids_TK):
+    H = w2.shape[2]
+    out = []
+    for t in range(x_TD.shape[0]):
+        acc = x_TD.new_zeros(x_TD.shape[1])
+        for k in range(ids_TK.shape[1]):
+            e = int(ids_TK[t, k])
+            h = F.silu(w13[e, :H] @ x_TD[t]) * (w13[e, H:] @ x_TD[t])
+            acc = acc + w_TK[t, k] * (w2[e] @ h)
+        out.append(acc)
+    return torch.stack(out)
+
+
+def routing(kind, T, E, K, gen):
+    if kind == "random":
+        return torch.rand(T, E, generator=gen).topk(K, dim=-1).indices
+    if kind == "one_expert":  # every token's first choice is expert 0; the other choices fixed
+        return torch.arange(K).expand(T, K).clone()
+    # "empty": only the odd experts receive tokens
+    return (torch.rand(T, E // 2, generator=gen).topk(K, dim=-1).indices * 2 + 1)
+
+
+@pytest.mark.parametrize("kind", ["random", "one_expert", "empty"])
+def test_gathered_experts_match_the_token_by_token_reference(kind):
+    T, E, K, D, H = 13, 6, 2, 8, 5
+    gen = torch.Generator().manual_seed(7)
+    f64 = torch.float64
+    x = torch.randn(T, D, generator=gen, dtype=f64, requires_grad=True)
+    w13 = (torch.randn(E, 2 * H, D, generator=gen, dtype=f64) * 0.5).requires_grad_()
+    w2 = (torch.randn(E, D, H, generator=gen, dtype=f64) * 0.5).requires_grad_()
+    w_TK = torch.rand(T, K, generator=gen, dtype=f64).requires_grad_()
+    ids_TK = routing(kind, T, E, K, gen)
+    dy = torch.randn(T, D, generator=gen, dtype=f64)
+
+    layout = RowLayout.of(*LocalDispatcher(E).rows(ids_TK))
+    y = gathered_swiglu_combine(x, w13, w2, w_TK, layout)
+    got = torch.autograd.grad(y, (x, w13, w2, w_TK), dy)
+    y_ref = reference(x, w13, w2, w_TK, ids_TK)
+    want = torch.autograd.grad(y_ref, (x, w13, w2, w_TK), dy)
+    torch.testing.assert_close(y, y_ref, rtol=1e-12, atol=1e-12)
+    for name, a, b in zip(("x", "w13", "w2", "w_TK"), got, want):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12, msg=f"gradient of {name}")
+    if kind == "empty":  # experts without tokens get exactly zero gradient
+        assert bool((got[1][0::2] == 0).all()) and bool((got[2][0::2] == 0).all())
+
+
+def test_layout_offsets_and_indices():
+    ids_TK = torch.tensor([[2, 0], [2, 1], [0, 2]])
+    layout = RowLayout.of(*LocalDispatcher(4).rows(ids_TK))
+    assert layout.cu_E1.tolist() == [0, 2, 3, 6, 6] and layout.cu_E1.dtype == torch.int32
+    assert layout.token_of_row_N.dtype == torch.int32
+    # row of (t, k) holds token t, and rows are expert-major
+    assert torch.equal(layout.token_of_row_N.long()[layout.row_of_slot_TK], torch.arange(3)[:, None].expand(3, 2))
+    expert_of_row = torch.empty(6, dtype=torch.long).scatter_(0, layout.row_of_slot_TK.flatten(), ids_TK.flatten())
+    assert expert_of_row.tolist() == [0, 0, 1, 2, 2, 2]
+
+
+HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
+QUACK = importlib.util.find_spec("quack") is not None
+
+
+@pytest.mark.skipif(not (HOPPER and QUACK), reason="needs a Hopper GPU and quack-kernels")
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", ["random", "one_expert", "empty"])
+def test_quack_gathered_experts_match_fp64_no_host_sync_and_graph_equals_eager(kind):
+    """QuACK's kernels (row indices, the dSwiGLU epilogue's scale and reduction, the transposed de-interleaved
+    weight gradient) against the token-by-token fp64 reference, bf16 bounds; sync-free and capturable."""
+    from cuda_graphs import warm_up_and_capture
+
+    T, E, K, D, H = 1024, 16, 4, 512, 384
+    gen = torch.Generator().manual_seed(3)
+    bf = torch.bfloat16
+    x = torch.randn(T, D, generator=gen).to(bf).cuda().requires_grad_()
+    w13 = (torch.randn(E, 2 * H, D, generator=gen) * D ** -0.5).to(bf).cuda().requires_grad_()
+    w2 = (torch.randn(E, D, H, generator=gen) * H ** -0.5).to(bf).cuda().requires_grad_()
+    w_TK = torch.rand(T, K, generator=gen).cuda().requires_grad_()
+    ids_TK = routing(kind, T, E, K, gen).cuda()
+    dy = torch.randn(T, D, generator=gen).to(bf).cuda()
+    layout = RowLayout.of(*LocalDispatcher(E).rows(ids_TK))
+
+    def step():
+        for t in (x, w13, w2, w_TK):
+            t.grad = None
+        y = gathered_swiglu_combine(x, w13, w2, w_TK, layout)
+        y.backward(dy)
+        return y.detach()
+
+    y = step()
+    got = [y] + [t.grad.clone() for t in (x, w13, w2, w_TK)]
+    leaves = [t.detach().cpu().double().requires_grad_() for t in (x, w13, w2, w_TK)]
+    y_ref = reference(*leaves, ids_TK.cpu())
+    want = [y_ref] + list(torch.autograd.grad(y_ref, leaves, dy.cpu().double()))
+    for name, a, b in zip(("y", "x", "w13", "w2", "w_TK"), got, want):
+        err = float((a.double().cpu() - b.double().cpu()).norm() / b.double().norm().clamp_min(1e-30))
+        assert err < 2e-2, f"{name}: normwise error {err:.3g}"
+    if kind == "empty":
+        assert bool((got[2][0::2] == 0).all()) and bool((got[3][0::2] == 0).all())
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        eager = step().clone()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    eager_dw13 = w13.grad.clone()
+    graph, out = warm_up_and_capture(step)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, eager) and torch.equal(w13.grad, eager_dw13)
+
+
+def test_unsupported_settings_are_one_line_errors():
+    from components.errors import UserError
+    from components.moe_echo.config import MoEEchoConfig
+    from components.moe_echo.gathered_experts import check_gathered_supported
+
+    cpu, gpu = torch.device("cpu"), torch.device("cuda")
+    check_gathered_supported(MoEEchoConfig(gathered_experts=True), 1, cpu)  # runs on CPU in torch
+    check_gathered_supported(MoEEchoConfig(gathered_experts=True, experts_gemm="quack"), 1, gpu)
+    cases = [(MoEEchoConfig(gathered_experts=True), 2, cpu, "expert_parallel_degree = 2"),
+             (MoEEchoConfig(gathered_experts=True, expert_precision="fp8"), 1, cpu, 'expert_precision = "bf16"'),
+             (MoEEchoConfig(gathered_experts=True), 1, gpu, 'set experts_gemm = "quack"')]
+    for cfg, ep, dev, msg in cases:
+        with pytest.raises(UserError, match=msg) as err:
+            check_gathered_supported(cfg, ep, dev)
+        assert "gathered_experts = false" in str(err.value) and "\n" not in str(err.value)
