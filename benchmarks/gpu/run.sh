@@ -24,7 +24,7 @@
 #   dispatch    2/4+ dispatch + combine at EP=2 on GPUs 0,1, then EP=all GPUs (VDEV=1 adds NVSHMEM vdev)
 #   e2e         1-2  whole-run tokens/s, step ms and MFU vs torchtitan's trainer (no compile / compile), ours
 #                    eager and graphed (CONFIGS="debug_gpu ...", RUNS=..., PART=1gpu (PAR=1: config i on GPU i
-#                    at the same time, every run of a config on its GPU) | ep2 | fill | variants:
+#                    at the same time, every run of a config on its GPU; VARIANTS as below) | ep2 | fill | variants:
 #                    VARIANTS="name=recipe args;..." at EP=2 on CONFIGS (default v2lite_1b_gpu), our runs once per
 #                    variant against one torchtitan baseline, e.g. "quack=--moe_echo.experts_gemm quack;torch=";
 #                    "base=@/tmp/base;head=" times another revision (build/base.tgz, see lib.sh) in the same call)
@@ -204,7 +204,8 @@ print('largest step difference over steps 1-20: %.2e at step %d' % max(rel[:20])
     elif [ "${PART:-1gpu}" = 1gpu ]; then
       for cfg in ${CONFIGS:-debug_gpu v2lite_1b_gpu qwen3_30b_a3b_small_gpu}; do
         CUDA_VISIBLE_DEVICES=0 timeout ${TMO:-560} python3 benchmarks/e2e.py --configs $cfg --nproc 1 --runs $runs \
-          --steps ${STEPS:-40} --out "$OUT" --work /tmp/e2e ${ARGS:+--ours "$ARGS"} ${LABEL:+--label "$LABEL"} 2>&1 | grep -v '^{' | tail -12
+          --steps ${STEPS:-40} --out "$OUT" --work /tmp/e2e ${ARGS:+--ours "$ARGS"} ${LABEL:+--label "$LABEL"} \
+          ${VARIANTS:+--variants "$VARIANTS"} 2>&1 | grep -v '^{' | tail -12
       done
     elif [ "$PART" = variants ]; then  # VARIANTS="name=recipe args;..." at EP=2: one call, one torchtitan baseline
       timeout ${TMO:-560} python3 benchmarks/e2e.py --configs ${CONFIGS:-v2lite_1b_gpu} --nproc 2 \
