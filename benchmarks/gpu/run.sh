@@ -197,7 +197,7 @@ print('largest step difference over steps 1-20: %.2e at step %d' % max(rel[:20])
         mkdir -p "$OUT/gpu$i"
         CUDA_VISIBLE_DEVICES=$i timeout ${TMO:-560} python3 benchmarks/e2e.py --configs $cfg --nproc 1 --runs $runs \
           --steps ${STEPS:-40} --out "$OUT/gpu$i" --work /tmp/e2e/gpu$i ${ARGS:+--ours "$ARGS"} \
-          ${LABEL:+--label "$LABEL"} > "$OUT/gpu$i/log.txt" 2>&1 &
+          ${LABEL:+--label "$LABEL"} ${VARIANTS:+--variants "$VARIANTS"} > "$OUT/gpu$i/log.txt" 2>&1 &
         i=$((i + 1))
       done
       wait; for f in "$OUT"/gpu*/log.txt; do grep -v '^{' "$f" | tail -12; done
