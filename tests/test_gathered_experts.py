@@ -10,6 +10,7 @@ import torch.nn.functional as F
 
 from components.moe_echo.dispatcher import LocalDispatcher
 from components.moe_echo.gathered_experts import RowLayout, gathered_swiglu_combine
+from components.moe_echo.nvlink_dispatch import nvlink_capacity
 
 
 def reference(x_TD, w13, w2, w_TK, ids_TK):
@@ -130,10 +131,71 @@ def test_unsupported_settings_are_one_line_errors():
     cpu, gpu = torch.device("cpu"), torch.device("cuda")
     check_gathered_supported(MoEEchoConfig(gathered_experts=True), 1, cpu)  # runs on CPU in torch
     check_gathered_supported(MoEEchoConfig(gathered_experts=True, experts_gemm="quack"), 1, gpu)
-    cases = [(MoEEchoConfig(gathered_experts=True), 2, cpu, "expert_parallel_degree = 2"),
+    check_gathered_supported(MoEEchoConfig(gathered_experts=True, experts_gemm="quack", echo=True), 2, gpu)
+    cases = [(MoEEchoConfig(gathered_experts=True), 2, cpu, "expert_parallel_degree = 2 needs the nvlink"),
+             (MoEEchoConfig(gathered_experts=True, dispatcher="padded", experts_gemm="quack"), 2, gpu, "'padded'"),
              (MoEEchoConfig(gathered_experts=True, expert_precision="fp8"), 1, cpu, 'expert_precision = "bf16"'),
              (MoEEchoConfig(gathered_experts=True), 1, gpu, 'set experts_gemm = "quack"')]
     for cfg, ep, dev, msg in cases:
         with pytest.raises(UserError, match=msg) as err:
             check_gathered_supported(cfg, ep, dev)
         assert "gathered_experts = false" in str(err.value) and "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize("R, kind, capacity_factor", [(2, "random", 4.0), (4, "one_hot_per_rank", 4.0),
+                                                      (2, "all_to_one", 4.0), (2, "skewed", 0.6)])
+def test_nvlink_gathered_experts_match_the_reference_across_ranks(R, kind, capacity_factor):
+    """EP over the ``nvlink`` dispatcher (ranks as threads, fp64): tokens cross once per rank into ``tok``, the
+    owner's experts read them by index and sum their weighted outputs per source token; outputs and the
+    gradients of x, the routing weights and each rank's experts equal the token-by-token reference in which
+    the choices the capacity could not take (counted in ``dropped``) contribute nothing."""
+    from test_nvlink import E_LOCAL, K as K_NV, T as T_NV, _expected_dropped, _routing
+    from threaded_ranks import run_ranks
+
+    from components.moe_echo.gathered_experts import nvlink_gathered_swiglu_combine
+    from components.moe_echo.nvlink_dispatch import NVLinkDispatcher
+
+    E, D, H, f64 = R * E_LOCAL, 8, 5, torch.float64
+    gen = torch.Generator().manual_seed(11)
+    W13 = torch.randn(E, 2 * H, D, generator=gen, dtype=f64) * 0.5
+    W2 = torch.randn(E, D, H, generator=gen, dtype=f64) * 0.5
+    inputs = []
+    for rank in range(R):
+        g = torch.Generator().manual_seed(100 + rank)
+        ids = _routing(kind, R, rank, g)
+        inputs.append((torch.randn(T_NV, D, generator=g, dtype=f64), ids, torch.rand(T_NV, K_NV, generator=g, dtype=f64),
+                       torch.randn(T_NV, D, generator=g, dtype=f64)))
+
+    def rank_fn(rank, ws):
+        x, ids, w, dy = (t.clone() for t in inputs[rank])
+        x.requires_grad_()
+        w.requires_grad_()
+        mine = slice(rank * E_LOCAL, (rank + 1) * E_LOCAL)
+        w13, w2 = W13[mine].clone().requires_grad_(), W2[mine].clone().requires_grad_()
+        disp = NVLinkDispatcher(E, None, R, capacity_factor, workspace=ws, name="layer")
+        x_c, counts_e, h = disp.route(x, ids, w)
+        y = nvlink_gathered_swiglu_combine(x_c, w13, w2, counts_e, disp, h)
+        (y * dy).sum().backward()
+        return y.detach(), x.grad, w.grad, w13.grad, w2.grad, int(h.dropped), h.tok.local.shape[0]
+
+    outs = run_ranks(R, rank_fn)
+    cap = nvlink_capacity(T_NV, K_NV, capacity_factor)
+    drops = _expected_dropped([inp[1] for inp in inputs], R, cap)
+    assert sum(o[5] for o in outs) == sum(int(d.sum()) for d in drops)
+    if capacity_factor < 1:
+        assert sum(o[5] for o in outs) > 0  # the overflow case overflows
+
+    # the reference: every rank's tokens through the global expert table, dropped choices weighted 0
+    X = [inp[0].clone().requires_grad_() for inp in inputs]
+    Wk = [(inp[2] * (~drops[r]).to(f64)).clone().requires_grad_() for r, inp in enumerate(inputs)]
+    w13_ref, w2_ref = W13.clone().requires_grad_(), W2.clone().requires_grad_()
+    total = sum((reference(X[r], w13_ref, w2_ref, Wk[r], inputs[r][1]) * inputs[r][3]).sum() for r in range(R))
+    total.backward()
+    for r, (y, gx, gw, gw13, gw2, *_) in enumerate(outs):
+        y_ref = reference(X[r].detach(), W13, W2, Wk[r].detach(), inputs[r][1])
+        torch.testing.assert_close(y, y_ref, rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(gx, X[r].grad, rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(gw, Wk[r].grad * (~drops[r]).to(f64), rtol=1e-12, atol=1e-12)
+        mine = slice(r * E_LOCAL, (r + 1) * E_LOCAL)
+        torch.testing.assert_close(gw13, w13_ref.grad[mine], rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(gw2, w2_ref.grad[mine], rtol=1e-12, atol=1e-12)

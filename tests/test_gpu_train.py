@@ -41,6 +41,7 @@ CASES = {
 }
 CASES["echo_nvlink_quack_2gpu"] = (2, CASES["echo_nvlink_2gpu"][1] + ["--moe_echo.experts_gemm", "quack"])
 CASES["gathered_quack_1gpu"] = (1, ["--moe_echo.experts_gemm", "quack", "--moe_echo.gathered_experts", "true"])
+CASES["gathered_echo_nvlink_quack_2gpu"] = (2, CASES["echo_nvlink_quack_2gpu"][1] + ["--moe_echo.gathered_experts", "true"])
 
 
 @pytest.mark.parametrize("case", list(CASES))

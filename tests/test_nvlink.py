@@ -236,13 +236,17 @@ def test_nvlink_weight_multicast_and_gradient_reduce_back(shape):
 @pytest.mark.parametrize("R, routing, recompute", [(R, routing, False) for R in (2, 4) for routing in
                                                    ("random", "all_to_one", "one_hot_per_rank", "more_hot_than_slots")]
                          + [(2, "random", True), (4, "one_hot_per_rank", True)])
-def test_echo_layer_over_nvlink_equals_ep1(R, routing, recompute):
+@pytest.mark.parametrize("gathered", [False, True], ids=["dispatched", "gathered"])
+def test_echo_layer_over_nvlink_equals_ep1(R, routing, recompute, gathered):
     """The whole MoE layer with ECHO on the nvlink backend (plan, rewrite, peer dispatch, clone
     weights and gradient reduce-back over peer memory, combine) against the same layer at EP=1:
     outputs, input gradients, expert gradients and replicated gradients, fp64 to 1e-12. With
     ``recompute`` the layer runs under activation checkpointing: its backward re-runs dispatch and
-    combine, rewriting the peer buffers of the same step, and must give the same gradients."""
+    combine, rewriting the peer buffers of the same step, and must give the same gradients.
+    ``gathered``: the experts read the received token rows by index and sum per token themselves
+    (``gathered_experts``) instead of the dispatcher expanding them into expert rows."""
     import copy
+    import dataclasses
 
     from components.moe_echo.echo import Echo
     from components.moe_echo.echo_transport import build_transport
@@ -270,6 +274,7 @@ def test_echo_layer_over_nvlink_equals_ep1(R, routing, recompute):
 
     def rank_fn(rank, ws):
         layer = layers[rank]
+        layer.cfg = dataclasses.replace(layer.cfg, gathered_experts=gathered)
         for name in ("w1", "w2", "w3"):
             full = getattr(layer.experts, name).data
             setattr(layer.experts, name, torch.nn.Parameter(full[rank * e:(rank + 1) * e].clone()))

@@ -36,9 +36,10 @@ class MoEEchoConfig:
 
     gathered_experts: bool = False
     """The routed experts read token rows through their GEMMs (row indices in the prologue) and take the
-    combine weights into their backward's epilogue: no expert-major copy of the tokens, and the experts'
-    outputs are not kept for backward (components/moe_echo/gathered_experts.py). One EP rank (the ``local``
-    dispatcher), bf16 experts, ECHO off; on CUDA with ``experts_gemm = "quack"`` (Hopper). Experimental:
+    combine weights into their backward's epilogue: no expert-major copy of the tokens (at EP > 1 the
+    ``nvlink`` dispatcher's K-fold expansion of the received tokens is gone), and the experts' outputs are
+    not kept for backward (components/moe_echo/gathered_experts.py). The ``local`` dispatcher (one EP rank)
+    or ``nvlink``; bf16 experts; ECHO works; on CUDA with ``experts_gemm = "quack"`` (Hopper). Experimental:
     ``benchmarks/probe_gather_gemm.py`` measures it against the expanded rows."""
 
     on_overflow: Literal["replay", "stop"] = "replay"

@@ -184,19 +184,21 @@ class GroupedExperts(nn.Module):
             return grad  # divided in the compute cast's backward (local_weights), or nothing to divide
         return grad / self._grad_divide
 
-    def forward(self, x_ND: torch.Tensor, counts_e: torch.Tensor, extend=None) -> torch.Tensor:
+    def forward(self, x_ND: torch.Tensor | None, counts_e: torch.Tensor | None, extend=None, apply=None) -> torch.Tensor:
         """counts_e: rows of each *local* expert; with expert parallelism the weights are DTensors
         sharded on dim 0 over the EP mesh and only this rank's e = E / EP experts are used.
         ``extend(w, i) -> w'`` appends echo-slot (clone) weights to local weight i (0, 1, 2: w1, w2, w3;
         ``W13``: [w1; w3]); it runs inside this forward so FSDP's unshard / gradient reduce-scatter hooks see
-        every use."""
+        every use. ``apply(w13, w2) -> y`` (x_ND and counts_e unused): the experts' weights (``weights_13``)
+        go to a caller's kernels instead of these GEMMs (the gathered experts, which read token rows
+        themselves), still inside this forward."""
+        if apply is not None:
+            return apply(*self.weights_13(extend, on_cuda=self.w1.is_cuda))
         quack = self.gemm == "quack" and x_ND.is_cuda
         if self.precision == "bf16" and (quack or self.compute_dtype is not None):
             # one gate/up GEMM on [w1; w3] (QuACK's layout, or free from the one-pass cast); ECHO clones it
             # whole, so the extended weights need no [w1; w3] concatenation and there is one multicast less
-            w13, w2 = self.local_weights_13()
-            if extend is not None:
-                w13, w2 = extend(w13, W13), extend(w2, 1)
+            w13, w2 = self.weights_13(extend, on_cuda=quack)
             return (quack_swiglu if quack else grouped_swiglu13)(x_ND, w13, w2, counts_e)
         weights = self.local_weights()
         if extend is not None:
@@ -206,6 +208,20 @@ class GroupedExperts(nn.Module):
         if self.gemm == "quack" and x_ND.is_cuda:
             return quack_grouped_swiglu(x_ND, *weights, counts_e)
         return grouped_swiglu(x_ND, *weights, counts_e)
+
+    def weights_13(self, extend=None, on_cuda: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+        """([w1; w3], w2) of this rank's experts, differentiable, extended with ECHO's clones by ``extend``: in bf16
+        as the one gate/up GEMM reads them (``local_weights_13``) on CUDA or with a compute dtype, else in the
+        weights' own dtype, [w1; w3] concatenated (CPU references)."""
+        if self.precision == "bf16" and (on_cuda or self.compute_dtype is not None):
+            w13, w2 = self.local_weights_13()
+            if extend is not None:
+                w13, w2 = extend(w13, W13), extend(w2, 1)
+            return w13, w2.to(w13.dtype)
+        w1, w2, w3 = self.local_weights()
+        if extend is not None:
+            w1, w2, w3 = (extend(w, i) for i, w in enumerate((w1, w2, w3)))
+        return torch.cat([w1, w3], dim=1), w2
 
     def _fp8_scale_hint(self, w1: torch.Tensor) -> torch.Tensor:
         """The FP8 weight scales of the previous step ([2, experts incl. echo slots], device; not saved):

@@ -1,8 +1,12 @@
 """Routed experts that read token rows through their GEMMs and take the combine into their epilogues
-(``[moe_echo] gathered_experts = true``; one rank, the ``local`` dispatcher).
+(``[moe_echo] gathered_experts = true``).
 
-    gathered_swiglu_combine(x_TD, w13_E2HD, w2_EDH, w_TK, layout) -> y_TD
+    gathered_swiglu_combine(x_TD, w13_E2HD, w2_EDH, w_TK, layout) -> y_TD          one rank (``local``)
         y[t] = Σ_k w[t, k] · SwiGLU_{e(t, k)}(x[t])      (fp32 sum of bf16 rows, in x's dtype)
+    nvlink_gathered_swiglu_combine(x_TD, w13, w2, counts_e, disp, h) -> y_TD      EP over ``nvlink``
+        the same sum across ranks: each token crosses once per rank into its ``tok`` buffer (``disp.route``
+        wrote the routing meta rows), the owner's experts read ``tok`` rows by index, the owner sums its
+        rows per source token and the source pulls the sums; no expert-major copy of the received tokens
 
 the value of ``combine(grouped_swiglu13(x_TD[token_of_row], ...))`` without the expert-major copy of x, and
 without keeping the experts' outputs for backward. ``layout`` (``RowLayout``) is the local dispatcher's:
@@ -29,15 +33,18 @@ import torch.nn.functional as F
 from components.errors import UserError
 from kernels.moe_rows import gather_sum
 
+from .nvlink_dispatch import NVLinkDispatcher, NVLinkHandle, grad_tokens, nvlink_capacity, pull_grad_w, send_tokens, sum_back
+
 
 def check_gathered_supported(cfg, ep_size: int, device: torch.device) -> None:
     """One-line error where ``[moe_echo] gathered_experts = true`` cannot run (``cfg``: MoEEchoConfig)."""
     fix = "set gathered_experts = false"
-    if ep_size > 1:
-        raise UserError(f"[moe_echo] gathered_experts = true runs on one EP rank (the local dispatcher); this run has "
-                        f"expert_parallel_degree = {ep_size}: {fix}")
-    if cfg.expert_precision != "bf16" or cfg.echo:
-        raise UserError(f"[moe_echo] gathered_experts = true needs expert_precision = \"bf16\" and echo = false: {fix}")
+    nvlink = cfg.dispatcher == "nvlink" or (cfg.dispatcher == "auto" and device.type == "cuda")
+    if ep_size > 1 and not nvlink:
+        raise UserError(f"[moe_echo] gathered_experts = true at expert_parallel_degree = {ep_size} needs the nvlink "
+                        f"dispatcher (this run: {cfg.dispatcher!r}): set dispatcher = \"nvlink\", or {fix}")
+    if cfg.expert_precision != "bf16":
+        raise UserError(f"[moe_echo] gathered_experts = true needs expert_precision = \"bf16\": {fix}")
     if device.type == "cuda" and cfg.experts_gemm != "quack":
         raise UserError(f"[moe_echo] gathered_experts = true runs on QuACK's GEMMs on CUDA: set experts_gemm = "
                         f"\"quack\", or {fix}")
@@ -61,9 +68,22 @@ class RowLayout:
 
 def _rows_of_slots(w_TK: torch.Tensor, layout: RowLayout) -> torch.Tensor:
     """s_N: each row's combine weight (fp32, or w's dtype where wider)."""
-    dtype = torch.promote_types(w_TK.dtype, torch.float32)
-    s_N = torch.empty(layout.token_of_row_N.shape[0], dtype=dtype, device=w_TK.device)
-    return s_N.scatter_(0, layout.row_of_slot_TK.reshape(-1), w_TK.reshape(-1).to(dtype))
+    return _to_rows(w_TK, layout.row_of_slot_TK, layout.token_of_row_N.shape[0],
+                    torch.promote_types(w_TK.dtype, torch.float32))
+
+
+def _to_rows(v_UK: torch.Tensor, row_UK: torch.Tensor, N: int, dtype) -> torch.Tensor:
+    """[N]: v[u, k] at row row[u, k]; entries with row -1 (a choice not here) go nowhere, rows nobody maps to
+    are 0 (mask-free: -1 is sent to a spare row N)."""
+    out = torch.zeros(N + 1, dtype=dtype, device=v_UK.device)
+    idx = torch.where(row_UK >= 0, row_UK, N).reshape(-1).long()
+    return out.scatter_(0, idx, v_UK.reshape(-1).to(dtype))[:N]
+
+
+def _from_rows(v_N: torch.Tensor, row_UK: torch.Tensor) -> torch.Tensor:
+    """[U, K]: v[row[u, k]], 0 where row is -1."""
+    v = torch.cat([v_N, v_N.new_zeros(1)])
+    return v.index_select(0, torch.where(row_UK >= 0, row_UK, v_N.shape[0]).reshape(-1).long()).view(row_UK.shape)
 
 
 class _GatheredSwiGLUCombine(torch.autograd.Function):
@@ -92,6 +112,52 @@ def gathered_swiglu_combine(x_TD: torch.Tensor, w13_E2HD: torch.Tensor, w2_EDH: 
     (differentiable); on CUDA x and the weights in bf16."""
     return _GatheredSwiGLUCombine.apply(x_TD.contiguous(), w13_E2HD, w2_EDH, w_TK, layout.token_of_row_N,
                                         layout.row_of_slot_TK, layout.cu_E1)
+
+
+class _NVLinkGathered(torch.autograd.Function):
+    """``nvlink`` at EP > 1: tokens cross once per rank (as ``NVLinkDispatcher.dispatch``) into ``tok``, which the
+    owner's experts read by row index; the owner sums its experts' weighted outputs per source token and the
+    sources pull the sums (as ``combine``). Backward: token-row gradients to the owners, the experts'
+    backward on them (combine weights in its epilogue), routing-weight gradients back to the sources, and
+    per-token sums of the input-row gradients pulled by the sources (as the dispatch's backward)."""
+
+    @staticmethod
+    def forward(ctx, x_TD, w_TK, w13_E2HD, w2_EDH, disp, h, counts_e):
+        T, K = w_TK.shape
+        cap = nvlink_capacity(T, K, disp.capacity_factor)
+        send_tokens(disp, h, x_TD)  # after its barrier the meta rows written by the peers are in place too
+        row_UK = h.meta_row.local
+        U = row_UK.shape[0]
+        tok_N = _to_rows(torch.arange(U, device=x_TD.device, dtype=torch.int32)[:, None].expand(U, K), row_UK, cap,
+                         torch.int32)
+        s_N = _to_rows(h.meta_w.local, row_UK, cap, torch.promote_types(w_TK.dtype, torch.float32))
+        cu_E1 = RowLayout.of(tok_N, row_UK, counts_e).cu_E1
+        ops = _quack_ops if x_TD.is_cuda else _torch_ops
+        preact_N2H, y_ND = ops.forward(h.tok.local, w13_E2HD, w2_EDH, tok_N, cu_E1)
+        sums = disp.ws.buffer(f"{disp.name}/sums/{y_ND.dtype}", tuple(h.tok.local.shape), y_ND.dtype, y_ND.device)
+        ctx.save_for_backward(w13_E2HD, w2_EDH, tok_N, s_N, cu_E1, preact_N2H)
+        ctx.disp, ctx.h = disp, h  # h.tok keeps the received tokens until the next step's dispatch
+        return sum_back(disp, h, y_ND, sums, weighted=True, out_dtype=h.out_dtype)
+
+    @staticmethod
+    def backward(ctx, grad_TD):
+        w13_E2HD, w2_EDH, tok_N, s_N, cu_E1, preact_N2H = ctx.saved_tensors
+        disp, h = ctx.disp, ctx.h
+        gt = grad_tokens(disp, h, grad_TD.to(h.tok.local.dtype).contiguous())
+        ops = _quack_ops if grad_TD.is_cuda else _torch_ops
+        dx_ND, dw13, dw2, ds_N = ops.backward(gt.local, h.tok.local, w13_E2HD, w2_EDH, tok_N, cu_E1, preact_N2H, s_N)
+        grad_w_TK = pull_grad_w(disp, h, _from_rows(ds_N.to(h.w_TK.dtype), h.meta_row.local))
+        # every rank has read its grad_tok (the barrier above): it now takes the per-token input-row sums
+        dx_TD = sum_back(disp, h, dx_ND, gt, weighted=False, out_dtype=h.x_dtype)
+        return dx_TD, grad_w_TK, dw13, dw2, None, None, None
+
+
+def nvlink_gathered_swiglu_combine(x_TD: torch.Tensor, w13_E2HD: torch.Tensor, w2_EDH: torch.Tensor,
+                                   counts_e: torch.Tensor, disp: NVLinkDispatcher, h: NVLinkHandle) -> torch.Tensor:
+    """``gathered_swiglu_combine`` across the ranks of an ``nvlink`` dispatcher, after ``disp.route`` (which gave
+    x_TD in the experts' dtype, counts_e and h): y_TD on each source rank, in its input's dtype. Assignments the
+    capacity could not take contribute nothing (counted in h.dropped: the training loop replays the step)."""
+    return _NVLinkGathered.apply(x_TD.contiguous(), h.w_TK, w13_E2HD, w2_EDH, disp, h, counts_e)
 
 
 class _quack_ops:

@@ -5,8 +5,8 @@
           ─dispatch─► x_ND, counts_e ─experts (+ clone weights)─► y_ND ─combine─► routed_TD
           y_TD = routed_TD + shared_experts(x_TD)   (shared experts on a side stream, see below)
 
-With ``gathered_experts`` (one rank) the experts read token rows by index and apply the combine themselves
-(components/moe_echo/gathered_experts.py): no dispatch copy.
+With ``gathered_experts`` (local or nvlink dispatcher) the experts read token rows by index and apply the
+combine themselves (components/moe_echo/gathered_experts.py): no expert-major copy of the tokens.
 
 Runs as-is at EP=1 (``local`` dispatcher); ``components.parallel.parallelize`` switches it to
 expert parallelism (an EP dispatcher, sharded experts, optional ``Echo``). Fixed-capacity
@@ -39,7 +39,8 @@ from .config import MoEEchoConfig
 from .dispatcher import Dispatcher, LocalDispatcher
 from .echo import echo_stats
 from .experts import GroupedExperts, SwiGLU
-from .gathered_experts import RowLayout, gathered_swiglu_combine
+from .gathered_experts import RowLayout, gathered_swiglu_combine, nvlink_gathered_swiglu_combine
+from .nvlink_dispatch import NVLinkDispatcher
 from .router import TopKRouter, sequence_aux_loss, updated_expert_bias
 
 
@@ -151,7 +152,7 @@ class MoELayer(nn.Module):
                 ids_TK, plan = self.echo.route(ids_TK, r.counts_E)
                 self.echo_stats.copy_(echo_stats(plan))
         if self.cfg.gathered_experts:
-            y_TD = self._gathered(x_TD, ids_TK, r.topk_w_TK)
+            y_TD = self._gathered(x_TD, ids_TK, r.topk_w_TK, plan)
         else:
             y_TD = self._dispatched(x_TD, ids_TK, r.topk_w_TK, plan)
         if side is not None:  # join
@@ -169,37 +170,46 @@ class MoELayer(nn.Module):
             y_TD = _AddAuxLossGrad.apply(y_TD, aux)
         return y_TD.view(B, S, D)
 
+    def _count_overflow(self, handle) -> None:
+        """A fixed-capacity dispatch's dropped assignments and needed capacity, on the device."""
+        with torch.no_grad():
+            if handle.dropped is not None:
+                self.overflow_count.add_(handle.dropped)
+            if handle.needed_factor is not None:
+                self.capacity_need.copy_(torch.maximum(self.capacity_need, handle.needed_factor))
+
+    def _experts(self, *args, extend=None, apply=None):
+        """The experts' forward, recomputed in backward where ECHO asks (``echo_recompute``)."""
+        if extend is not None and self.cfg.echo_recompute and torch.is_grad_enabled():
+            return torch.utils.checkpoint.checkpoint(self.experts, *args, extend, apply, use_reentrant=False)
+        return self.experts(*args, extend, apply)
+
     def _dispatched(self, x_TD, ids_TK, w_TK, plan) -> torch.Tensor:
         """dispatch -> experts (+ ECHO's clone weights) -> combine: the routed experts' y_TD."""
         x_ND, counts_e, handle = self.dispatcher.dispatch(x_TD, ids_TK, w_TK)
         if DEBUG_CHECKS:
             _check_dispatch(self, ids_TK, counts_e, x_ND.shape[0])
-        if handle.dropped is not None:
-            with torch.no_grad():
-                self.overflow_count.add_(handle.dropped)
-        if handle.needed_factor is not None:
-            with torch.no_grad():
-                self.capacity_need.copy_(torch.maximum(self.capacity_need, handle.needed_factor))
-        extend = None if plan is None else (lambda w, i: self.echo.local_weights(w, plan, i))
-        if plan is not None and self.cfg.echo_recompute and torch.is_grad_enabled():
-            y_ND = torch.utils.checkpoint.checkpoint(self.experts, x_ND, counts_e, extend, use_reentrant=False)
-        else:
-            y_ND = self.experts(x_ND, counts_e, extend)
+        self._count_overflow(handle)
+        y_ND = self._experts(x_ND, counts_e, extend=self._extend(plan))
         return self.dispatcher.combine(y_ND, handle)
 
-    def _gathered(self, x_TD, ids_TK, w_TK) -> torch.Tensor:
-        """The experts read token rows themselves and apply the combine (``gathered_experts``; one rank)."""
-        if not isinstance(self.dispatcher, LocalDispatcher) or self.echo is not None:
-            raise ValueError("[moe_echo] gathered_experts = true runs on one EP rank without ECHO (the local "
-                             "dispatcher): set gathered_experts = false")
-        layout = RowLayout.of(*self.dispatcher.rows(ids_TK))
-        if x_TD.is_cuda:  # bf16 [w1; w3] as QuACK reads it (copies, shared halves or a per-step cast)
-            w13, w2 = self.experts.local_weights_13()
-            w2 = w2.to(torch.bfloat16)
-        else:  # the weights' own dtype: the same values as the dispatched path's
-            w1, w2, w3 = self.experts.local_weights()
-            w13 = torch.cat([w1, w3], dim=1)
-        return gathered_swiglu_combine(x_TD, w13, w2.to(w13.dtype), w_TK, layout).to(x_TD.dtype)
+    def _extend(self, plan):
+        return None if plan is None else (lambda w, i: self.echo.local_weights(w, plan, i))
+
+    def _gathered(self, x_TD, ids_TK, w_TK, plan) -> torch.Tensor:
+        """The experts read token rows themselves and apply the combine (``gathered_experts``): one rank (local
+        dispatcher), or EP over the ``nvlink`` dispatcher (ECHO's clones included)."""
+        if isinstance(self.dispatcher, LocalDispatcher):
+            layout = RowLayout.of(*self.dispatcher.rows(ids_TK))
+            run = lambda w13, w2: gathered_swiglu_combine(x_TD, w13, w2, w_TK, layout)  # noqa: E731
+            return self._experts(None, None, apply=run).to(x_TD.dtype)
+        if isinstance(self.dispatcher, NVLinkDispatcher):
+            x_c, counts_e, h = self.dispatcher.route(x_TD, ids_TK, w_TK)
+            self._count_overflow(h)
+            run = lambda w13, w2: nvlink_gathered_swiglu_combine(x_c, w13, w2, counts_e, self.dispatcher, h)  # noqa: E731
+            return self._experts(None, None, extend=self._extend(plan), apply=run)
+        raise ValueError(f"[moe_echo] gathered_experts = true needs the local or nvlink dispatcher, not "
+                         f"{type(self.dispatcher).__name__}: set gathered_experts = false")
 
     def _shared_stream(self, x_TD: torch.Tensor) -> torch.cuda.Stream | None:
         """The side stream for the shared experts, or None where they run on the current stream."""

@@ -117,6 +117,15 @@ class NVLinkDispatcher(FixedCapacity, ExpertParallel):
         return self.ws.buffer(f"{self.name}/tok/{dtype}", (rows, D), dtype, device)
 
     def dispatch(self, x_TD, ids_TK, w_TK):
+        x_TD, counts_e, h = self.route(x_TD, ids_TK, w_TK)
+        cap, D = nvlink_capacity(*ids_TK.shape, self.capacity_factor), x_TD.shape[1]
+        x_buf = self.ws.buffer(f"{self.name}/x", (cap, D), x_TD.dtype, x_TD.device)
+        return _NVLinkDispatch.apply(x_TD, self, h, x_buf), counts_e, h
+
+    def route(self, x_TD, ids_TK, w_TK):
+        """Everything of ``dispatch`` but moving the tokens: (x_TD in the experts' dtype, counts_e, handle) with
+        every rank's routing meta rows written into its peers' buffers (they are read after the token
+        send's barrier)."""
         T, K = ids_TK.shape
         R, X, dev = self.ep_size, self.num_experts, x_TD.device
         out_dtype = x_TD.dtype  # combine returns (and accumulates in fp32 into) the caller's dtype
@@ -136,19 +145,53 @@ class NVLinkDispatcher(FixedCapacity, ExpertParallel):
         D = x_TD.shape[1]
         h = NVLinkHandle(rank_TK, row_TK, rank_TR, row_TR, w_TK, out_dtype, x_TD.dtype, meta_row, meta_w,
                          self._tok(R * T, D, x_TD.dtype, dev), dropped=dropped, needed_factor=needed)
-        x_ND = _NVLinkDispatch.apply(x_TD, self, h, self.ws.buffer(f"{self.name}/x", (cap, D), x_TD.dtype, dev))
-        return x_ND, counts_e, h
+        return x_TD, counts_e, h
 
     def combine(self, y_ND, handle: NVLinkHandle):
         return _NVLinkCombine.apply(y_ND, handle.w_TK, self, handle)
 
 
+def send_tokens(disp: NVLinkDispatcher, h: NVLinkHandle, x_TD: torch.Tensor) -> None:
+    """Each token into ``tok`` of every rank it goes to; after the barrier every token row and meta row is in
+    place on every rank."""
+    peer_scatter(x_TD, h.rank_TR, h.row_TR, h.tok.ptrs_R, h.tok.peers, programs=disp.programs, block_t=disp.block_t)
+    disp.ws.barrier(h.tok)
+
+
+def sum_back(disp: NVLinkDispatcher, h: NVLinkHandle, y_ND: torch.Tensor, into: SymmBuffer, weighted: bool,
+              out_dtype) -> torch.Tensor:
+    """y_TD[t] = Σ over the ranks t went to of Σ_k (w ·) y_ND[row of (t, k)] there: each owner sums its rows per
+    source token into ``into`` [R·T, D] (fp32 accumulation), then each source pulls its tokens' sums."""
+    gather_sum(y_ND, h.meta_row.local, h.meta_w.local if weighted else None, out=into.local)
+    disp.ws.barrier(into)
+    return peer_gather_sum(h.rank_TR, h.row_TR, into.ptrs_R, into.peers, out_dtype=out_dtype, programs=disp.programs,
+                           block_t=disp.block_t)
+
+
+def grad_tokens(disp: NVLinkDispatcher, h: NVLinkHandle, grad_TD: torch.Tensor) -> SymmBuffer:
+    """Each token's output gradient into the shared ``grad_tok`` [R·T, D] of every rank it went to (barrier)."""
+    gt = disp._shared("grad_tok", tuple(h.tok.local.shape), grad_TD.dtype, grad_TD.device)
+    peer_scatter(grad_TD, h.rank_TR, h.row_TR, gt.ptrs_R, gt.peers, programs=disp.programs, block_t=disp.block_t)
+    disp.ws.barrier(gt)
+    return gt
+
+
+def pull_grad_w(disp: NVLinkDispatcher, h: NVLinkHandle, gw_UK: torch.Tensor) -> torch.Tensor:
+    """[T, K]: each choice's routing-weight gradient, which lies with the rank holding its expert at row
+    rank·T + t of that rank's ``gw_UK`` [R·T, K] (published in a shared buffer; one barrier)."""
+    T = h.w_TK.shape[0]
+    gw = disp._shared("grad_w", tuple(h.meta_w.local.shape), h.w_TK.dtype, gw_UK.device)
+    gw.local.copy_(gw_UK)
+    disp.ws.barrier(gw)
+    mine = slice(disp.rank * T, (disp.rank + 1) * T)
+    gw_RTK = torch.stack([p[mine] for p in gw.peers])
+    return gw_RTK.gather(0, h.rank_TK.unsqueeze(0)).squeeze(0) * (h.row_TK >= 0)
+
+
 class _NVLinkDispatch(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x_TD, disp: NVLinkDispatcher, h: NVLinkHandle, x_buf: SymmBuffer):
-        peer_scatter(x_TD, h.rank_TR, h.row_TR, h.tok.ptrs_R, h.tok.peers, programs=disp.programs,
-                     block_t=disp.block_t)
-        disp.ws.barrier(h.tok)  # every token row and meta row is in place on every rank
+        send_tokens(disp, h, x_TD)
         r = disp.rank
         peer_scatter(h.tok.local, None, h.meta_row.local, x_buf.ptrs_R[r:r + 1], [x_buf.local],
                      programs=disp.LOCAL_PROGRAMS)
@@ -159,39 +202,22 @@ class _NVLinkDispatch(torch.autograd.Function):
     def backward(ctx, grad_ND):
         disp, h = ctx.disp, ctx.h
         gt = disp._shared("grad_tok", tuple(h.tok.local.shape), grad_ND.dtype, grad_ND.device)
-        gather_sum(grad_ND, h.meta_row.local, out=gt.local)  # per source token: Σ of its rows here
-        disp.ws.barrier(gt)
-        grad_TD = peer_gather_sum(h.rank_TR, h.row_TR, gt.ptrs_R, gt.peers, out_dtype=h.x_dtype,
-                                  programs=disp.programs, block_t=disp.block_t)
-        return grad_TD, None, None, None
+        return sum_back(disp, h, grad_ND, gt, weighted=False, out_dtype=h.x_dtype), None, None, None
 
 
 class _NVLinkCombine(torch.autograd.Function):
     @staticmethod
     def forward(ctx, y_ND, w_TK, disp: NVLinkDispatcher, h: NVLinkHandle):
         tok = disp._tok(*h.tok.local.shape, y_ND.dtype, y_ND.device)  # = h.tok when y has x's dtype
-        gather_sum(y_ND, h.meta_row.local, h.meta_w.local, out=tok.local)  # this rank's share of each token
-        disp.ws.barrier(tok)
         ctx.save_for_backward(y_ND)
         ctx.disp, ctx.h = disp, h
-        return peer_gather_sum(h.rank_TR, h.row_TR, tok.ptrs_R, tok.peers, out_dtype=h.out_dtype,
-                               programs=disp.programs, block_t=disp.block_t)
+        return sum_back(disp, h, y_ND, tok, weighted=True, out_dtype=h.out_dtype)
 
     @staticmethod
     def backward(ctx, grad_TD):
         (y_ND,) = ctx.saved_tensors
         disp, h = ctx.disp, ctx.h
-        T, K = h.w_TK.shape
-        gt = disp._shared("grad_tok", tuple(h.tok.local.shape), grad_TD.dtype, grad_TD.device)
-        peer_scatter(grad_TD, h.rank_TR, h.row_TR, gt.ptrs_R, gt.peers, programs=disp.programs, block_t=disp.block_t)
-        disp.ws.barrier(gt)
+        gt = grad_tokens(disp, h, grad_TD)
         gy = disp._shared("grad_y", tuple(y_ND.shape), y_ND.dtype, y_ND.device)
-        gw = disp._shared("grad_w", tuple(h.meta_w.local.shape), h.w_TK.dtype, y_ND.device)
         _, gw_UK = combine_backward(gt.local, y_ND, h.meta_w.local, h.meta_row.local, grad_y_out=gy.local)
-        gw.local.copy_(gw_UK)
-        disp.ws.barrier(gw)
-        # each choice's weight gradient lies with the rank that holds its expert, at row rank·T + t
-        mine = slice(disp.rank * T, (disp.rank + 1) * T)
-        gw_RTK = torch.stack([p[mine] for p in gw.peers])
-        grad_w_TK = gw_RTK.gather(0, h.rank_TK.unsqueeze(0)).squeeze(0) * (h.row_TK >= 0)
-        return gy.local.view(gy.local.shape), grad_w_TK, None, None
+        return gy.local.view(gy.local.shape), pull_grad_w(disp, h, gw_UK), None, None
