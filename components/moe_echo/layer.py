@@ -155,7 +155,7 @@ class MoELayer(nn.Module):
         if handle.needed_factor is not None:
             with torch.no_grad():
                 self.capacity_need.copy_(torch.maximum(self.capacity_need, handle.needed_factor))
-        extend = None if self.echo is None else (lambda w, i: self.echo.local_weights(w, plan, i))
+        extend = None if self.echo is None else (lambda w, i, out=None: self.echo.local_weights(w, plan, i, out))
         if self.echo is not None and self.cfg.echo_recompute and torch.is_grad_enabled():
             y_ND = torch.utils.checkpoint.checkpoint(self.experts, x_ND, counts_e, extend, use_reentrant=False)
         else:
@@ -175,6 +175,11 @@ class MoELayer(nn.Module):
             self.last_aux_loss = aux.detach()
             y_TD = _AddAuxLossGrad.apply(y_TD, aux)
         return y_TD.view(B, S, D)
+
+    def enable_compute_copies(self) -> None:
+        """The experts' optimizer-written compute copies (``GroupedExperts.enable_compute_copies``), with ECHO's
+        slot rows after them where ECHO is on (its clones are written there: no concatenation per step)."""
+        self.experts.enable_compute_copies(spare_rows=self.echo.S if self.echo is not None else 0)
 
     def _shared_stream(self, x_TD: torch.Tensor) -> torch.cuda.Stream | None:
         """The side stream for the shared experts, or None where they run on the current stream."""
