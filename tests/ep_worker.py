@@ -246,7 +246,7 @@ def compute_copies_train(rank, world, tmp=None, echo=False):
         for _, moe in moe_layers(model):
             moe.experts.compute_dtype = torch.bfloat16  # as on GPUs with bf16 mixed precision
             if copies:
-                moe.experts.enable_compute_copies()
+                moe.enable_compute_copies()
         cls = AdamWWithCopies if copies else torch.optim.AdamW
         return model, cls(model.parameters(), lr=1e-3, weight_decay=0.1, fused=True)
 

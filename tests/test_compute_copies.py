@@ -262,3 +262,65 @@ def test_norm_of_gradient_halves_reads_their_whole_buffer():
     ref = clip_grad_norm_([param(h1.contiguous()), param(h3.contiguous())], 0.0)
     torch.testing.assert_close(got, ref, rtol=1e-6, atol=0)
     torch.testing.assert_close(got, g13.float().norm() / 2, rtol=1e-6, atol=0)
+
+
+def test_echo_clones_land_in_the_copies_spare_rows_without_copying_the_home_experts():
+    """Copies with ECHO's slot rows after them (``enable_compute_copies(spare_rows=S)``): the extended weights
+    are those buffers (clones written into their last rows), the output and the compute gradients (clones'
+    gradients added to their home experts) equal the concatenating path's, and the optimizer still writes the
+    home rows; a buffer that does not hold the weight as its first rows is refused."""
+    from types import SimpleNamespace
+
+    from components.moe_echo.echo_transport import extend_with_clones
+
+    S, clones = 2, [2, 0]  # slot s clones home expert clones[s]
+    counts = torch.cat([COUNTS, torch.tensor([4, 3])])
+    x = torch.randn(int(counts.sum()) + 3, 16, generator=torch.Generator().manual_seed(1)).bfloat16()
+    gy = torch.randn(x.shape[0], 16, generator=torch.Generator().manual_seed(2))
+
+    class Clones:  # a transport on one rank: slot s holds a copy of home expert clones[s]
+        def __init__(self):
+            self.S, self.seen = S, []
+
+        def clones(self, w, slot_expert_G, index):
+            self.seen.append(index)
+            return w[clones].detach().clone()
+
+        def clone_grads(self, grad_SX, slot_expert_G, index):
+            return torch.tensor(clones), grad_SX
+
+    def run(spare):
+        torch.manual_seed(0)
+        ge = GroupedExperts(16, 12, len(COUNTS))
+        ge.init_weights(0.02)
+        ge.compute_dtype = torch.bfloat16
+        ge.set_gradient_divide_factor(DIVIDE)
+        ge.enable_compute_copies(spare_rows=spare)
+        t, ptrs = Clones(), []
+
+        def extend(w, i, out=None):
+            ext = extend_with_clones(w, None, t, i, out if spare else None)
+            ptrs.append(ext.data_ptr() == w.data_ptr())
+            return ext
+
+        y = ge(x, counts, extend)
+        (y.float() * gy).sum().backward()
+        return ge, y, ptrs
+
+    cat, y_cat, ptrs_cat = run(0)
+    spare, y_spare, ptrs_spare = run(S)
+    assert ptrs_cat == [False, False] and ptrs_spare == [True, True]  # [w1; w3] and w2: in place, no copy
+    assert torch.equal(y_cat, y_spare)
+    for a, b in zip((cat.w1, cat.w2, cat.w3), (spare.w1, spare.w2, spare.w3)):
+        assert torch.equal(a.compute_grad, b.compute_grad)
+    assert spare.w1.compute_grad[2].abs().sum() > 0 and spare.w1.compute_grad[1].abs().sum() == 0
+    # the optimizer writes the home rows of the buffers; the slot rows are the clones' until the next forward
+    opt = AdamWWithCopies([spare.w1, spare.w2, spare.w3], **HP)
+    opt.step()
+    for w in (spare.w1, spare.w2, spare.w3):
+        assert torch.equal(w.compute_copy, w.detach().bfloat16())
+    assert spare._full13.shape[0] == len(COUNTS) + S and spare._full13[:len(COUNTS)].data_ptr() == \
+        spare.w1.compute_copy.data_ptr()
+    w = torch.zeros(4, 3)
+    with pytest.raises(ValueError, match="must hold w_eX"):
+        extend_with_clones(w, None, SimpleNamespace(S=S), 0, torch.zeros(4 + S, 3))

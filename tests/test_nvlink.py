@@ -195,10 +195,13 @@ def test_nvlink_dispatcher_kernels_in_interpreter():
 
 
 @pytest.mark.parametrize("shape", [(2, 3, 5), (2, 5, 3)])  # w1/w3-like [e, H, D] and w2-like [e, D, H]
-def test_nvlink_weight_multicast_and_gradient_reduce_back(shape):
+@pytest.mark.parametrize("into", ["cat", "spare_rows"])
+def test_nvlink_weight_multicast_and_gradient_reduce_back(shape, into):
     """Extended weights over peer memory: rows [:e] are the home experts, clone slot s of rank r holds expert
     x = slot_expert[r·S + s] (zeros if unused); the home experts' gradient is their rows' gradient plus the
-    sum of their clones' gradients — fp64, against direct indexing."""
+    sum of their clones' gradients — fp64, against direct indexing. ``spare_rows``: the home weights are rows
+    [:e] of an [e + S] buffer (the experts' compute copies) and the clones are written into its last rows:
+    the extended weights are that buffer, no copy of the home experts."""
     from components.moe_echo.echo_transport import PeerMemoryTransport, extend_with_clones
 
     R, S = 3, 2
@@ -209,8 +212,14 @@ def test_nvlink_weight_multicast_and_gradient_reduce_back(shape):
     g_R = [torch.randn(e + S, *shape[1:], generator=gen, dtype=torch.float64) for _ in range(R)]
 
     def rank_fn(rank, ws):
-        w = w_R[rank].clone().requires_grad_()
-        out = extend_with_clones(w, slot_expert_G, PeerMemoryTransport(ws, "layer", rank, S, e), index=0)
+        full = torch.full((e + S, *shape[1:]), float("nan"), dtype=torch.float64) if into == "spare_rows" else None
+        if full is None:
+            w = w_R[rank].clone().requires_grad_()
+        else:
+            full[:e] = w_R[rank]
+            w = full[:e].requires_grad_()
+        out = extend_with_clones(w, slot_expert_G, PeerMemoryTransport(ws, "layer", rank, S, e), index=0, out=full)
+        assert full is None or out.data_ptr() == full.data_ptr()  # the buffer itself
         (out * g_R[rank]).sum().backward()
         w2 = w_R[rank].clone().requires_grad_()  # an expanded gradient (of a sum): each clone adds ones
         extend_with_clones(w2, slot_expert_G, PeerMemoryTransport(ws, "layer2", rank, S, e), index=0).sum().backward()

@@ -38,9 +38,10 @@ class Echo:
             virtual = rewrite(ids_TK, plan, self.rank, self.E)
             return rank_local_ids(virtual, self.E, self.R, self.S), plan
 
-    def local_weights(self, w_eX: torch.Tensor, plan: EchoPlan, index: int = 0) -> torch.Tensor:
-        """[e + S, ...]: home experts then this rank's clones (their gradients reach the home experts)."""
-        return extend_with_clones(w_eX, plan.slot_expert_G, self.transport, index)
+    def local_weights(self, w_eX: torch.Tensor, plan: EchoPlan, index: int = 0, out=None) -> torch.Tensor:
+        """[e + S, ...]: home experts then this rank's clones (their gradients reach the home experts); ``out``:
+        a buffer whose rows [:e] are w_eX itself (the clones are written into its last S rows)."""
+        return extend_with_clones(w_eX, plan.slot_expert_G, self.transport, index, out)
 
 
 def echo_stats(plan: EchoPlan) -> torch.Tensor:

@@ -122,10 +122,15 @@ def build_transport(dispatcher, group, ep_size: int, rank: int, slots: int, loca
 
 class _ExtendWithClones(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, w_eX, slot_expert_G, transport, index: int):
+    def forward(ctx, w_eX, slot_expert_G, transport, index: int, out):
         ctx.save_for_backward(slot_expert_G)
-        ctx.transport, ctx.index, ctx.e = transport, index, w_eX.shape[0]
-        return torch.cat([w_eX, transport.clones(w_eX, slot_expert_G, index).to(w_eX.dtype)])
+        e = ctx.e = w_eX.shape[0]
+        ctx.transport, ctx.index = transport, index
+        clones = transport.clones(w_eX, slot_expert_G, index)
+        if out is None:
+            return torch.cat([w_eX, clones.to(w_eX.dtype)])
+        out[e:].copy_(clones)  # rows [:e] are w_eX itself
+        return out.view(out.shape)
 
     @staticmethod
     def backward(ctx, grad_eSX):
@@ -135,12 +140,19 @@ class _ExtendWithClones(torch.autograd.Function):
             grad_eSX = grad_eSX.contiguous()
         grad_eX = grad_eSX[:ctx.e]  # the extended weights' gradient is this Function's own buffer: added in place
         grad_eX.index_add_(0, local_G, grad_GX.to(grad_eX.dtype))
-        return grad_eX, None, None, None
+        return grad_eX, None, None, None, None
 
 
-def extend_with_clones(w_eX: torch.Tensor, slot_expert_G: torch.Tensor, transport, index: int = 0) -> torch.Tensor:
+def extend_with_clones(w_eX: torch.Tensor, slot_expert_G: torch.Tensor, transport, index: int = 0,
+                       out: torch.Tensor | None = None) -> torch.Tensor:
     """[e + S, ...]: this rank's home experts, then the clone weights of its echo slots (zeros for unused slots).
     Differentiable: each clone's gradient is added into its home expert's rows, which are the extended weights'
     gradient rows [:e] themselves (no dense [e, ...] buffer, no extra add). ``index`` names the weight (one
-    buffer pair per weight and layer)."""
-    return _ExtendWithClones.apply(w_eX, slot_expert_G, transport, index)
+    buffer pair per weight and layer). ``out`` ([e + S, ...], optional): a buffer whose rows [:e] are w_eX
+    itself (the experts' compute copies); the clones are written into its rows [e:] and it is returned, so
+    the home experts are not copied."""
+    if out is not None and (out.shape[0] != w_eX.shape[0] + transport.S or out.data_ptr() != w_eX.data_ptr()
+                            or out.stride() != w_eX.stride()):
+        raise ValueError(f"extend_with_clones: out {tuple(out.shape)} must hold w_eX {tuple(w_eX.shape)} as its "
+                         f"first rows and {transport.S} slot rows after them")
+    return _ExtendWithClones.apply(w_eX, slot_expert_G, transport, index, out)

@@ -187,11 +187,11 @@ class GroupedExperts(nn.Module):
     def forward(self, x_ND: torch.Tensor | None, counts_e: torch.Tensor | None, extend=None, apply=None) -> torch.Tensor:
         """counts_e: rows of each *local* expert; with expert parallelism the weights are DTensors
         sharded on dim 0 over the EP mesh and only this rank's e = E / EP experts are used.
-        ``extend(w, i) -> w'`` appends echo-slot (clone) weights to local weight i (0, 1, 2: w1, w2, w3;
-        ``W13``: [w1; w3]); it runs inside this forward so FSDP's unshard / gradient reduce-scatter hooks see
-        every use. ``apply(w13, w2) -> y`` (x_ND and counts_e unused): the experts' weights (``weights_13``)
-        go to a caller's kernels instead of these GEMMs (the gathered experts, which read token rows
-        themselves), still inside this forward."""
+        ``extend(w, i, out=None) -> w'`` appends echo-slot (clone) weights to local weight i (0, 1, 2: w1, w2, w3;
+        ``W13``: [w1; w3]), into ``out``'s rows past w's where given (``out[:e]`` is w itself); it runs inside
+        this forward so FSDP's unshard / gradient reduce-scatter hooks see every use. ``apply(w13, w2) -> y``
+        (x_ND and counts_e unused): the experts' weights (``weights_13``) go to a caller's kernels instead of
+        these GEMMs (the gathered experts, which read token rows themselves), still inside this forward."""
         if apply is not None:
             return apply(*self.weights_13(extend, on_cuda=self.w1.is_cuda))
         quack = self.gemm == "quack" and x_ND.is_cuda
@@ -215,8 +215,9 @@ class GroupedExperts(nn.Module):
         weights' own dtype, [w1; w3] concatenated (CPU references)."""
         if self.precision == "bf16" and (on_cuda or self.compute_dtype is not None):
             w13, w2 = self.local_weights_13()
-            if extend is not None:
-                w13, w2 = extend(w13, W13), extend(w2, 1)
+            if extend is not None:  # into the copies' spare rows where they have them (no concatenation)
+                w13 = extend(w13, W13, getattr(self, "_full13", None))
+                w2 = extend(w2, 1, getattr(self, "_full2", None))
             return w13, w2.to(w13.dtype)
         w1, w2, w3 = self.local_weights()
         if extend is not None:
@@ -232,21 +233,34 @@ class GroupedExperts(nn.Module):
             hint = self._fp8_hint = torch.zeros(2, E, dtype=torch.float32, device=w1.device)
         return hint
 
-    def enable_compute_copies(self) -> None:
+    def enable_compute_copies(self, spare_rows: int = 0) -> None:
         """Experts outside FSDP (``compute_dtype`` set): keep each weight's local shard in ``compute_dtype`` as a
         persistent copy (``w.compute_copy``) that the optimizer step writes, instead of casting the fp32 weights
         every forward and their gradients every backward. Gradients land in ``w.compute_grad`` (compute dtype,
         not yet divided by ``w.compute_grad_divide``); ``w.grad`` stays None. Call ``refresh_compute_copies``
-        after loading weights (components/train/master_adamw.py)."""
+        after loading weights (components/train/master_adamw.py).
+
+        ``spare_rows`` (ECHO's slots per rank, bf16 GEMMs): the copies are rows [:e] of buffers of e + spare_rows
+        experts ([w1; w3] and w2) whose last rows receive the clones, so the extended weights need no
+        concatenation (``forward``'s ``extend(w, i, out)``)."""
         if self.compute_dtype is None:
             raise ValueError("compute copies are for experts with a compute_dtype (outside FSDP)")
+        spare = spare_rows if self.precision == "bf16" else 0
+        self._full13 = self._full2 = None
         for w in (self.w1, self.w2, self.w3):
             w.compute_copy = _local(w).detach().to(self.compute_dtype).contiguous()
             w.compute_grad, w.compute_grad_divide = None, self._grad_divide
         if self.precision == "bf16":  # w1's and w3's copies: halves of one [w1; w3] (the one gate/up GEMM)
-            self._copy13 = torch.cat([self.w1.compute_copy, self.w3.compute_copy], dim=1)
-            h = self.w1.compute_copy.shape[1]
+            c1, c2, c3 = (w.compute_copy for w in (self.w1, self.w2, self.w3))
+            e, h = c1.shape[0], c1.shape[1]
+            full13 = c1.new_zeros(e + spare, 2 * h, *c1.shape[2:])
+            full13[:e, :h], full13[:e, h:] = c1, c3
+            self._copy13 = full13[:e]
             self.w1.compute_copy, self.w3.compute_copy = self._copy13[:, :h], self._copy13[:, h:]
+            if spare:
+                full2 = c2.new_zeros(e + spare, *c2.shape[1:])
+                full2[:e] = c2
+                self.w2.compute_copy, self._full13, self._full2 = full2[:e], full13, full2
         self.compute_copies = True
 
     def _new_forward(self) -> None:

@@ -194,7 +194,7 @@ class MoELayer(nn.Module):
         return self.dispatcher.combine(y_ND, handle)
 
     def _extend(self, plan):
-        return None if plan is None else (lambda w, i: self.echo.local_weights(w, plan, i))
+        return None if plan is None else (lambda w, i, out=None: self.echo.local_weights(w, plan, i, out))
 
     def _gathered(self, x_TD, ids_TK, w_TK, plan) -> torch.Tensor:
         """The experts read token rows themselves and apply the combine (``gathered_experts``): one rank (local
@@ -210,6 +210,11 @@ class MoELayer(nn.Module):
             return self._experts(None, None, extend=self._extend(plan), apply=run)
         raise ValueError(f"[moe_echo] gathered_experts = true needs the local or nvlink dispatcher, not "
                          f"{type(self.dispatcher).__name__}: set gathered_experts = false")
+
+    def enable_compute_copies(self) -> None:
+        """The experts' optimizer-written compute copies (``GroupedExperts.enable_compute_copies``), with ECHO's
+        slot rows after them where ECHO is on (its clones are written there: no concatenation per step)."""
+        self.experts.enable_compute_copies(spare_rows=self.echo.S if self.echo is not None else 0)
 
     def _shared_stream(self, x_TD: torch.Tensor) -> torch.cuda.Stream | None:
         """The side stream for the shared experts, or None where they run on the current stream."""

@@ -148,7 +148,7 @@ def build_training(run: Run, model: torch.nn.Module, loader: TokenBatchLoader) -
     gated = replay or t.max_nonfinite_steps > 0
     if use_copies(run, model):  # experts outside FSDP: the optimizer writes their bf16 copies
         for _, moe in layers:
-            moe.experts.enable_compute_copies()
+            moe.enable_compute_copies()
     optimizer = build_optimizer(model, cfg.optimizer, gated=gated, master_dtype=torch.bfloat16 if master else None)
     scale_into = optimizer if device.type == "cuda" and (master or cfg.optimizer.implementation == "fused") else None
     scheduler = build_lr_scheduler(optimizer, cfg.lr_scheduler, t.steps)
