@@ -11,7 +11,9 @@ reference is a rowwise-scaled FP8 ``torch._scaled_mm`` of the same shape; ``fp8_
 the bf16 row's time over the FP8 row's; ``fp8_out_rel_diff`` its output against the bf16 layer's).
 ``experts_gemm`` names the kernels of the bf16 expert GEMMs: ``torch`` (``torch._grouped_mm``) and, where
 quack-kernels is installed on a Hopper GPU, a ``quack`` row (``experts_gemm = "quack"``: QuACK's grouped
-GEMMs with SwiGLU in their epilogues; ``quack_out_rel_diff`` its output against the torch row's).
+GEMMs with SwiGLU in their epilogues; ``quack_out_rel_diff`` its output against the torch row's), and a
+``quack_gathered`` row (``gathered_experts = true``: the GEMMs read token rows by index and the combine weights
+sit in their epilogues; no expert-major copy of the tokens).
 
 ``megatron_ms``: Megatron-Core 0.16.1's MoE layer on the same weights, routing bias and inputs
 (``benchmarks/megatron_layer.py``): no transformer-engine, so its non-TE grouped path — GroupedMLP
@@ -24,6 +26,7 @@ names the one measured. Its outputs are cross-checked like torchtitan's (``megat
 """
 
 import argparse
+import dataclasses
 import os
 import sys
 import traceback
@@ -144,6 +147,12 @@ def run_case(T, D, H, E, K, routing, dev):
             yq = ours(x)
         quack = {"quack_ms": time_ms(fwd_bwd(ours)),
                  "quack_out_rel_diff": float((yq - y_ours).float().norm() / y_ours.float().norm())}
+        ours.cfg = dataclasses.replace(ours.cfg, gathered_experts=True)  # token rows read by index in the GEMMs
+        with torch.no_grad():
+            yg = ours(x)
+        quack.update(quack_gathered_ms=time_ms(fwd_bwd(ours)),
+                     quack_gathered_out_rel_diff=float((yg - y_ours).float().norm() / y_ours.float().norm()))
+        ours.cfg = dataclasses.replace(ours.cfg, gathered_experts=False)
         ours.experts.gemm = "torch"
     if PROFILE and not PROFILED:
         PROFILED.append(True)
@@ -203,13 +212,15 @@ def fp8_row(row: dict, gemm8: float) -> dict:
             "speedup_vs_megatron": row["megatron_ms"] / ms if row.get("megatron_ms") else None}
 
 
-def quack_row(row: dict, gemm: float) -> dict:
-    """The ``experts_gemm = "quack"`` row of a case (bf16), against the same baselines."""
-    ms = row["quack_ms"]
+def quack_row(row: dict, gemm: float, name: str = "quack") -> dict:
+    """The ``experts_gemm = "quack"`` row of a case (bf16; ``quack_gathered``: with ``gathered_experts``), against
+    the same baselines."""
+    ms = row[f"{name}_ms"]
     tf = row["ours_tflops"] * row["ours_ms"] / ms
-    return {**row, "experts_gemm": "quack", "ours_ms": ms, "ours_tflops": tf, "frac_of_peak_gemm": tf / gemm,
+    return {**row, "experts_gemm": name, "ours_ms": ms, "ours_tflops": tf, "frac_of_peak_gemm": tf / gemm,
             "speedup_vs_torchtitan": row["torchtitan_ms"] / ms, "frac_of_dense": row["dense_ms"] / ms,
             "quack_speedup_vs_torch": row["ours_ms"] / ms, "fp8_speedup_vs_bf16": None,
+            "quack_out_rel_diff": row[f"{name}_out_rel_diff"],
             "speedup_vs_megatron": row["megatron_ms"] / ms if row.get("megatron_ms") else None}
 
 
@@ -270,7 +281,7 @@ def main():
             if FP8:
                 rows.append(fp8_row(row, gemm8))
             if QUACK:
-                rows.append(quack_row(row, gemm))
+                rows += [quack_row(row, gemm), quack_row(row, gemm, "quack_gathered")]
             torch.cuda.empty_cache()
     env = environment()
     cols = ["T", "D", "H", "E", "K", "routing", "precision", "experts_gemm", "load_max_over_mean", "ours_ms", "torchtitan_ms",

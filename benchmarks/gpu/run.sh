@@ -237,7 +237,9 @@ print('largest step difference over steps 1-20: %.2e at step %d' % max(rel[:20])
       --out "$OUT" 2>&1 | tail -30
     P="python3 -m pytest -p no:warnings -q -rfEs -o addopts="
     timeout 200 $P tests/test_gathered_experts.py 2>&1 | tail -8
-    timeout 200 $P tests/test_gpu_train.py -k gathered 2>&1 | tail -6 ;;
+    timeout 200 $P tests/test_gpu_train.py -k gathered 2>&1 | tail -6
+    [ -n "${LAYER:-}" ] && timeout 240 python3 benchmarks/moe_layer.py --no-fp8 --routing balanced --out "$OUT" 2>&1 \
+      | grep -E "^\| " | tail -8 ;;  # LAYER=1: the layer table with its quack and quack_gathered rows
 
   gateup)  # -> gate_up_gemm_<GPU>.md: the one gate/up GEMM's GPU tests, then two GEMMs vs one at three expert
     # shapes (~300 s). The whole step against the base tree is a second call: PART=variants e2e with
