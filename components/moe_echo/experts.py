@@ -184,7 +184,8 @@ class GroupedExperts(nn.Module):
             return grad  # divided in the compute cast's backward (local_weights), or nothing to divide
         return grad / self._grad_divide
 
-    def forward(self, x_ND: torch.Tensor | None, counts_e: torch.Tensor | None, extend=None, apply=None) -> torch.Tensor:
+    def forward(self, x_ND: torch.Tensor | None, counts_e: torch.Tensor | None, extend=None,
+                apply=None) -> torch.Tensor:
         """counts_e: rows of each *local* expert; with expert parallelism the weights are DTensors
         sharded on dim 0 over the EP mesh and only this rank's e = E / EP experts are used.
         ``extend(w, i, out=None) -> w'`` appends echo-slot (clone) weights to local weight i (0, 1, 2: w1, w2, w3;

@@ -33,7 +33,8 @@ import torch.nn.functional as F
 from components.errors import UserError
 from kernels.moe_rows import gather_sum
 
-from .nvlink_dispatch import NVLinkDispatcher, NVLinkHandle, grad_tokens, nvlink_capacity, pull_grad_w, send_tokens, sum_back
+from .nvlink_dispatch import (NVLinkDispatcher, NVLinkHandle, grad_tokens, nvlink_capacity, pull_grad_w, send_tokens,
+                              sum_back)
 
 
 def check_gathered_supported(cfg, ep_size: int, device: torch.device) -> None:

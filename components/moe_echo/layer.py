@@ -28,6 +28,8 @@ be False, as in every DeepSeek and Qwen3 flavour). The sequence-level auxiliary 
 the training loss through the backward pass (``_AddAuxLossGrad``), so no loss function changes.
 """
 
+import functools
+
 import torch
 import torch.utils.checkpoint
 from torch import nn
@@ -201,12 +203,12 @@ class MoELayer(nn.Module):
         dispatcher), or EP over the ``nvlink`` dispatcher (ECHO's clones included)."""
         if isinstance(self.dispatcher, LocalDispatcher):
             layout = RowLayout.of(*self.dispatcher.rows(ids_TK))
-            run = lambda w13, w2: gathered_swiglu_combine(x_TD, w13, w2, w_TK, layout)  # noqa: E731
+            run = functools.partial(gathered_swiglu_combine, x_TD, w_TK=w_TK, layout=layout)  # run(w13, w2)
             return self._experts(None, None, apply=run).to(x_TD.dtype)
         if isinstance(self.dispatcher, NVLinkDispatcher):
             x_c, counts_e, h = self.dispatcher.route(x_TD, ids_TK, w_TK)
             self._count_overflow(h)
-            run = lambda w13, w2: nvlink_gathered_swiglu_combine(x_c, w13, w2, counts_e, self.dispatcher, h)  # noqa: E731
+            run = functools.partial(nvlink_gathered_swiglu_combine, x_c, counts_e=counts_e, disp=self.dispatcher, h=h)
             return self._experts(None, None, extend=self._extend(plan), apply=run)
         raise ValueError(f"[moe_echo] gathered_experts = true needs the local or nvlink dispatcher, not "
                          f"{type(self.dispatcher).__name__}: set gathered_experts = false")
