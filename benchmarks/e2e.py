@@ -314,9 +314,21 @@ def main():
     ap.add_argument("--work", default=None, help="parent of the run folders (default: a new temp folder)")
     ap.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results"))
     ap.add_argument("--render", default=None, metavar="JSON", help="only rewrite the markdown table of this file")
+    ap.add_argument("--merge", default=None, metavar="JSON",
+                    help="merge the rows of another call's e2e JSON (e.g. fetched from a GPU machine) into --out's file "
+                         "of that GPU, as if this call had measured them, and rewrite its table")
     a = ap.parse_args()
     if a.render:
         print(render(a.render))
+        return
+    if a.merge:
+        try:
+            with open(a.merge) as f:
+                src = json.load(f)
+            rows, env, peak = src["rows"], src["env"], src["peak_tflops"] * 1e12
+        except (OSError, ValueError, KeyError) as e:
+            ap.error(f"--merge {a.merge}: not an e2e results file ({type(e).__name__}: {e}); pass e2e_<gpu>.json")
+        write(rows, env, peak, a.out, stamp=False)
         return
     try:
         variants = parse_variants(a.variants)
@@ -359,8 +371,10 @@ def main():
     write(rows, env, peak, a.out)
 
 
-def write(rows: list[dict], env: dict, peak: float, out: str) -> None:
-    """Merge ``rows`` into ``<out>/e2e_<gpu>.json`` and rewrite its markdown table."""
+def write(rows: list[dict], env: dict, peak: float, out: str, stamp: bool = True) -> None:
+    """Merge ``rows`` into ``<out>/e2e_<gpu>.json`` (a row replaces the one of the same config, gpus, label, run
+    and variant) and rewrite its markdown table. ``stamp``: give the rows this call's date and torch (rows
+    merged from another call's file keep theirs)."""
     os.makedirs(out, exist_ok=True)
     stem = os.path.join(out, "e2e_" + env["gpu"].replace(" ", "_"))
     old = []
@@ -369,7 +383,8 @@ def write(rows: list[dict], env: dict, peak: float, out: str) -> None:
             old = json.load(f)["rows"]
     key = lambda r: (r["config"], r["gpus"], r.get("label", ""), r["run"], r.get("variant", ""))  # noqa: E731
     new = {key(r) for r in rows}
-    merged = [r for r in old if key(r) not in new] + [dict(r, date=env["date"], torch=env["torch"]) for r in rows]
+    fresh = [dict(r, date=env["date"], torch=env["torch"]) if stamp else r for r in rows]
+    merged = [r for r in old if key(r) not in new] + fresh
     with open(stem + ".json", "w") as f:
         json.dump({"env": env, "peak_tflops": peak / 1e12, "script": "benchmarks/e2e.py", "rows": merged}, f, indent=1)
     print(render(stem + ".json"), flush=True)

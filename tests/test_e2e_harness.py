@@ -84,6 +84,34 @@ def test_step_time_uses_the_batch_shape_a_run_was_given():
     assert with_overrides(cfg, "") == cfg
 
 
+def test_merge_puts_another_calls_rows_into_the_results_file(tmp_path):
+    """``--merge``: a GPU machine's e2e JSON joins the committed table of that GPU; a row with the same key
+    replaces the old one, the others stay, dates stay the measuring call's, the table is rewritten; a file
+    that is not e2e output is one argparse line."""
+    import subprocess
+
+    def row(run, tps, label="a", date="d0"):
+        return {"config": "c", "gpus": 2, "label": label, "run": run, "tokens_per_s_per_gpu": tps, "date": date,
+                "torch": "t"}
+
+    env = {"gpu": "NVIDIA H200", "torch": "t", "date": "d0"}
+    out = tmp_path / "results"
+    out.mkdir()
+    (out / "e2e_NVIDIA_H200.json").write_text(json.dumps(
+        {"env": env, "peak_tflops": 989.0, "rows": [row("ours", 1.0), row("torchtitan", 2.0)]}))
+    src = tmp_path / "fetched.json"
+    src.write_text(json.dumps({"env": dict(env, date="d1"), "peak_tflops": 989.0,
+                               "rows": [row("ours", 3.0, date="d1"), row("ours", 4.0, "b", "d1")]}))
+    cmd = [sys.executable, os.path.join(ROOT, "benchmarks", "e2e.py"), "--out", str(out)]
+    subprocess.run(cmd + ["--merge", str(src)], check=True, capture_output=True, text=True)
+    rows = json.loads((out / "e2e_NVIDIA_H200.json").read_text())["rows"]
+    assert [(r["label"], r["run"], r["tokens_per_s_per_gpu"], r["date"]) for r in rows] == \
+        [("a", "torchtitan", 2.0, "d0"), ("a", "ours", 3.0, "d1"), ("b", "ours", 4.0, "d1")]
+    assert "| c | 2 | b | ours |  | 4 |" in (out / "e2e_NVIDIA_H200.md").read_text()
+    bad = subprocess.run(cmd + ["--merge", str(tmp_path / "missing.json")], capture_output=True, text=True)
+    assert bad.returncode == 2 and "not an e2e results file" in bad.stderr and "Traceback" not in bad.stderr
+
+
 def test_rank_load_is_averaged_over_the_steady_window_and_layers():
     rows = [{"step": 5, "moe/layer1/rank_load_max_over_mean": 9.0},
             {"step": 15, "moe/layer1/rank_load_max_over_mean": 1.5, "moe/layer2/rank_load_max_over_mean": 1.1},
