@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from components.tensors import local_of
 from kernels.cast import cast_scale
 from kernels.swiglu import swiglu, swiglu13
 
@@ -249,7 +250,7 @@ class GroupedExperts(nn.Module):
         spare = spare_rows if self.precision == "bf16" else 0
         self._full13 = self._full2 = None
         for w in (self.w1, self.w2, self.w3):
-            w.compute_copy = _local(w).detach().to(self.compute_dtype).contiguous()
+            w.compute_copy = local_of(w).detach().to(self.compute_dtype).contiguous()
             w.compute_grad, w.compute_grad_divide = None, self._grad_divide
         if self.precision == "bf16":  # w1's and w3's copies: halves of one [w1; w3] (the one gate/up GEMM)
             c1, c2, c3 = (w.compute_copy for w in (self.w1, self.w2, self.w3))
@@ -276,7 +277,7 @@ class GroupedExperts(nn.Module):
         if self.compute_copies:
             self._new_forward()
             return tuple(_OptimizerCopy.apply(w, w.compute_copy) for w in params)
-        local = (_local(w) for w in params)
+        local = (local_of(w) for w in params)
         if self.compute_dtype is None:
             return tuple(local)
         return tuple(_ComputeCast.apply(w, self.compute_dtype, 1.0 / self._grad_divide) for w in local)
@@ -292,7 +293,7 @@ class GroupedExperts(nn.Module):
                 c1, c2, c3 = self.local_weights()
                 return torch.cat([c1, c3], dim=1), c2
             return _Halves13.apply(w1, w3, copy13, "compute_grad"), _OptimizerCopy.apply(w2, w2.compute_copy)
-        w1, w2, w3 = (_local(w) for w in (self.w1, self.w2, self.w3))
+        w1, w2, w3 = (local_of(w) for w in (self.w1, self.w2, self.w3))
         if self.compute_dtype is None:
             w13 = self._shared_13()
             if w13 is not None:
@@ -324,10 +325,6 @@ class GroupedExperts(nn.Module):
         _trunc_normal(self.w1, 0.02)
         _trunc_normal(self.w2, init_std)
         _trunc_normal(self.w3, init_std)
-
-
-def _local(w: torch.Tensor) -> torch.Tensor:
-    return w.to_local() if isinstance(w, DTensor) else w
 
 
 class SwiGLU(nn.Module):

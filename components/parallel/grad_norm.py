@@ -9,6 +9,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Replicate
 
+from components.tensors import local_of
+
 
 def _copies(t: torch.Tensor, world: int) -> int:
     if not isinstance(t, DTensor):
@@ -71,7 +73,7 @@ def clip_grad_norm_(params, max_norm: float, scale_into=None) -> torch.Tensor:
             if g is None:
                 continue
             factor = 1.0 / p.compute_grad_divide
-        local = g.to_local() if isinstance(g, DTensor) else g
+        local = local_of(g)
         acc = torch.promote_types(local.dtype, torch.float32)
         groups.setdefault((_copies(p, world), local.device, acc, factor), []).append(local)
     device = next(iter(groups))[1] if groups else "cpu"

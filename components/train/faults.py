@@ -13,6 +13,8 @@ import signal
 
 import torch
 
+from components.tensors import local_of
+
 
 def _at(name: str, step: int) -> bool:
     return os.environ.get(name) == str(step)
@@ -22,7 +24,7 @@ def inject(step: int, model: torch.nn.Module, layers, rank: int, world: int) -> 
     if _at("MOE_ECHO_FAULT_NAN_AT_STEP", step) and layers:
         w1 = layers[0][1].experts.w1
         with torch.no_grad():
-            local = w1.to_local() if hasattr(w1, "to_local") else w1
+            local = local_of(w1)
             local.view(-1)[0] = float("nan")
             if getattr(w1, "compute_copy", None) is not None:  # what the forward reads (AdamWWithCopies)
                 w1.compute_copy.view(-1)[0] = float("nan")

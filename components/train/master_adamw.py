@@ -21,6 +21,7 @@ from contextlib import contextmanager
 
 import torch
 
+from components.tensors import local_of
 from kernels.adamw import adamw_master_
 
 
@@ -131,8 +132,8 @@ class AdamWWithCopies(torch.optim.AdamW):
                 if isinstance(lr, torch.Tensor) and lr.device != g.device:  # a host tensor (DCP's state init)
                     lr = float(lr)
                 # g and the copy may be halves of [w1; w3] (QuACK's layout): the kernel reads them in place
-                adamw_master_(p.compute_copy, g, _local(p), _local(state["exp_avg"]),
-                              _local(state["exp_avg_sq"]), lr, state["step"], beta1, beta2, group["eps"],
+                adamw_master_(p.compute_copy, g, local_of(p), local_of(state["exp_avg"]),
+                              local_of(state["exp_avg_sq"]), lr, state["step"], beta1, beta2, group["eps"],
                               group["weight_decay"], skip, mul)
         return loss
 
@@ -149,11 +150,7 @@ def refresh_compute_copies(model: torch.nn.Module) -> None:
     with torch.no_grad():
         for p in model.parameters():
             if getattr(p, "compute_copy", None) is not None:
-                p.compute_copy.copy_(_local(p))
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if hasattr(t, "to_local") else t
+                p.compute_copy.copy_(local_of(p))
 
 
 def has_masters(optimizer) -> bool:

@@ -14,6 +14,8 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_leaves
 
+from components.tensors import local_of
+
 _WRAPPERS = ("_checkpoint_wrapped_module.", "_orig_mod.", "_fsdp_wrapped_module.")
 
 
@@ -58,7 +60,7 @@ def first_nonfinite(model: nn.Module, loss_fn, inputs_BS: torch.Tensor, labels_B
             loss.backward()
         for name, p in reversed(list(model.named_parameters())):  # the last layer's gradients come first
             g = p.grad if p.grad is not None else getattr(p, "compute_grad", None)  # see AdamWWithCopies
-            g = g.to_local() if hasattr(g, "to_local") else g
+            g = local_of(g)
             if g is not None and not bool(torch.isfinite(g).all()):
                 found.setdefault("parameter", _clean(name))
                 break

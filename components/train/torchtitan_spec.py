@@ -57,6 +57,7 @@ from components.moe_echo.layer import MoELayer
 from components.moe_echo.models import FLAVORS, MODEL_CLASSES, is_moe_block, moe_layers, swap_moe
 from components.parallel.mesh import build_mesh, parallel_dims
 from components.parallel.parallelize import parallelize
+from components.tensors import local_of
 
 from .data import TokenBatchLoader, build_token_stream
 from .optim import lr_factor
@@ -169,7 +170,7 @@ def parallelize_fn(model: nn.Module, tt_dims, job_config) -> nn.Module:
     if layers and (not dist.is_initialized() or dist.get_rank() == 0):
         _, moe = layers[0]
         w1 = moe.experts.w1
-        local = w1.to_local() if hasattr(w1, "to_local") else w1
+        local = local_of(w1)
         mesh_dims = getattr(getattr(w1, "device_mesh", None), "mesh_dim_names", None)
         print(f"moe_echo parallelize_fn: {len(layers)} MoE layers, dispatcher {type(moe.dispatcher).__name__}, "
               f"ep {dims.ep}, echo {'on' if moe.echo is not None else 'off'}, experts {w1.shape[0]}, "

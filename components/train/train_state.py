@@ -8,6 +8,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
+from components.tensors import local_of
+
 from .data import TokenBatchLoader
 from .master_adamw import refresh_compute_copies, with_masters
 
@@ -98,7 +100,7 @@ def params_finite(model: torch.nn.Module) -> bool:
     """Every parameter finite on every rank (one host read; for checkpoint saves, not per step)."""
     bad = torch.zeros((), dtype=torch.float32, device=next(model.parameters()).device)
     for p in model.parameters():
-        local = p.to_local() if hasattr(p, "to_local") else p
+        local = local_of(p)
         bad = bad + (~torch.isfinite(local.detach())).any().float()
     if dist.is_initialized():
         dist.all_reduce(bad)
