@@ -7,6 +7,9 @@ Shapes: T tokens, D model dim, E experts, K choices per token, G expert groups.
     topk_w_TK = scores_TE[topk_ids_TK]  (bias never enters the weights), optional renorm, × scale
     counts_E  = histogram of topk_ids_TK (scatter_add on device: no host read)
 
+On CUDA (fp32 logits, no expert groups) everything after the gate GEMM up to the weights runs as one Triton
+kernel forward and one backward (kernels/router.py); the torch code here is the reference and the path elsewhere.
+
 Balancing:
 - aux-loss-free (DeepSeek-V3): the caller keeps ``expert_bias_E``; ``updated_expert_bias``
   moves it by ``rate * sign(mean - count)`` and re-centres it to zero mean.
@@ -20,6 +23,8 @@ from typing import Literal
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from kernels import router as router_kernels
 
 
 @dataclass
@@ -87,6 +92,10 @@ class TopKRouter(nn.Module):
         with torch.autocast(x_TD.device.type, enabled=False):  # routing decided in fp32 (fp64 in tests)
             bias = None if self.gate.bias is None else self.gate.bias.to(acc)
             logits_TE = F.linear(x_TD.to(acc), self.gate.weight.to(acc), bias)
+        if self.num_expert_groups is None and router_kernels.fusable(logits_TE, self.top_k):
+            scores_TE, topk_ids_TK, topk_w_TK = router_kernels.route_topk(
+                logits_TE, expert_bias_E, self.top_k, self.score_func, self.route_norm, self.route_scale)
+            return RouterOutput(topk_ids_TK, topk_w_TK, expert_histogram(topk_ids_TK, self.num_experts), scores_TE)
         if self.score_func == "softmax":
             scores_TE = F.softmax(logits_TE, dim=-1)
         else:
