@@ -185,7 +185,7 @@ print('largest step difference over steps 1-20: %.2e at step %d' % max(rel[:20])
 
   dispatch)  # -> dispatch_ep2_<GPU>.md, dispatch_ep<N>_<GPU>.md
     N=$(ngpus); vdev=--no-vdev; [ -n "${VDEV:-}" ] && vdev=
-    CUDA_VISIBLE_DEVICES=0,1 timeout 170 torchrun --nproc_per_node 2 benchmarks/dispatch.py $vdev --out "$OUT" 2>&1 \
+    CUDA_VISIBLE_DEVICES=0,1 timeout 230 torchrun --nproc_per_node 2 benchmarks/dispatch.py $vdev --out "$OUT" 2>&1 \
       | tee "$OUT/dispatch_ep2.log" | noise | tail -32
     if [ "$N" -ge 4 ]; then
       timeout 130 torchrun --nproc_per_node $N benchmarks/dispatch.py --tokens 16384 $vdev --sweep 32,64,132 --out "$OUT" 2>&1 \
