@@ -3,6 +3,7 @@ against the torch path in fp64."""
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from components.moe_echo.router import (
     TopKRouter,
@@ -201,3 +202,55 @@ def test_fused_router_on_gpu(E, K, func, norm, hot):
     assert (fused[3] - ref[3]).norm() <= 1e-5 * ref[3].norm()
     if same_T.all():
         assert (fused[5] - ref[5]).norm() <= 1e-4 * ref[5].norm()
+
+
+def test_bf16_gate_equals_the_fp32_gemm_and_its_gradients_are_bf16_gemms():
+    """``_BF16Gate`` (the CUDA gate of bf16 activations and weights; on CPU its fp32 stand-in for the bf16 GEMM
+    with an fp32 output): logits equal the fp32 GEMM of the upcast operands; the gradients, bf16, are within
+    bf16 rounding of the fp64 ones (the logit gradient is rounded to bf16 once)."""
+    from components.moe_echo.router import _BF16Gate
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(300, 64, generator=g).bfloat16().requires_grad_()
+    w = (torch.randn(16, 64, generator=g) * 0.1).bfloat16().requires_grad_()
+    dlogits = torch.randn(300, 16, generator=g)
+    logits = _BF16Gate.apply(x, w)
+    assert logits.dtype == torch.float32
+    torch.testing.assert_close(logits, F.linear(x.detach().float(), w.detach().float()), rtol=1e-6, atol=1e-6)
+    logits.backward(dlogits)
+    assert x.grad.dtype == w.grad.dtype == torch.bfloat16
+    want_x = dlogits.double() @ w.detach().double()
+    want_w = dlogits.double().t() @ x.detach().double()
+    for got, want in [(x.grad, want_x), (w.grad, want_w)]:
+        assert (got.double() - want).norm() <= 2 ** -7 * want.norm()
+
+
+@pytest.mark.gpu
+def test_bf16_gate_routes_as_the_fp32_gate_on_gpu():
+    """bf16 parameters on CUDA (the one bf16 GEMM writing fp32): the same scores as the fp32 GEMM of the same bf16
+    values to fp32 rounding, the same experts for all but a handful of near-ties, gradients within bf16 rounding."""
+    import copy
+
+    from components.moe_echo.router import _bf16_gate_applies
+
+    torch.manual_seed(0)
+    r = TopKRouter(dim=2048, num_experts=64, top_k=6).cuda().bfloat16()
+    r32 = copy.deepcopy(r).float()
+    x = torch.randn(16384, 2048, device="cuda").bfloat16()
+    bias = torch.randn(64, device="cuda") * 0.05
+    assert _bf16_gate_applies(x, r.gate.weight) and not _bf16_gate_applies(x.float(), r32.gate.weight)
+    c_TK = torch.randn(16384, 6, device="cuda")
+    outs = []
+    for router, xi in [(r, x.clone().requires_grad_()), (r32, x.float().requires_grad_())]:
+        o = router(xi, bias)
+        order = o.topk_ids_TK.argsort(dim=1)
+        (o.topk_w_TK.gather(1, order) * c_TK).sum().backward()
+        outs.append((o.scores_TE, o.topk_ids_TK.gather(1, order), xi.grad.float(), router.gate.weight.grad.float()))
+    (s, ids, gx, gw), (s32, ids32, gx32, gw32) = outs
+    assert (s - s32).norm() <= 1e-5 * s32.norm()
+    same_T = (ids == ids32).all(dim=1)
+    assert same_T.float().mean() > 0.999
+    keep = same_T.unsqueeze(1)  # a token's input gradient through the router depends on its own routing only
+    assert ((gx - gx32) * keep).norm() <= 1e-2 * (gx32 * keep).norm()
+    if same_T.all():
+        assert (gw - gw32).norm() <= 1e-2 * gw32.norm()
