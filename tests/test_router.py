@@ -102,7 +102,7 @@ def routed_both_ways(router, x_TD, bias_E, aux_coeff=0.0, seed=0):
     import copy
     g = torch.Generator().manual_seed(seed)
     T = x_TD.shape[0]
-    c_TK = torch.randn(T, router.top_k, generator=g, dtype=torch.float64)
+    c_TK = torch.randn(T, router.top_k, generator=g, dtype=torch.float64).to(x_TD.device)
     out = []
     for dtype in (torch.float32, torch.float64):
         r = copy.deepcopy(router).to(dtype)
