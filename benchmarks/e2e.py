@@ -315,8 +315,8 @@ def main():
     ap.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results"))
     ap.add_argument("--render", default=None, metavar="JSON", help="only rewrite the markdown table of this file")
     ap.add_argument("--merge", default=None, metavar="JSON",
-                    help="merge the rows of another call's e2e JSON (e.g. fetched from a GPU machine) into --out's file "
-                         "of that GPU, as if this call had measured them, and rewrite its table")
+                    help="merge the rows of another call's e2e JSON (e.g. copied back from the GPU host that ran "
+                         "it) into --out's file of that GPU, as if this call had measured them, and rewrite its table")
     a = ap.parse_args()
     if a.render:
         print(render(a.render))
