@@ -80,7 +80,7 @@ def main():
     table = (f"Router forward + backward on {env['gpu']} (benchmarks/router.py; torch {env['torch']}, "
              f"{env['date']})\n\n" + markdown_table(rows, cols))
     print(table)
-    write_results(f"router_{env['gpu'].replace(' ', '_')}", env, rows, table, a.out)
+    write_results("router", env, rows, table, a.out)
 
 
 if __name__ == "__main__":
