@@ -16,6 +16,11 @@ The sync-free backends also run captured in a CUDA graph (``*_graph_ms``: how th
 runs them, without the host's launch cost); alltoall cannot be captured (it reads the split sizes
 on the host). The sweep varies the CTAs (``--sweep``) and tokens per CTA iteration (``--block-t``)
 of the nvlink kernels, graphed, on the first and the last shape.
+
+``gathered_*``: the movement of ``[moe_echo] gathered_experts`` over nvlink (``gathered_round_trip``): each token
+once into every rank it goes to, no expert-major copy of the received tokens; the owner's per-token sums
+pulled back. Same bytes as nvlink's rows; ``gathered_rel_err`` compares its value (identity experts) with
+nvlink's dispatch + combine.
 """
 
 import argparse
@@ -30,7 +35,8 @@ import torch.distributed as dist
 
 from benchmarks.common import environment, host_ms, markdown_table, time_ms, write_results
 from components.moe_echo.ep_dispatch import AllToAllDispatcher, PaddedDispatcher, padded_capacity
-from components.moe_echo.nvlink_dispatch import NVLinkDispatcher
+from components.moe_echo.gathered_experts import _to_rows
+from components.moe_echo.nvlink_dispatch import NVLinkDispatcher, nvlink_capacity, send_tokens, sum_back
 
 E, K = 64, 8
 
@@ -61,6 +67,22 @@ def peer_copy_ms(nbytes: int, rank: int, world: int) -> float:
 
     dist.barrier()
     return time_ms(fn)
+
+
+def gathered_round_trip(disp, x_TD, ids_TK, w_TK, y_ND=None):
+    """The data movement of ``gathered_experts`` over nvlink: route, each token once into every rank it goes to
+    (dispatch), then each owner sums its rows' weighted expert outputs per source token and the sources pull the
+    sums (combine). The experts' output rows ``y_ND`` [capacity, D] are a given buffer (the time of the movement
+    alone) or, where None, each row's own token (identity experts: the value of nvlink's dispatch + combine)."""
+    x_c, _, h = disp.route(x_TD, ids_TK, w_TK)
+    send_tokens(disp, h, x_c)
+    if y_ND is None:
+        U, K = h.meta_row.local.shape
+        cap = nvlink_capacity(*ids_TK.shape, disp.capacity_factor)
+        tok_N = _to_rows(torch.arange(U, device=x_TD.device)[:, None].expand(U, K), h.meta_row.local, cap, torch.int64)
+        y_ND = h.tok.local.index_select(0, tok_N)
+    sums = disp.ws.buffer(f"{disp.name}/sums/{y_ND.dtype}", tuple(h.tok.local.shape), y_ND.dtype, y_ND.device)
+    return sum_back(disp, h, y_ND, sums, weighted=True, out_dtype=h.out_dtype)
 
 
 def graphed(fn):
@@ -204,15 +226,18 @@ def main():
                 dist.all_reduce(remote_tokens, op=dist.ReduceOp.MAX)
                 tok_bytes = int(2 * float(remote_tokens) * D * 2)
 
+                def timed(fn, graph=False, host=False):
+                    if host:  # eager: the host's time to issue the call
+                        return slowest(host_ms(fn))
+                    return slowest(time_ms(graphed(fn) if graph else fn))
+
                 def bench(disp, graph=False, dispatch_only=False, host=False):
                     def fn():
                         with torch.no_grad():
                             x_nd, _, h = disp.dispatch(x, ids, w)
                             if not dispatch_only:
                                 disp.combine(x_nd, h)
-                    if host:  # eager: the host's time to issue the call
-                        return slowest(host_ms(fn))
-                    return slowest(time_ms(graphed(fn) if graph else fn))
+                    return timed(fn, graph, host)
 
                 t_a2a = bench(AllToAllDispatcher(E, group, world))
                 padded = PaddedDispatcher(E, group, world, cf)
@@ -235,6 +260,22 @@ def main():
                 t_nv_g = bench(nvlink(int(a.sms)), graph=True)
                 t_nv_disp_g = bench(nvlink(int(a.sms)), graph=True, dispatch_only=True)
                 t_pad_g = bench(padded, graph=True)
+                # gathered experts' movement (no expert-major copy of the received tokens), checked against
+                # nvlink's dispatch + combine with identity experts (both sum bf16 rows in fp32; the owner's
+                # per-token sums are rounded to bf16 once before the pull)
+                gd = nvlink(int(a.sms))
+                with torch.no_grad():
+                    x_nd, _, h = gd.dispatch(x, ids, w)
+                    want = gd.combine(x_nd, h).float()
+                    got = gathered_round_trip(gd, x, ids, w).float()
+                gathered_err = float((got - want).norm() / want.norm())
+                y_ND = torch.zeros(nvlink_capacity(T, K, cf_nv), D, device=dev, dtype=torch.bfloat16)
+
+                def gathered_fn():
+                    with torch.no_grad():
+                        gathered_round_trip(gd, x, ids, w, y_ND)
+
+                t_gat, t_gat_g = timed(gathered_fn), timed(gathered_fn, graph=True)
                 if (T, D) in sweep_shapes and kind == "balanced":
                     def combined(disp):
                         with torch.no_grad():
@@ -275,6 +316,9 @@ def main():
                     "alltoall_GBs": gbs(t_a2a), "padded_GBs": gbs(t_pad),
                     "vdev_GBs": gbs(t_vdev) if t_vdev else float("nan"), "peer_copy_GBs": tok_gbs(t_copy),
                     "padded_vs_alltoall": t_a2a / t_pad, "padded_frac_of_ceiling": t_copy / t_pad,
+                    "gathered_ms": t_gat, "gathered_graph_ms": t_gat_g, "gathered_graph_GBs": tok_gbs(t_gat_g),
+                    "gathered_vs_alltoall": t_a2a / t_gat, "gathered_graph_vs_alltoall": t_a2a / t_gat_g,
+                    "gathered_graph_frac_of_ceiling": t_copy / t_gat_g, "gathered_rel_err": gathered_err,
                 }
                 rows.append(row)
                 if rank == 0:
@@ -289,7 +333,9 @@ def main():
         cols = ["T", "D", "routing", "remote_MB", "remote_token_MB", "alltoall_ms", "padded_ms", "nvlink_ms", "nvlink_host_ms", "vdev_ms",
                 "slot_copy_ms", "peer_copy_ms", "padded_graph_ms", "nvlink_graph_ms", "nvlink_dispatch_graph_ms", "alltoall_GBs", "nvlink_GBs",
                 "nvlink_graph_GBs", "peer_copy_GBs", "nvlink_vs_alltoall", "nvlink_graph_vs_alltoall",
-                "nvlink_frac_of_ceiling", "nvlink_graph_frac_of_ceiling", "padded_vs_alltoall"]
+                "nvlink_frac_of_ceiling", "nvlink_graph_frac_of_ceiling", "padded_vs_alltoall", "gathered_ms",
+                "gathered_graph_ms", "gathered_graph_GBs", "gathered_vs_alltoall", "gathered_graph_vs_alltoall",
+                "gathered_graph_frac_of_ceiling", "gathered_rel_err"]
         table = markdown_table(rows, cols)
         table += ("\n\nnvlink dispatch + combine (graphed) vs CTAs (≈ SMs) and tokens per CTA iteration:\n\n"
                   + markdown_table(sweep, ["T", "D", "routing", "nvlink_sms", "block_t", "graph_ms", "GBs", "equal"]))

@@ -32,6 +32,8 @@
 #   echo_tests  2    ECHO's GPU tests: graph = eager with ECHO (torch and QuACK GEMMs; QuACK's after quack_unpack),
 #                    the EP=2 layer checks (padded / nvlink x ECHO off / on), ~250 s
 #   gateup      2    one gate/up GEMM: its GPU tests and gate_up_gemm.py at three shapes
+#   router      1    the fused router's GPU tests, then benchmarks/router.py (fused vs torch, eager and graphed)
+#                    -> router_<GPU>.md
 #   gathered    1    QuACK GEMMs gathering token rows by index vs expanded expert rows (probe_gather_gemm.py), then
 #                    gathered_experts' GPU tests (after quack_unpack)
 #   fill_profile 2   the compiled v2lite_6b_2gpu step profiled at EP=2, graphed (GRAPH=false: eager), one profile per
@@ -183,7 +185,7 @@ print('largest step difference over steps 1-20: %.2e at step %d' % max(rel[:20])
 
   dispatch)  # -> dispatch_ep2_<GPU>.md, dispatch_ep<N>_<GPU>.md
     N=$(ngpus); vdev=--no-vdev; [ -n "${VDEV:-}" ] && vdev=
-    CUDA_VISIBLE_DEVICES=0,1 timeout 170 torchrun --nproc_per_node 2 benchmarks/dispatch.py $vdev --out "$OUT" 2>&1 \
+    CUDA_VISIBLE_DEVICES=0,1 timeout 230 torchrun --nproc_per_node 2 benchmarks/dispatch.py $vdev --out "$OUT" 2>&1 \
       | tee "$OUT/dispatch_ep2.log" | noise | tail -32
     if [ "$N" -ge 4 ]; then
       timeout 130 torchrun --nproc_per_node $N benchmarks/dispatch.py --tokens 16384 $vdev --sweep 32,64,132 --out "$OUT" 2>&1 \
@@ -229,6 +231,11 @@ print('largest step difference over steps 1-20: %.2e at step %d' % max(rel[:20])
   echo_tests)  # ECHO's GPU tests on this torch (no benchmark)
     P="python3 -m pytest -p no:warnings -q -rfEs -o addopts="
     timeout 400 $P tests/test_gpu_train.py tests/test_gpu_ep.py -k "echo or two_gpu_expert_parallel" 2>&1 | tail -6 ;;
+
+  router)  # -> router_<GPU>.md: the fused router kernels' GPU tests, then their time against the torch path (~60 s)
+    P="python3 -m pytest -p no:warnings -q -rfEs -o addopts="
+    timeout 200 $P tests/test_router.py 2>&1 | tail -4
+    timeout 200 python3 benchmarks/router.py --out "$OUT" 2>&1 | grep -E "^\| |rror" ;;
 
   gathered)  # -> probe_gather_gemm_<GPU>.md: the experts reading token rows through QuACK's GEMMs (A_idx, the
     # dSwiGLU epilogue's per-row scale and reduction) vs expanded expert-major copies, then gathered_experts'

@@ -7,6 +7,10 @@ Shapes: T tokens, D model dim, E experts, K choices per token, G expert groups.
     topk_w_TK = scores_TE[topk_ids_TK]  (bias never enters the weights), optional renorm, × scale
     counts_E  = histogram of topk_ids_TK (scatter_add on device: no host read)
 
+On CUDA the gate GEMM of bf16 activations and bf16 weights is one bf16 GEMM writing fp32 logits (``gate_logits``),
+and (fp32 logits, no expert groups) everything after it up to the weights runs as one Triton kernel forward and
+one backward (kernels/router.py); the torch code here is the reference and the path elsewhere.
+
 Balancing:
 - aux-loss-free (DeepSeek-V3): the caller keeps ``expert_bias_E``; ``updated_expert_bias``
   moves it by ``rate * sign(mean - count)`` and re-centres it to zero mean.
@@ -20,6 +24,8 @@ from typing import Literal
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from kernels import router as router_kernels
 
 
 @dataclass
@@ -83,10 +89,12 @@ class TopKRouter(nn.Module):
         return choice_TGe.masked_fill(drop_TG.unsqueeze(-1), float("-inf")).view(T, E)
 
     def forward(self, x_TD: torch.Tensor, expert_bias_E: torch.Tensor | None = None) -> RouterOutput:
-        acc = torch.promote_types(x_TD.dtype, torch.float32)
         with torch.autocast(x_TD.device.type, enabled=False):  # routing decided in fp32 (fp64 in tests)
-            bias = None if self.gate.bias is None else self.gate.bias.to(acc)
-            logits_TE = F.linear(x_TD.to(acc), self.gate.weight.to(acc), bias)
+            logits_TE = gate_logits(x_TD, self.gate.weight, self.gate.bias)
+        if self.num_expert_groups is None and router_kernels.fusable(logits_TE, self.top_k):
+            scores_TE, topk_ids_TK, topk_w_TK = router_kernels.route_topk(
+                logits_TE, expert_bias_E, self.top_k, self.score_func, self.route_norm, self.route_scale)
+            return RouterOutput(topk_ids_TK, topk_w_TK, expert_histogram(topk_ids_TK, self.num_experts), scores_TE)
         if self.score_func == "softmax":
             scores_TE = F.softmax(logits_TE, dim=-1)
         else:
@@ -111,6 +119,47 @@ class TopKRouter(nn.Module):
         nn.init.trunc_normal_(self.gate.weight, mean=0.0, std=init_std, a=-2 * init_std, b=2 * init_std)
         if self.gate.bias is not None:
             nn.init.zeros_(self.gate.bias)
+
+
+def _bf16_gate_applies(x_TD: torch.Tensor, weight_ED: torch.Tensor) -> bool:
+    return x_TD.is_cuda and x_TD.dim() == 2 and x_TD.dtype == weight_ED.dtype == torch.bfloat16
+
+
+def gate_logits(x_TD: torch.Tensor, weight_ED: torch.Tensor, bias_E: torch.Tensor | None = None) -> torch.Tensor:
+    """logits_TE = x_TD @ weight_EDᵀ (+ bias_E) in fp32 (fp64 for fp64 inputs). bf16 x and weight on CUDA (bf16
+    parameters): one bf16 GEMM writing fp32 (``_BF16Gate``), the value of the fp32 GEMM of the upcast operands
+    (bf16 products are exact in fp32 and sum in fp32) without their fp32 copies or the fp32 GEMM's rate."""
+    if _bf16_gate_applies(x_TD, weight_ED):
+        logits_TE = _BF16Gate.apply(x_TD, weight_ED)
+        return logits_TE if bias_E is None else logits_TE + bias_E.float()
+    acc = torch.promote_types(x_TD.dtype, torch.float32)
+    return F.linear(x_TD.to(acc), weight_ED.to(acc), None if bias_E is None else bias_E.to(acc))
+
+
+def _mm_f32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """a @ b written in fp32 for bf16 operands: cuBLAS's bf16 GEMM with an fp32 output on CUDA (``torch.mm``'s
+    ``out_dtype``), the fp32 GEMM of the upcast operands elsewhere (the same products and fp32 sums)."""
+    if a.is_cuda:
+        return torch.mm(a, b, out_dtype=torch.float32)
+    return a.float() @ b.float()
+
+
+class _BF16Gate(torch.autograd.Function):
+    """Forward: logits_TE (fp32) = x_TD @ w_EDᵀ from bf16 operands. Backward: the logit gradient rounded to bf16
+    once, then bf16 GEMMs for dx (T×E @ E×D) and dw (E×T @ T×D), written in bf16 as x's and w's gradients are."""
+
+    @staticmethod
+    def forward(ctx, x_TD, w_ED):
+        ctx.save_for_backward(x_TD, w_ED)
+        return _mm_f32(x_TD, w_ED.t())
+
+    @staticmethod
+    def backward(ctx, g_TE):
+        x_TD, w_ED = ctx.saved_tensors
+        g_TE = g_TE.to(torch.bfloat16)
+        g_x = g_TE @ w_ED if ctx.needs_input_grad[0] else None
+        g_w = g_TE.t() @ x_TD if ctx.needs_input_grad[1] else None
+        return g_x, g_w
 
 
 def expert_histogram(ids: torch.Tensor, num_experts: int) -> torch.Tensor:
