@@ -37,6 +37,8 @@ from benchmarks.common import environment, host_ms, markdown_table, time_ms, wri
 from components.moe_echo.ep_dispatch import AllToAllDispatcher, PaddedDispatcher, padded_capacity
 from components.moe_echo.gathered_experts import _to_rows
 from components.moe_echo.nvlink_dispatch import NVLinkDispatcher, nvlink_capacity, send_tokens, sum_back
+from kernels.moe_rows import gather_sum
+from kernels.peer_rows import peer_gather_sum, peer_scatter
 
 E, K = 64, 8
 
@@ -83,6 +85,35 @@ def gathered_round_trip(disp, x_TD, ids_TK, w_TK, y_ND=None):
         y_ND = h.tok.local.index_select(0, tok_N)
     sums = disp.ws.buffer(f"{disp.name}/sums/{y_ND.dtype}", tuple(h.tok.local.shape), y_ND.dtype, y_ND.device)
     return sum_back(disp, h, y_ND, sums, weighted=True, out_dtype=h.out_dtype)
+
+
+PHASES = ["route", "route_send", "send_kernel", "barrier", "owner_sum", "pull_kernel"]
+
+
+def gathered_phases(disp, x_TD, ids_TK, w_TK, y_ND, timed) -> dict:
+    """Graphed ms of the gathered round trip's parts: ``route`` (counts exchange, layout, meta rows: one barrier),
+    ``route_send`` (+ the tokens into their ranks: two barriers), and each kernel alone on a fixed routing:
+    ``send_kernel`` (the token rows' peer writes), ``barrier`` (one device barrier of the two ranks),
+    ``owner_sum`` (the owner's weighted per-token sums, local), ``pull_kernel`` (the sources' reads of those sums)."""
+    def run(fn):
+        def go():
+            with torch.no_grad():
+                fn()
+        return timed(go, graph=True)
+
+    with torch.no_grad():
+        x_c, _, h = disp.route(x_TD, ids_TK, w_TK)
+    sums = disp.ws.buffer(f"{disp.name}/sums/{y_ND.dtype}", tuple(h.tok.local.shape), y_ND.dtype, y_ND.device)
+    kw = dict(programs=disp.programs, block_t=disp.block_t)
+    return {
+        "route": run(lambda: disp.route(x_TD, ids_TK, w_TK)),
+        "route_send": run(lambda: send_tokens(disp, *disp.route(x_TD, ids_TK, w_TK)[2:], x_c)),
+        "send_kernel": run(lambda: peer_scatter(x_c, h.rank_TR, h.row_TR, h.tok.ptrs_R, h.tok.peers, **kw)),
+        "barrier": run(lambda: disp.ws.barrier(h.tok)),
+        "owner_sum": run(lambda: gather_sum(y_ND, h.meta_row.local, h.meta_w.local, out=sums.local)),
+        "pull_kernel": run(lambda: peer_gather_sum(h.rank_TR, h.row_TR, sums.ptrs_R, sums.peers,
+                                                   out_dtype=h.out_dtype, **kw)),
+    }
 
 
 def graphed(fn):
@@ -276,6 +307,7 @@ def main():
                         gathered_round_trip(gd, x, ids, w, y_ND)
 
                 t_gat, t_gat_g = timed(gathered_fn), timed(gathered_fn, graph=True)
+                ph = gathered_phases(gd, x, ids, w, y_ND, timed)
                 if (T, D) in sweep_shapes and kind == "balanced":
                     def combined(disp):
                         with torch.no_grad():
@@ -319,6 +351,10 @@ def main():
                     "gathered_ms": t_gat, "gathered_graph_ms": t_gat_g, "gathered_graph_GBs": tok_gbs(t_gat_g),
                     "gathered_vs_alltoall": t_a2a / t_gat, "gathered_graph_vs_alltoall": t_a2a / t_gat_g,
                     "gathered_graph_frac_of_ceiling": t_copy / t_gat_g, "gathered_rel_err": gathered_err,
+                    # one direction of the ceiling against one kernel's writes (send) or reads (pull) of the same bytes
+                    "send_kernel_frac_of_copy": t_copy / 2 / ph["send_kernel"],
+                    "pull_kernel_frac_of_copy": t_copy / 2 / ph["pull_kernel"],
+                    **{f"{k}_graph_ms": v for k, v in ph.items()},
                 }
                 rows.append(row)
                 if rank == 0:
@@ -337,6 +373,11 @@ def main():
                 "gathered_graph_ms", "gathered_graph_GBs", "gathered_vs_alltoall", "gathered_graph_vs_alltoall",
                 "gathered_graph_frac_of_ceiling", "gathered_rel_err"]
         table = markdown_table(rows, cols)
+        table += ("\n\nThe gathered round trip in parts, graphed (``gathered_phases``; *_frac_of_copy: one direction of the "
+                  "ceiling against that kernel alone):\n\n"
+                  + markdown_table(rows, ["T", "D", "routing", "peer_copy_ms", "gathered_graph_ms"]
+                                   + [f"{k}_graph_ms" for k in PHASES]
+                                   + ["send_kernel_frac_of_copy", "pull_kernel_frac_of_copy"]))
         table += ("\n\nnvlink dispatch + combine (graphed) vs CTAs (≈ SMs) and tokens per CTA iteration:\n\n"
                   + markdown_table(sweep, ["T", "D", "routing", "nvlink_sms", "block_t", "graph_ms", "GBs", "equal"]))
         if kernels:
