@@ -1,4 +1,4 @@
-"""Where each routed (token, choice) slot goes, in three small kernels instead of ~40 torch ops.
+"""Where each routed (token, choice) slot goes, in four small kernels instead of ~40 torch ops.
 
 N = T·K slots of one rank, X ids (R ranks × e local ids), ids in [0, X):
 
@@ -61,32 +61,33 @@ if triton is not None:
             tl.store(hist_ptr + b * X + xs, c, mask=xs < X)
 
     @triton.jit
-    def _slot_rank_kernel(ids_ptr, hist_ptr, rank_ptr, counts_ptr, N, X, NB, BLOCK: tl.constexpr,
-                          BB: tl.constexpr, XB: tl.constexpr):
-        """Program b < NB: ranks of block b's slots (earlier blocks' counts of the id + earlier slots
-        of the block with the id). Program p < cdiv(X, XB): counts of ids p·XB.. over all blocks."""
+    def _block_prefix_kernel(hist_ptr, counts_ptr, NB, X, BB: tl.constexpr, XB: tl.constexpr):
+        """In place, ids p·XB.. of program p: hist[b, x] becomes the slots of id x in blocks before b (an
+        exclusive scan over blocks, BB blocks a step with a running carry); counts[x] = the total."""
+        xs = tl.program_id(0) * XB + tl.arange(0, XB)
+        okx = xs < X
+        carry = tl.zeros([XB], dtype=tl.int32)
+        for b0 in range(0, NB, BB):
+            bs = b0 + tl.arange(0, BB)
+            at = hist_ptr + bs[:, None] * X + xs[None, :]
+            ok = (bs[:, None] < NB) & okx[None, :]
+            h = tl.load(at, mask=ok, other=0)
+            tl.store(at, tl.cumsum(h, axis=0) - h + carry[None, :], mask=ok)
+            carry += tl.sum(h, axis=0)
+        tl.store(counts_ptr + xs, carry.to(tl.int64), mask=okx)
+
+    @triton.jit
+    def _slot_rank_kernel(ids_ptr, prefix_ptr, rank_ptr, N, X, BLOCK: tl.constexpr):
+        """Ranks of block b's slots: the id's slots in earlier blocks (prefix[b, id]) + earlier slots of the
+        block with the id."""
         b = tl.program_id(0)
-        if b < NB:
-            i = tl.arange(0, BLOCK)
-            n = b * BLOCK + i
-            ok = n < N
-            ids = tl.load(ids_ptr + n, mask=ok, other=-1)
-            earlier = (ids[:, None] == ids[None, :]) & (i[None, :] < i[:, None])
-            r = tl.sum(earlier.to(tl.int32), axis=1)
-            for b0 in range(0, b, BB):
-                bs = b0 + tl.arange(0, BB)
-                h = tl.load(hist_ptr + bs[:, None] * X + ids[None, :], mask=(bs[:, None] < b) & ok[None, :], other=0)
-                r += tl.sum(h, axis=0)
-            tl.store(rank_ptr + n, r, mask=ok)
-        if b * XB < X:
-            xs = b * XB + tl.arange(0, XB)
-            acc = tl.zeros([XB], dtype=tl.int64)
-            for b0 in range(0, NB, BB):
-                bs = b0 + tl.arange(0, BB)
-                h = tl.load(hist_ptr + bs[:, None] * X + xs[None, :], mask=(bs[:, None] < NB) & (xs[None, :] < X),
-                            other=0)
-                acc += tl.sum(h, axis=0).to(tl.int64)
-            tl.store(counts_ptr + xs, acc, mask=xs < X)
+        i = tl.arange(0, BLOCK)
+        n = b * BLOCK + i
+        ok = n < N
+        ids = tl.load(ids_ptr + n, mask=ok, other=-1)
+        earlier = (ids[:, None] == ids[None, :]) & (i[None, :] < i[:, None])
+        r = tl.sum(earlier.to(tl.int32), axis=1) + tl.load(prefix_ptr + b * X + ids, mask=ok, other=0)
+        tl.store(rank_ptr + n, r, mask=ok)
 
     @triton.jit
     def _layout_tail_kernel(counts_ptr, scratch_ptr, base_ptr, counts_e_ptr, dropped_ptr, needed_ptr, rank, X, E_LOCAL,
@@ -118,7 +119,8 @@ if triton is not None:
 
 
 def slot_ranks(ids_N: torch.Tensor, X: int):
-    """(rank_in_id_N int32, counts_X int64) of ``ids_N`` (int, values in [0, X)); two launches."""
+    """(rank_in_id_N int32, counts_X int64) of ``ids_N`` (int, values in [0, X)); three launches, work linear in
+    the slots: per-block counts, their exclusive scan over blocks, then each block's ranks."""
     if not _use_triton(ids_N):
         return slot_ranks_torch(ids_N, X)
     N = ids_N.numel()
@@ -129,8 +131,8 @@ def slot_ranks(ids_N: torch.Tensor, X: int):
     counts_X = torch.empty(X, dtype=torch.int64, device=ids_N.device)
     ids_N = ids_N.contiguous()
     _block_counts_kernel[(nb,)](ids_N, hist, N, X, BLOCK=SLOTS_PER_BLOCK, XB=xb, num_warps=4)
-    _slot_rank_kernel[(max(nb, -(-X // xb)),)](ids_N, hist, rank_N, counts_X, N, X, nb, BLOCK=SLOTS_PER_BLOCK, BB=16,
-                                               XB=xb, num_warps=4)
+    _block_prefix_kernel[(-(-X // xb),)](hist, counts_X, nb, X, BB=32, XB=xb, num_warps=4)
+    _slot_rank_kernel[(nb,)](ids_N, hist, rank_N, N, X, BLOCK=SLOTS_PER_BLOCK, num_warps=4)
     return rank_N, counts_X
 
 

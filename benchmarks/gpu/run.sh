@@ -34,6 +34,8 @@
 #   gateup      2    one gate/up GEMM: its GPU tests and gate_up_gemm.py at three shapes
 #   router      1    the fused router's GPU tests, then benchmarks/router.py (fused vs torch, eager and graphed)
 #                    -> router_<GPU>.md
+#   route_layout 2   the slot-layout kernels' GPU tests; slot_ranks graphed vs torch (and the build/base.tgz tree); the
+#                    dispatch parts at 4096/16384 x 7168 -> route_layout_<GPU>.md, dispatch_ep2_<GPU>.md
 #   gathered    1    QuACK GEMMs gathering token rows by index vs expanded expert rows (probe_gather_gemm.py), then
 #                    gathered_experts' GPU tests (after quack_unpack)
 #   fill_profile 2   the compiled v2lite_6b_2gpu step profiled at EP=2, graphed (GRAPH=false: eager), one profile per
@@ -236,6 +238,15 @@ print('largest step difference over steps 1-20: %.2e at step %d' % max(rel[:20])
     P="python3 -m pytest -p no:warnings -q -rfEs -o addopts="
     timeout 200 $P tests/test_router.py 2>&1 | tail -4
     timeout 200 python3 benchmarks/router.py --out "$OUT" 2>&1 | grep -E "^\| |rror" ;;
+
+  route_layout)  # -> route_layout_<GPU>.md: the slot-layout kernels' GPU tests, then slot_ranks graphed vs torch (and
+    # vs build/base.tgz's tree where carried), then dispatch at 16384x7168 (the routing phase in the parts table)
+    P="python3 -m pytest -p no:warnings -q -rfEs -o addopts="
+    timeout 200 $P tests/test_route_layout.py 2>&1 | tail -3
+    base=; [ -d /tmp/base/kernels ] && base="--base /tmp/base"
+    timeout 200 python3 benchmarks/route_layout.py $base --out "$OUT" 2>&1 | grep -E "^\| |rror"
+    CUDA_VISIBLE_DEVICES=0,1 timeout 150 torchrun --nproc_per_node 2 benchmarks/dispatch.py --no-vdev --tokens 4096,16384 \
+      --hidden 7168 --sweep 64 --block-t 0 --out "$OUT" > "$OUT/dispatch_ep2.log" 2>&1; grep -A8 "in parts" "$OUT"/dispatch_ep2_*.md ;;
 
   gathered)  # -> probe_gather_gemm_<GPU>.md: the experts reading token rows through QuACK's GEMMs (A_idx, the
     # dSwiGLU epilogue's per-row scale and reduction) vs expanded expert-major copies, then gathered_experts'
