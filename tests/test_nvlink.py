@@ -381,12 +381,14 @@ for phase in ("dispatch", "combine", "backward"):
 @needs_cpu_interpreter
 def test_nvlink_eager_launches_stay_few():
     """The eager step is host-bound: each torch op and Triton launch costs host time (~10-30 µs).
-    Dispatch's layout is three kernels (kernels.route_layout, peer_route_meta), not ~45 torch ops."""
+    Dispatch's layout is four kernels (kernels.route_layout, peer_route_meta), not ~45 torch ops."""
     out = run_in_interpreter(_LAUNCHES, "LAUNCHES backward")
     got = {line.split()[1]: (int(line.split("torch=")[1].split()[0]), int(line.rsplit("triton=", 1)[1]))
            for line in out.splitlines() if line.startswith("LAUNCHES")}
     print(out)
-    assert got["dispatch"][0] <= 2 and got["dispatch"][1] <= 7, out  # the counts' clone (+ x's cast under autocast)
+    # the counts' clone (+ x's cast under autocast); Triton: slot ranks (3), counts to peers, layout, meta, token
+    # send, expansion
+    assert got["dispatch"][0] <= 2 and got["dispatch"][1] <= 8, out
     assert got["combine"][0] == 0 and got["combine"][1] <= 2, out
     # backward: 5 of the test's own (the sum's and the experts' backward, two leaf-gradient adds)
     assert got["backward"][0] <= 11 and got["backward"][1] <= 4, out
