@@ -87,14 +87,17 @@ def gathered_round_trip(disp, x_TD, ids_TK, w_TK, y_ND=None):
     return sum_back(disp, h, y_ND, sums, weighted=True, out_dtype=h.out_dtype)
 
 
-PHASES = ["route", "route_send", "send_kernel", "barrier", "owner_sum", "pull_kernel"]
+FEW_CTAS = 24  # the copy kernels also timed at this many CTAs: what they reach while leaving the SMs to the GEMMs
+PHASES = ["route", "route_send", "send_kernel", "barrier", "owner_sum", "pull_kernel", f"send_kernel_c{FEW_CTAS}",
+          f"pull_kernel_c{FEW_CTAS}"]
 
 
 def gathered_phases(disp, x_TD, ids_TK, w_TK, y_ND, timed) -> dict:
     """Graphed ms of the gathered round trip's parts: ``route`` (counts exchange, layout, meta rows: one barrier),
     ``route_send`` (+ the tokens into their ranks: two barriers), and each kernel alone on a fixed routing:
     ``send_kernel`` (the token rows' peer writes), ``barrier`` (one device barrier of the two ranks),
-    ``owner_sum`` (the owner's weighted per-token sums, local), ``pull_kernel`` (the sources' reads of those sums)."""
+    ``owner_sum`` (the owner's weighted per-token sums, local), ``pull_kernel`` (the sources' reads of those sums);
+    ``*_c24``: the two copy kernels at ``FEW_CTAS`` CTAs instead of the dispatcher's."""
     def run(fn):
         def go():
             with torch.no_grad():
@@ -113,6 +116,11 @@ def gathered_phases(disp, x_TD, ids_TK, w_TK, y_ND, timed) -> dict:
         "owner_sum": run(lambda: gather_sum(y_ND, h.meta_row.local, h.meta_w.local, out=sums.local)),
         "pull_kernel": run(lambda: peer_gather_sum(h.rank_TR, h.row_TR, sums.ptrs_R, sums.peers,
                                                    out_dtype=h.out_dtype, **kw)),
+        f"send_kernel_c{FEW_CTAS}": run(lambda: peer_scatter(x_c, h.rank_TR, h.row_TR, h.tok.ptrs_R, h.tok.peers,
+                                                             programs=FEW_CTAS, block_t=disp.block_t)),
+        f"pull_kernel_c{FEW_CTAS}": run(lambda: peer_gather_sum(h.rank_TR, h.row_TR, sums.ptrs_R, sums.peers,
+                                                                out_dtype=h.out_dtype, programs=FEW_CTAS,
+                                                                block_t=disp.block_t)),
     }
 
 
@@ -354,6 +362,8 @@ def main():
                     # one direction of the ceiling against one kernel's writes (send) or reads (pull) of the same bytes
                     "send_kernel_frac_of_copy": t_copy / 2 / ph["send_kernel"],
                     "pull_kernel_frac_of_copy": t_copy / 2 / ph["pull_kernel"],
+                    f"send_kernel_c{FEW_CTAS}_frac_of_copy": t_copy / 2 / ph[f"send_kernel_c{FEW_CTAS}"],
+                    f"pull_kernel_c{FEW_CTAS}_frac_of_copy": t_copy / 2 / ph[f"pull_kernel_c{FEW_CTAS}"],
                     **{f"{k}_graph_ms": v for k, v in ph.items()},
                 }
                 rows.append(row)
@@ -377,7 +387,8 @@ def main():
                   "ceiling against that kernel alone):\n\n"
                   + markdown_table(rows, ["T", "D", "routing", "peer_copy_ms", "gathered_graph_ms"]
                                    + [f"{k}_graph_ms" for k in PHASES]
-                                   + ["send_kernel_frac_of_copy", "pull_kernel_frac_of_copy"]))
+                                   + ["send_kernel_frac_of_copy", "pull_kernel_frac_of_copy",
+                                      f"send_kernel_c{FEW_CTAS}_frac_of_copy", f"pull_kernel_c{FEW_CTAS}_frac_of_copy"]))
         table += ("\n\nnvlink dispatch + combine (graphed) vs CTAs (≈ SMs) and tokens per CTA iteration:\n\n"
                   + markdown_table(sweep, ["T", "D", "routing", "nvlink_sms", "block_t", "graph_ms", "GBs", "equal"]))
         if kernels:
