@@ -28,6 +28,20 @@ def time_ms(fn, warmup: int = 5, iters: int = 20) -> float:
     return statistics.median(times)
 
 
+def graphed(fn):
+    """``fn`` captured once in a CUDA graph (after warm-up on a side stream, as capture wants); returns the replay."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    return g.replay
+
+
 def host_ms(fn, warmup: int = 5, iters: int = 20) -> float:
     """Median host milliseconds to issue ``fn()`` with the GPU idle at its start (no sync inside ``fn``):
     where it is close to ``time_ms(fn)``, the call is bound by the host, not the GPU."""

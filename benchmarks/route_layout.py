@@ -18,7 +18,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch
 
-from benchmarks.common import environment, markdown_table, time_ms, write_results
+from benchmarks.common import environment, graphed, markdown_table, time_ms, write_results
 from kernels.route_layout import slot_ranks, slot_ranks_torch
 
 
@@ -30,16 +30,6 @@ def load_base(root: str):
     sys.modules["base_kernels"] = pkg
     spec.loader.exec_module(pkg)
     return importlib.import_module("base_kernels.route_layout")
-
-
-def graphed_ms(fn) -> float:
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    return time_ms(g.replay)
 
 
 def main():
@@ -67,7 +57,7 @@ def main():
                 got = fn()
                 assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), (name, T, X)
                 # torch's bincount reads its size on the host: not capturable, timed eagerly
-                row[f"{name}_graph_ms" if name != "torch" else "torch_ms"] = graphed_ms(fn) if name != "torch" else time_ms(fn)
+                row[f"{name}_graph_ms" if name != "torch" else "torch_ms"] = time_ms(graphed(fn) if name != "torch" else fn)
             row["vs_torch"] = row["torch_ms"] / row["ours_graph_ms"]
             if base is not None:
                 row["vs_base"] = row["base_graph_ms"] / row["ours_graph_ms"]

@@ -18,7 +18,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch
 
-from benchmarks.common import environment, markdown_table, time_ms, write_results
+from benchmarks.common import environment, graphed, markdown_table, time_ms, write_results
 from components.moe_echo import router as router_module
 from components.moe_echo.router import TopKRouter
 
@@ -29,20 +29,6 @@ SHAPES = {  # name: (E, K, score_func, route_norm)
     "qwen3": (128, 8, "softmax", True),
     "deepseek_v3": (256, 8, "sigmoid", True),
 }
-
-
-def graphed(fn):
-    """``fn`` captured once in a CUDA graph (after warm-up on a side stream); the replay."""
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    return g.replay
 
 
 def main():
