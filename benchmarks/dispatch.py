@@ -24,6 +24,7 @@ nvlink's dispatch + combine.
 """
 
 import argparse
+import copy
 import math
 import os
 import sys
@@ -89,7 +90,7 @@ def gathered_round_trip(disp, x_TD, ids_TK, w_TK, y_ND=None):
 
 FEW_CTAS = 24  # the copy kernels also timed at this many CTAs: what they reach while leaving the SMs to the GEMMs
 PHASES = ["route", "route_send", "send_kernel", "barrier", "owner_sum", "pull_kernel", f"send_kernel_c{FEW_CTAS}",
-          f"pull_kernel_c{FEW_CTAS}"]
+          f"pull_kernel_c{FEW_CTAS}", "send_tokens", "send_tokens_ce"]
 
 
 def gathered_phases(disp, x_TD, ids_TK, w_TK, y_ND, timed) -> dict:
@@ -97,7 +98,8 @@ def gathered_phases(disp, x_TD, ids_TK, w_TK, y_ND, timed) -> dict:
     ``route_send`` (+ the tokens into their ranks: two barriers), and each kernel alone on a fixed routing:
     ``send_kernel`` (the token rows' peer writes), ``barrier`` (one device barrier of the two ranks),
     ``owner_sum`` (the owner's weighted per-token sums, local), ``pull_kernel`` (the sources' reads of those sums);
-    ``*_c24``: the two copy kernels at ``FEW_CTAS`` CTAs instead of the dispatcher's."""
+    ``*_c24``: the two copy kernels at ``FEW_CTAS`` CTAs instead of the dispatcher's; ``send_tokens`` and
+    ``send_tokens_ce``: the token send with its barrier, by the kernel and by the copy engines (``nvlink_send``)."""
     def run(fn):
         def go():
             with torch.no_grad():
@@ -108,6 +110,8 @@ def gathered_phases(disp, x_TD, ids_TK, w_TK, y_ND, timed) -> dict:
         x_c, _, h = disp.route(x_TD, ids_TK, w_TK)
     sums = disp.ws.buffer(f"{disp.name}/sums/{y_ND.dtype}", tuple(h.tok.local.shape), y_ND.dtype, y_ND.device)
     kw = dict(programs=disp.programs, block_t=disp.block_t)
+    ce = copy.copy(disp)
+    ce.send = "copy_engine"
     return {
         "route": run(lambda: disp.route(x_TD, ids_TK, w_TK)),
         "route_send": run(lambda: send_tokens(disp, *disp.route(x_TD, ids_TK, w_TK)[2:], x_c)),
@@ -121,7 +125,23 @@ def gathered_phases(disp, x_TD, ids_TK, w_TK, y_ND, timed) -> dict:
         f"pull_kernel_c{FEW_CTAS}": run(lambda: peer_gather_sum(h.rank_TR, h.row_TR, sums.ptrs_R, sums.peers,
                                                                 out_dtype=h.out_dtype, programs=FEW_CTAS,
                                                                 block_t=disp.block_t)),
+        "send_tokens": run(lambda: send_tokens(disp, h, x_c)),
+        "send_tokens_ce": run(lambda: send_tokens(ce, h, x_c)),
     }
+
+
+def beside_gemm(fn, gemm, timed) -> float:
+    """Graphed ms of ``fn`` with ``gemm`` on a side stream at the same time (forked before, joined after): what a
+    transfer costs while other work wants the SMs (the shared experts run beside dispatch and combine)."""
+    side = torch.cuda.Stream()
+
+    def both():
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            gemm()
+        fn()
+        torch.cuda.current_stream().wait_stream(side)
+    return timed(both, graph=True)
 
 
 def graphed(fn):
@@ -288,8 +308,9 @@ def main():
                 dist.all_reduce(recv_rows)  # rows each rank receives
                 cf_nv = max(1.0, math.ceil(float(recv_rows.max()) / (T * K) * 100) / 100)  # no drops
 
-                def nvlink(sms, block_t=None):
-                    return NVLinkDispatcher(E, group, world, cf_nv, programs=sms, name="bench", block_t=block_t)
+                def nvlink(sms, block_t=None, send="kernel"):
+                    return NVLinkDispatcher(E, group, world, cf_nv, programs=sms, name="bench", block_t=block_t,
+                                            send=send)
 
                 with torch.no_grad():
                     _, _, h = nvlink(int(a.sms)).dispatch(x, ids, w)
@@ -315,6 +336,33 @@ def main():
                         gathered_round_trip(gd, x, ids, w, y_ND)
 
                 t_gat, t_gat_g = timed(gathered_fn), timed(gathered_fn, graph=True)
+                # the token sends by the copy engines (nvlink_send = "copy_engine"): same sums, so bitwise equal
+                ce = nvlink(int(a.sms), send="copy_engine")
+                with torch.no_grad():
+                    x_nd, _, h = ce.dispatch(x, ids, w)
+                    ce_equal = torch.equal(ce.combine(x_nd, h).float(), want)
+                    ce_equal &= torch.equal(gathered_round_trip(ce, x, ids, w).float(), got)
+
+                def gathered_ce_fn():
+                    with torch.no_grad():
+                        gathered_round_trip(ce, x, ids, w, y_ND)
+
+                t_nv_ce, t_nv_ce_g = bench(ce), bench(ce, graph=True)
+                t_gat_ce_g = timed(gathered_ce_fn, graph=True)
+                mm_a, mm_b = (torch.randn(8192, 8192, device=dev, dtype=torch.bfloat16) for _ in range(2))
+                gemm = lambda: torch.mm(mm_a, mm_b)  # noqa: E731
+                t_gemm = timed(gemm, graph=True)
+
+                def round_trip(disp):
+                    def fn():
+                        with torch.no_grad():
+                            x_nd, _, h = disp.dispatch(x, ids, w)
+                            disp.combine(x_nd, h)
+                    return fn
+
+                t_nv_gemm = beside_gemm(round_trip(nvlink(int(a.sms))), gemm, timed)
+                t_nv_ce_gemm = beside_gemm(round_trip(ce), gemm, timed)
+                del mm_a, mm_b
                 ph = gathered_phases(gd, x, ids, w, y_ND, timed)
                 if (T, D) in sweep_shapes and kind == "balanced":
                     def combined(disp):
@@ -359,6 +407,10 @@ def main():
                     "gathered_ms": t_gat, "gathered_graph_ms": t_gat_g, "gathered_graph_GBs": tok_gbs(t_gat_g),
                     "gathered_vs_alltoall": t_a2a / t_gat, "gathered_graph_vs_alltoall": t_a2a / t_gat_g,
                     "gathered_graph_frac_of_ceiling": t_copy / t_gat_g, "gathered_rel_err": gathered_err,
+                    "nvlink_ce_ms": t_nv_ce, "nvlink_ce_graph_ms": t_nv_ce_g, "gathered_ce_graph_ms": t_gat_ce_g,
+                    "nvlink_ce_graph_frac_of_ceiling": t_copy / t_nv_ce_g,
+                    "gathered_ce_graph_frac_of_ceiling": t_copy / t_gat_ce_g, "ce_equal": bool(ce_equal),
+                    "gemm_ms": t_gemm, "nvlink_beside_gemm_ms": t_nv_gemm, "nvlink_ce_beside_gemm_ms": t_nv_ce_gemm,
                     # one direction of the ceiling against one kernel's writes (send) or reads (pull) of the same bytes
                     "send_kernel_frac_of_copy": t_copy / 2 / ph["send_kernel"],
                     "pull_kernel_frac_of_copy": t_copy / 2 / ph["pull_kernel"],
@@ -389,6 +441,14 @@ def main():
                                    + [f"{k}_graph_ms" for k in PHASES]
                                    + ["send_kernel_frac_of_copy", "pull_kernel_frac_of_copy",
                                       f"send_kernel_c{FEW_CTAS}_frac_of_copy", f"pull_kernel_c{FEW_CTAS}_frac_of_copy"]))
+        table += ("\n\nToken sends by the copy engines (``nvlink_send = \"copy_engine\"``) against the kernel (graphed "
+                  "unless named eager; ``*_beside_gemm``: the round trip with an 8192³ bf16 GEMM on a side stream):\n\n"
+                  + markdown_table(rows, ["T", "D", "routing", "peer_copy_ms", "send_tokens_graph_ms",
+                                          "send_tokens_ce_graph_ms", "nvlink_graph_ms", "nvlink_ce_graph_ms",
+                                          "nvlink_ms", "nvlink_ce_ms", "gathered_graph_ms", "gathered_ce_graph_ms",
+                                          "nvlink_ce_graph_frac_of_ceiling", "gathered_ce_graph_frac_of_ceiling",
+                                          "gemm_ms", "nvlink_beside_gemm_ms", "nvlink_ce_beside_gemm_ms",
+                                          "ce_equal"]))
         table += ("\n\nnvlink dispatch + combine (graphed) vs CTAs (≈ SMs) and tokens per CTA iteration:\n\n"
                   + markdown_table(sweep, ["T", "D", "routing", "nvlink_sms", "block_t", "graph_ms", "GBs", "equal"]))
         if kernels:

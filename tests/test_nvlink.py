@@ -41,8 +41,9 @@ def _expected_dropped(ids_R: list[torch.Tensor], R: int, cap: int) -> list[torch
     return drops
 
 
-def _run(R: int, kind: str, capacity_factor: float, dtype=torch.float64, tol: float = 1e-12):
-    """fp64 runs the torch path; fp32 under TRITON_INTERPRET=1 runs the kernels themselves."""
+def _run(R: int, kind: str, capacity_factor: float, dtype=torch.float64, tol: float = 1e-12, send: str = "kernel"):
+    """fp64 runs the torch path; fp32 under TRITON_INTERPRET=1 runs the kernels themselves. ``send``: the
+    dispatcher's ``nvlink_send`` (``copy_engine`` sends whole blocks: rows of tokens routed elsewhere cross too)."""
     E = R * E_LOCAL
     scale_E = torch.linspace(0.5, 2.0, E, dtype=torch.float64)  # "expert e" multiplies its rows by scale[e]
     inputs = []
@@ -57,7 +58,7 @@ def _run(R: int, kind: str, capacity_factor: float, dtype=torch.float64, tol: fl
         x, ids, w, g = (t.clone() if t.dtype != torch.float64 else t.to(dtype) for t in inputs[rank])
         x.requires_grad_()
         w.requires_grad_()
-        disp = NVLinkDispatcher(E, None, R, capacity_factor, workspace=ws, name="layer")
+        disp = NVLinkDispatcher(E, None, R, capacity_factor, workspace=ws, name="layer", send=send)
         x_ND, counts_e, h = disp.dispatch(x, ids, w)
         used = int(counts_e.sum())
         local_id = torch.repeat_interleave(torch.arange(E_LOCAL), counts_e)
@@ -86,23 +87,34 @@ def _run(R: int, kind: str, capacity_factor: float, dtype=torch.float64, tol: fl
     return sum(o[3] for o in outs)
 
 
+SENDS = pytest.mark.parametrize("send", ["kernel", "copy_engine"])
+
+
+@SENDS
 @pytest.mark.parametrize("R", [2, 4])
 @pytest.mark.parametrize("kind", ["random", "one_hot_per_rank"])
-def test_nvlink_dispatch_equals_reference(R, kind):
-    assert _run(R, kind, capacity_factor=float(R)) == 0  # room for the worst case: nothing dropped
+def test_nvlink_dispatch_equals_reference(R, kind, send):
+    assert _run(R, kind, capacity_factor=float(R), send=send) == 0  # room for the worst case: nothing dropped
 
 
-def test_nvlink_all_tokens_to_one_rank():
-    assert _run(2, "all_to_one", capacity_factor=2.0) == 0  # rank 0 receives 2·T·K rows = its capacity
+@SENDS
+def test_nvlink_all_tokens_to_one_rank(send):
+    assert _run(2, "all_to_one", capacity_factor=2.0, send=send) == 0  # rank 0 receives 2·T·K rows = its capacity
     cap = nvlink_capacity(T, K, 2.0)  # 256 rows: round_up(2·T·K, 128)
-    assert _run(4, "all_to_one", capacity_factor=2.0) == 4 * T * K - cap  # the rows past capacity: counted
+    assert _run(4, "all_to_one", capacity_factor=2.0, send=send) == 4 * T * K - cap  # the rows past capacity: counted
 
 
-def test_nvlink_overflow_is_counted_never_silent():
-    dropped = _run(4, "skewed", capacity_factor=1.0)
+@SENDS
+def test_nvlink_overflow_is_counted_never_silent(send):
+    dropped = _run(4, "skewed", capacity_factor=1.0, send=send)
     assert dropped > 0  # the reference above checked which slots, the outputs and the gradients
     needed = _run.needed  # the capacity_factor the fullest rank needed: the gate grows to it
-    assert needed > 1.0 and _run(4, "skewed", capacity_factor=needed) == 0
+    assert needed > 1.0 and _run(4, "skewed", capacity_factor=needed, send=send) == 0
+
+
+def test_nvlink_send_is_checked():
+    with pytest.raises(ValueError, match="nvlink_send"):
+        NVLinkDispatcher(8, None, 2, 1.0, workspace=object(), send="dma")
 
 
 _PEER_KERNELS = r"""
@@ -245,15 +257,17 @@ def test_nvlink_weight_multicast_and_gradient_reduce_back(shape, into):
 @pytest.mark.parametrize("R, routing, recompute", [(R, routing, False) for R in (2, 4) for routing in
                                                    ("random", "all_to_one", "one_hot_per_rank", "more_hot_than_slots")]
                          + [(2, "random", True), (4, "one_hot_per_rank", True)])
-@pytest.mark.parametrize("gathered", [False, True], ids=["dispatched", "gathered"])
-def test_echo_layer_over_nvlink_equals_ep1(R, routing, recompute, gathered):
+@pytest.mark.parametrize("gathered, send", [(False, "kernel"), (True, "kernel"), (False, "copy_engine"),
+                                            (True, "copy_engine")],
+                         ids=["dispatched", "gathered", "dispatched-ce", "gathered-ce"])
+def test_echo_layer_over_nvlink_equals_ep1(R, routing, recompute, gathered, send):
     """The whole MoE layer with ECHO on the nvlink backend (plan, rewrite, peer dispatch, clone
     weights and gradient reduce-back over peer memory, combine) against the same layer at EP=1:
     outputs, input gradients, expert gradients and replicated gradients, fp64 to 1e-12. With
     ``recompute`` the layer runs under activation checkpointing: its backward re-runs dispatch and
     combine, rewriting the peer buffers of the same step, and must give the same gradients.
     ``gathered``: the experts read the received token rows by index and sum per token themselves
-    (``gathered_experts``) instead of the dispatcher expanding them into expert rows."""
+    (``gathered_experts``) instead of the dispatcher expanding them into expert rows. ``send``: ``nvlink_send``."""
     import copy
     import dataclasses
 
@@ -287,7 +301,7 @@ def test_echo_layer_over_nvlink_equals_ep1(R, routing, recompute, gathered):
         for name in ("w1", "w2", "w3"):
             full = getattr(layer.experts, name).data
             setattr(layer.experts, name, torch.nn.Parameter(full[rank * e:(rank + 1) * e].clone()))
-        disp = NVLinkDispatcher(R * (e + S), None, R, float(R), workspace=ws, name="layer")
+        disp = NVLinkDispatcher(R * (e + S), None, R, float(R), workspace=ws, name="layer", send=send)
         layer.dispatcher, layer.ep_size = disp, R
         layer.echo = Echo(E, R, rank, S, "greedy", build_transport(disp, None, R, rank, S, e))  # counts over the workspace too
         x = x_all[rank:rank + 1].clone().requires_grad_()

@@ -62,6 +62,15 @@ class MoEEchoConfig:
     combined rows and gradients); the kernels that only touch this GPU's memory (expanding tokens into
     expert rows, per-token sums) use the whole GPU."""
 
+    nvlink_send: Literal["kernel", "copy_engine"] = "kernel"
+    """nvlink: how token rows (dispatch) and their output gradients (combine's backward) reach the ranks they
+    go to. ``kernel``: a Triton kernel on ``nvlink_sms`` SMs writes each token's row into every rank holding
+    one of its experts. ``copy_engine``: the GPU's copy engines copy this rank's whole [T, D] block into
+    every rank (rows of tokens that go nowhere there cross too, and are never read): no SM is used, so the
+    GEMMs and shared experts beside it keep the whole GPU. It pays where most tokens reach most ranks
+    (K ≥ 4·EP: at EP=2 and K=6 each rank receives ~97% of the tokens, at EP=4 and K=8 ~90%);
+    ``benchmarks/dispatch.py`` measures both."""
+
     shared_experts_stream: Literal["auto", "on", "off"] = "auto"
     """Run the shared experts on a side CUDA stream, concurrent with the router, dispatch, routed
     experts and combine (their backward follows on the same stream). ``auto``: where the dispatcher

@@ -20,6 +20,8 @@ and, shared by all layers, the backward's token-row gradients (``grad_tok`` [R·
 
     dispatch:  slot ranks + counts ─write counts to all peers─► barrier ─► layout tail ─► token rows
                + meta to the ranks they go to ─► barrier ─► local expand tok → x   (kernels.route_layout)
+               (``send = "copy_engine"``: the copy engines move the whole [T, D] block into rows s·T.. of
+               every rank instead; rows of tokens that go nowhere there are never read: their meta rows are -1)
     combine:   tok[s·T+t] = Σ_k w · y[row] (owner, local) ─► barrier ─► y_TD[t] = Σ_r peer_r tok[s·T+t]
     backward:  combine: g[t] to every rank t went to ─► barrier ─► owner: grad_y[row] = w · g,
                grad_w = <g, y[row]> ─► barrier ─► sources read their grad_w
@@ -34,6 +36,7 @@ source only writes and reads its own region s·T.. of a peer's shared buffers, a
 backward buffer is rewritten only after a barrier that every reader of its previous contents has passed.
 """
 
+import contextlib
 import functools
 import itertools
 from dataclasses import dataclass
@@ -93,11 +96,14 @@ class NVLinkDispatcher(FixedCapacity, ExpertParallel):
     LOCAL_PROGRAMS = 4096  # CTAs of the kernels that only touch this rank's memory (expand, sums)
 
     def __init__(self, num_experts: int, group, ep_size: int, capacity_factor: float, programs: int = 32,
-                 workspace=None, name: str | None = None, block_t: int | None = None):
+                 workspace=None, name: str | None = None, block_t: int | None = None, send: str = "kernel"):
         ExpertParallel.__init__(self, num_experts, group, ep_size)
         FixedCapacity.__init__(self, capacity_factor)
         self.programs = programs
         self.block_t = block_t  # tokens per CTA iteration of the peer kernels (None: kernels.peer_rows.peer_block_t)
+        if send not in ("kernel", "copy_engine"):
+            raise ValueError(f"[moe_echo] nvlink_send = {send!r}: use 'kernel' or 'copy_engine'")
+        self.send = send  # token rows and their gradients to the ranks: a Triton kernel or the copy engines
         self.ws = workspace if workspace is not None else workspace_for(group)
         self.rank = self.ws.rank
         # buffer names must agree across ranks: layers are built in the same order on every rank
@@ -151,11 +157,52 @@ class NVLinkDispatcher(FixedCapacity, ExpertParallel):
         return _NVLinkCombine.apply(y_ND, handle.w_TK, self, handle)
 
 
+def send_rows(disp: NVLinkDispatcher, h: NVLinkHandle, x_TD: torch.Tensor, buf: SymmBuffer) -> None:
+    """Row t of x_TD into row s·T + t of ``buf`` [R·T, D] on every rank token t goes to (s = this rank), then a
+    barrier: a Triton kernel on ``programs`` CTAs, or (``send = "copy_engine"``) the whole block on every rank by
+    the copy engines, the local block on a side stream beside the peers' (rows of tokens that go nowhere on a
+    rank are never read there)."""
+    if disp.send == "kernel":
+        peer_scatter(x_TD, h.rank_TR, h.row_TR, buf.ptrs_R, buf.peers, programs=disp.programs, block_t=disp.block_t)
+    else:
+        T, s = x_TD.shape[0], disp.rank
+        x_TD = x_TD.contiguous()
+        with _beside(x_TD):
+            buf.local[s * T:(s + 1) * T].copy_(x_TD)
+        for r, peer in enumerate(buf.peers):
+            if r != s:
+                peer[s * T:(s + 1) * T].copy_(x_TD)
+        _join(x_TD)
+    disp.ws.barrier(buf)
+
+
+_COPY_STREAMS: dict[int, torch.cuda.Stream] = {}
+
+
+@contextlib.contextmanager
+def _beside(x: torch.Tensor):
+    """Run the body on the copy side stream of x's device, forked from the current stream (``_join`` joins it
+    back before anything else runs, so no tensor of the body is freed under it), or inline off CUDA."""
+    if not x.is_cuda:
+        yield
+        return
+    if x.device.index not in _COPY_STREAMS:
+        _COPY_STREAMS[x.device.index] = torch.cuda.Stream(device=x.device)
+    side = _COPY_STREAMS[x.device.index]
+    side.wait_stream(torch.cuda.current_stream(x.device))
+    with torch.cuda.stream(side):
+        yield
+
+
+def _join(x: torch.Tensor) -> None:
+    if x.is_cuda:
+        torch.cuda.current_stream(x.device).wait_stream(_COPY_STREAMS[x.device.index])
+
+
 def send_tokens(disp: NVLinkDispatcher, h: NVLinkHandle, x_TD: torch.Tensor) -> None:
     """Each token into ``tok`` of every rank it goes to; after the barrier every token row and meta row is in
     place on every rank."""
-    peer_scatter(x_TD, h.rank_TR, h.row_TR, h.tok.ptrs_R, h.tok.peers, programs=disp.programs, block_t=disp.block_t)
-    disp.ws.barrier(h.tok)
+    send_rows(disp, h, x_TD, h.tok)
 
 
 def sum_back(disp: NVLinkDispatcher, h: NVLinkHandle, y_ND: torch.Tensor, into: SymmBuffer, weighted: bool,
@@ -171,8 +218,7 @@ def sum_back(disp: NVLinkDispatcher, h: NVLinkHandle, y_ND: torch.Tensor, into: 
 def grad_tokens(disp: NVLinkDispatcher, h: NVLinkHandle, grad_TD: torch.Tensor) -> SymmBuffer:
     """Each token's output gradient into the shared ``grad_tok`` [R·T, D] of every rank it went to (barrier)."""
     gt = disp._shared("grad_tok", tuple(h.tok.local.shape), grad_TD.dtype, grad_TD.device)
-    peer_scatter(grad_TD, h.rank_TR, h.row_TR, gt.ptrs_R, gt.peers, programs=disp.programs, block_t=disp.block_t)
-    disp.ws.barrier(gt)
+    send_rows(disp, h, grad_TD, gt)
     return gt
 
 
