@@ -37,8 +37,7 @@ import torch.distributed as dist
 from benchmarks.common import environment, host_ms, markdown_table, time_ms, write_results
 from components.moe_echo.ep_dispatch import AllToAllDispatcher, PaddedDispatcher, padded_capacity
 from components.moe_echo.gathered_experts import _to_rows
-from components.moe_echo.nvlink_dispatch import NVLinkDispatcher, nvlink_capacity, send_tokens, sum_back
-from kernels.moe_rows import gather_sum
+from components.moe_echo.nvlink_dispatch import NVLinkDispatcher, nvlink_capacity, owner_sums, send_tokens, sum_back
 from kernels.peer_rows import peer_gather_sum, peer_scatter
 
 E, K = 64, 8
@@ -117,7 +116,7 @@ def gathered_phases(disp, x_TD, ids_TK, w_TK, y_ND, timed) -> dict:
         "route_send": run(lambda: send_tokens(disp, *disp.route(x_TD, ids_TK, w_TK)[2:], x_c)),
         "send_kernel": run(lambda: peer_scatter(x_c, h.rank_TR, h.row_TR, h.tok.ptrs_R, h.tok.peers, **kw)),
         "barrier": run(lambda: disp.ws.barrier(h.tok)),
-        "owner_sum": run(lambda: gather_sum(y_ND, h.meta_row.local, h.meta_w.local, out=sums.local)),
+        "owner_sum": run(lambda: owner_sums(y_ND, h, sums, weighted=True)),
         "pull_kernel": run(lambda: peer_gather_sum(h.rank_TR, h.row_TR, sums.ptrs_R, sums.peers,
                                                    out_dtype=h.out_dtype, **kw)),
         f"send_kernel_c{FEW_CTAS}": run(lambda: peer_scatter(x_c, h.rank_TR, h.row_TR, h.tok.ptrs_R, h.tok.peers,
@@ -362,7 +361,6 @@ def main():
 
                 t_nv_gemm = beside_gemm(round_trip(nvlink(int(a.sms))), gemm, timed)
                 t_nv_ce_gemm = beside_gemm(round_trip(ce), gemm, timed)
-                del mm_a, mm_b
                 ph = gathered_phases(gd, x, ids, w, y_ND, timed)
                 if (T, D) in sweep_shapes and kind == "balanced":
                     def combined(disp):

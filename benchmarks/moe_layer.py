@@ -14,6 +14,8 @@ quack-kernels is installed on a Hopper GPU, a ``quack`` row (``experts_gemm = "q
 GEMMs with SwiGLU in their epilogues; ``quack_out_rel_diff`` its output against the torch row's), and a
 ``quack_gathered`` row (``gathered_experts = true``: the GEMMs read token rows by index and the combine weights
 sit in their epilogues; no expert-major copy of the tokens).
+``*_graph_ms``: our layer's fwd+bwd captured in one CUDA graph, as the graphed training step runs it (no host
+launch time; the eager columns include it): ``frac_of_peak_gemm_graph`` and ``fp8_speedup_vs_bf16_graph`` from them.
 
 ``megatron_ms``: Megatron-Core 0.16.1's MoE layer on the same weights, routing bias and inputs
 (``benchmarks/megatron_layer.py``): no transformer-engine, so its non-TE grouped path — GroupedMLP
@@ -38,7 +40,7 @@ import torch.nn.functional as F
 from torchtitan.models.moe import MoE, MoEArgs
 
 from benchmarks import megatron_layer
-from benchmarks.common import environment, markdown_table, time_ms, write_results
+from benchmarks.common import environment, graphed, markdown_table, time_ms, write_results
 from components.moe_echo.config import MoEEchoConfig
 from components.moe_echo.layer import MoELayer
 
@@ -73,6 +75,15 @@ def megatron_columns(ours, x, fwd_bwd, flops) -> dict:
     return {"megatron_ms": ms, "megatron_tflops": flops / (ms * 1e-3) / 1e12, "megatron_path": mega.path,
             "megatron_dispatcher": MEGATRON["dispatcher"], "megatron_routing_agree": agree,
             "megatron_out_rel_diff": rel}
+
+
+def graphed_ms(fn) -> float | None:
+    """Median ms of ``fn`` replayed from one CUDA graph, or None (with the reason printed) where capture fails."""
+    try:
+        return time_ms(graphed(fn))
+    except Exception as e:  # keep the eager columns of the run
+        print(f"graphed timing: not measured ({type(e).__name__}: {str(e).splitlines()[0]})", flush=True)
+        return None
 
 
 def run_case(T, D, H, E, K, routing, dev):
@@ -132,25 +143,27 @@ def run_case(T, D, H, E, K, routing, dev):
 
     flops = 18 * T * K * D * H
     t_ours = time_ms(fwd_bwd(ours))
+    t_ours_graph = graphed_ms(fwd_bwd(ours))
     fp8 = {}
     if FP8:  # the same layer with FP8 expert GEMMs: time, and its output against the bf16 layer's
         ours.experts.precision = "fp8"
         with torch.no_grad():
             y8 = ours(x)
-        t8 = time_ms(fwd_bwd(ours))
+        t8, t8_graph = time_ms(fwd_bwd(ours)), graphed_ms(fwd_bwd(ours))
         ours.experts.precision = "bf16"
-        fp8 = {"fp8_ms": t8, "fp8_out_rel_diff": float((y8 - y_ours).float().norm() / y_ours.float().norm())}
+        fp8 = {"fp8_ms": t8, "fp8_graph_ms": t8_graph,
+               "fp8_out_rel_diff": float((y8 - y_ours).float().norm() / y_ours.float().norm())}
     quack = {}
     if QUACK:  # the same layer on QuACK's grouped GEMMs: time, and its output against the torch GEMMs'
         ours.experts.gemm = "quack"
         with torch.no_grad():
             yq = ours(x)
-        quack = {"quack_ms": time_ms(fwd_bwd(ours)),
+        quack = {"quack_ms": time_ms(fwd_bwd(ours)), "quack_graph_ms": graphed_ms(fwd_bwd(ours)),
                  "quack_out_rel_diff": float((yq - y_ours).float().norm() / y_ours.float().norm())}
         ours.cfg = dataclasses.replace(ours.cfg, gathered_experts=True)  # token rows read by index in the GEMMs
         with torch.no_grad():
             yg = ours(x)
-        quack.update(quack_gathered_ms=time_ms(fwd_bwd(ours)),
+        quack.update(quack_gathered_ms=time_ms(fwd_bwd(ours)), quack_gathered_graph_ms=graphed_ms(fwd_bwd(ours)),
                      quack_gathered_out_rel_diff=float((yg - y_ours).float().norm() / y_ours.float().norm()))
         ours.cfg = dataclasses.replace(ours.cfg, gathered_experts=False)
         ours.experts.gemm = "torch"
@@ -171,7 +184,7 @@ def run_case(T, D, H, E, K, routing, dev):
     tf = lambda ms: flops / (ms * 1e-3) / 1e12
     row = {
         "T": T, "D": D, "H": H, "E": E, "K": K, "routing": routing, "load_max_over_mean": imbalance,
-        "ours_ms": t_ours, "torchtitan_ms": t_theirs, "dense_ms": t_dense,
+        "ours_ms": t_ours, "ours_graph_ms": t_ours_graph, "torchtitan_ms": t_theirs, "dense_ms": t_dense,
         "ours_tflops": tf(t_ours), "torchtitan_tflops": tf(t_theirs), "dense_tflops": tf(t_dense),
         "speedup_vs_torchtitan": t_theirs / t_ours, "frac_of_dense": t_dense / t_ours,
         "routing_agree": agree, "out_rel_diff": rel, **fp8, **quack,
@@ -209,7 +222,8 @@ def fp8_row(row: dict, gemm8: float) -> dict:
     return {**row, "precision": "fp8", "ours_ms": ms, "ours_tflops": tf, "plain_gemm_tflops": gemm8,
             "frac_of_peak_gemm": tf / gemm8, "speedup_vs_torchtitan": row["torchtitan_ms"] / ms,
             "frac_of_dense": row["dense_ms"] / ms, "fp8_speedup_vs_bf16": row["ours_ms"] / ms,
-            "speedup_vs_megatron": row["megatron_ms"] / ms if row.get("megatron_ms") else None}
+            "speedup_vs_megatron": row["megatron_ms"] / ms if row.get("megatron_ms") else None,
+            **graph_columns(row, row.get("fp8_graph_ms"), gemm8, "fp8")}
 
 
 def quack_row(row: dict, gemm: float, name: str = "quack") -> dict:
@@ -221,7 +235,18 @@ def quack_row(row: dict, gemm: float, name: str = "quack") -> dict:
             "speedup_vs_torchtitan": row["torchtitan_ms"] / ms, "frac_of_dense": row["dense_ms"] / ms,
             "quack_speedup_vs_torch": row["ours_ms"] / ms, "fp8_speedup_vs_bf16": None,
             "quack_out_rel_diff": row[f"{name}_out_rel_diff"],
-            "speedup_vs_megatron": row["megatron_ms"] / ms if row.get("megatron_ms") else None}
+            "speedup_vs_megatron": row["megatron_ms"] / ms if row.get("megatron_ms") else None,
+            **graph_columns(row, row.get(f"{name}_graph_ms"), gemm, name)}
+
+
+def graph_columns(row: dict, graph_ms: float | None, gemm: float, kind: str) -> dict:
+    """The graphed columns of a variant's row (``kind``: bf16, fp8, quack, quack_gathered) from the bf16 torch row."""
+    base = row.get("ours_graph_ms")
+    if graph_ms is None:
+        return {"ours_graph_ms": None, "frac_of_peak_gemm_graph": None, "fp8_speedup_vs_bf16_graph": None}
+    flops = row["ours_tflops"] * row["ours_ms"]  # TFLOP/s x ms: the case's FLOPs / 1e9
+    return {"ours_graph_ms": graph_ms, "frac_of_peak_gemm_graph": flops / graph_ms / gemm,
+            "fp8_speedup_vs_bf16_graph": base / graph_ms if kind == "fp8" and base else None}
 
 
 def quack_available(dev: str) -> str | None:
@@ -275,7 +300,7 @@ def main():
         for routing in a.routing or ("balanced", "skewed"):
             row = run_case(4096 if a.quick else a.tokens or T, D, H, E, K, routing, dev)
             row.update(precision="bf16", experts_gemm="torch", plain_gemm_tflops=gemm,
-                       frac_of_peak_gemm=row["ours_tflops"] / gemm)
+                       frac_of_peak_gemm=row["ours_tflops"] / gemm, **graph_columns(row, row["ours_graph_ms"], gemm, "bf16"))
             rows.append(row)
             print(rows[-1], flush=True)
             if FP8:
@@ -287,7 +312,8 @@ def main():
     cols = ["T", "D", "H", "E", "K", "routing", "precision", "experts_gemm", "load_max_over_mean", "ours_ms", "torchtitan_ms",
             "dense_ms", "megatron_ms", "ours_tflops", "torchtitan_tflops", "dense_tflops", "megatron_tflops",
             "plain_gemm_tflops", "frac_of_peak_gemm", "speedup_vs_torchtitan", "speedup_vs_megatron", "frac_of_dense",
-            "fp8_speedup_vs_bf16", "quack_speedup_vs_torch", "quack_out_rel_diff", "routing_agree", "out_rel_diff", "fp8_out_rel_diff", "megatron_path",
+            "fp8_speedup_vs_bf16", "ours_graph_ms", "frac_of_peak_gemm_graph", "fp8_speedup_vs_bf16_graph",
+            "quack_speedup_vs_torch", "quack_out_rel_diff", "routing_agree", "out_rel_diff", "fp8_out_rel_diff", "megatron_path",
             "megatron_routing_agree", "megatron_out_rel_diff"]
     table = markdown_table(rows, cols)
     name = "moe_layer" if not (a.tokens or a.case or a.routing) else f"moe_layer_T{a.tokens or 'x'}"  # partial runs apart

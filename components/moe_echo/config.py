@@ -67,9 +67,10 @@ class MoEEchoConfig:
     go to. ``kernel``: a Triton kernel on ``nvlink_sms`` SMs writes each token's row into every rank holding
     one of its experts. ``copy_engine``: the GPU's copy engines copy this rank's whole [T, D] block into
     every rank (rows of tokens that go nowhere there cross too, and are never read): no SM is used, so the
-    GEMMs and shared experts beside it keep the whole GPU. It pays where most tokens reach most ranks
-    (K ≥ 4·EP: at EP=2 and K=6 each rank receives ~97% of the tokens, at EP=4 and K=8 ~90%);
-    ``benchmarks/dispatch.py`` measures both."""
+    GEMMs and shared experts beside it keep the whole GPU. It suits routing where most tokens reach most ranks
+    (uniform routing over 64 experts: at EP=2 and K=6 each rank receives ~99% of the tokens, at EP=4 and K=8 ~91%).
+    On 2×H200 the send is 1.1–1.25× faster graphed at 16384 tokens per rank, but the v2lite_1b step at EP=2 ran
+    at 0.99× the kernel's (docs/performance.md), so the kernel is the default."""
 
     shared_experts_stream: Literal["auto", "on", "off"] = "auto"
     """Run the shared experts on a side CUDA stream, concurrent with the router, dispatch, routed

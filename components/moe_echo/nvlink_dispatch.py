@@ -209,10 +209,20 @@ def sum_back(disp: NVLinkDispatcher, h: NVLinkHandle, y_ND: torch.Tensor, into: 
               out_dtype) -> torch.Tensor:
     """y_TD[t] = Σ over the ranks t went to of Σ_k (w ·) y_ND[row of (t, k)] there: each owner sums its rows per
     source token into ``into`` [R·T, D] (fp32 accumulation), then each source pulls its tokens' sums."""
-    gather_sum(y_ND, h.meta_row.local, h.meta_w.local if weighted else None, out=into.local)
+    owner_sums(y_ND, h, into, weighted)
     disp.ws.barrier(into)
     return peer_gather_sum(h.rank_TR, h.row_TR, into.ptrs_R, into.peers, out_dtype=out_dtype, programs=disp.programs,
                            block_t=disp.block_t)
+
+
+def owner_sums(y_ND: torch.Tensor, h: NVLinkHandle, into: SymmBuffer, weighted: bool) -> None:
+    """into.local[s·T + t] = Σ_k (w ·) y_ND[row of source s's choice (t, k) here] (zero where none is here): local.
+    Most of a token's K choices lie on other ranks (-1: nothing read), so at hidden sizes ≥ 4096 two tokens per CTA
+    iteration keep more loads in flight (0.79 vs 0.93 ms at 2·16384 tokens × 7168, K=8, on H200;
+    ``benchmarks/row_kernels.py``, kernel ``combine_share``); at 2048 one is faster."""
+    D = y_ND.shape[1]
+    gather_sum(y_ND, h.meta_row.local, h.meta_w.local if weighted else None, out=into.local,
+               block_t=2 if D >= 4096 else 1)
 
 
 def grad_tokens(disp: NVLinkDispatcher, h: NVLinkHandle, grad_TD: torch.Tensor) -> SymmBuffer:
