@@ -244,10 +244,14 @@ def test_nothing_to_do_prints_one_line_and_writes_nothing(tmp_path):
         (("--optimizer.implementation", "foreach"), None, "fused"),
         (("--compile.components", "model,optimizer"), None, "'optimizer' is not compiled by this recipe"),
         (("--compile.enable", "true", "--compile.backend", "inductr"), None, "not a torch.compile backend"),
+        (("--moe_echo.dispatcher", "padded", "--moe_echo.nvlink_send", "copy_engine"), None,
+         "nvlink_send = 'copy_engine' applies to the nvlink dispatcher only"),
+        (("--moe_echo.nvlink_send", "dma"), None, "nvlink_send"),
     ],
     ids=["lr_inf", "beta1", "seed_int64", "steps_int64", "toml_int64", "hot_experts_negative", "dump_empty",
          "second_config", "did_you_mean", "async_checkpoint", "validation", "wandb", "converters",
-         "grad_accumulation", "foreach_with_guard", "compile_component", "compile_backend"],
+         "grad_accumulation", "foreach_with_guard", "compile_component", "compile_backend", "send_without_nvlink",
+         "send_unknown"],
 )
 def test_more_bad_input_is_a_user_error_before_any_work(tmp_path, args, toml_extra, expect):
     """In process (each case as a subprocess would cost seconds of imports; the one-line exit-2
