@@ -41,9 +41,20 @@ def _expected_dropped(ids_R: list[torch.Tensor], R: int, cap: int) -> list[torch
     return drops
 
 
-def _run(R: int, kind: str, capacity_factor: float, dtype=torch.float64, tol: float = 1e-12, send: str = "kernel"):
+def _poison(ws) -> None:
+    """Every shared buffer of this rank: NaN (floating) or 2**30 (integer), then a barrier: a step that reads a row
+    it did not write this step (a token routed elsewhere, a meta row not rewritten) gives NaN or fails."""
+    for _, peers in ws.shared.buffers.values():
+        buf = peers[ws.rank]
+        buf.fill_(float("nan") if buf.is_floating_point() else 2**30)
+    ws.barrier(None)
+
+
+def _run(R: int, kind: str, capacity_factor: float, dtype=torch.float64, tol: float = 1e-12, send: str = "kernel",
+         poison: bool = False):
     """fp64 runs the torch path; fp32 under TRITON_INTERPRET=1 runs the kernels themselves. ``send``: the
-    dispatcher's ``nvlink_send`` (``copy_engine`` sends whole blocks: rows of tokens routed elsewhere cross too)."""
+    dispatcher's ``nvlink_send`` (``copy_engine`` sends whole blocks: rows of tokens routed elsewhere cross too).
+    ``poison``: a first step builds the buffers, every shared buffer is poisoned, and the second step is checked."""
     E = R * E_LOCAL
     scale_E = torch.linspace(0.5, 2.0, E, dtype=torch.float64)  # "expert e" multiplies its rows by scale[e]
     inputs = []
@@ -55,10 +66,16 @@ def _run(R: int, kind: str, capacity_factor: float, dtype=torch.float64, tol: fl
                                                                                       dtype=torch.float64)))
 
     def rank_fn(rank, ws):
-        x, ids, w, g = (t.clone() if t.dtype != torch.float64 else t.to(dtype) for t in inputs[rank])
+        disp = NVLinkDispatcher(E, None, R, capacity_factor, workspace=ws, name="layer", send=send)
+        if poison:
+            step(rank, disp)
+            _poison(ws)
+        return step(rank, disp)
+
+    def step(rank, disp):
+        x, ids, w, g = (t.to(dtype).clone() if t.is_floating_point() else t.clone() for t in inputs[rank])  # fresh leaves
         x.requires_grad_()
         w.requires_grad_()
-        disp = NVLinkDispatcher(E, None, R, capacity_factor, workspace=ws, name="layer", send=send)
         x_ND, counts_e, h = disp.dispatch(x, ids, w)
         used = int(counts_e.sum())
         local_id = torch.repeat_interleave(torch.arange(E_LOCAL), counts_e)
@@ -110,6 +127,14 @@ def test_nvlink_overflow_is_counted_never_silent(send):
     assert dropped > 0  # the reference above checked which slots, the outputs and the gradients
     needed = _run.needed  # the capacity_factor the fullest rank needed: the gate grows to it
     assert needed > 1.0 and _run(4, "skewed", capacity_factor=needed, send=send) == 0
+
+
+@SENDS
+@pytest.mark.parametrize("R, kind", [(2, "random"), (4, "random"), (4, "one_hot_per_rank")])
+def test_rows_not_written_this_step_are_never_read(R, kind, send):
+    """The copy-engine send relies on it (rows of tokens routed elsewhere cross but must not count), and so does
+    buffer reuse across steps: with every shared buffer poisoned between two steps, the second is still exact."""
+    assert _run(R, kind, capacity_factor=float(R), send=send, poison=True) == 0
 
 
 def test_nvlink_send_is_checked():
