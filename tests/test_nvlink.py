@@ -281,7 +281,7 @@ def test_nvlink_weight_multicast_and_gradient_reduce_back(shape, into):
 
 @pytest.mark.parametrize("R, routing, recompute", [(R, routing, False) for R in (2, 4) for routing in
                                                    ("random", "all_to_one", "one_hot_per_rank", "more_hot_than_slots")]
-                         + [(2, "random", True), (4, "one_hot_per_rank", True)])
+                         + [(2, "random", True), (4, "one_hot_per_rank", True), (4, "random", "poison")])
 @pytest.mark.parametrize("gathered, send", [(False, "kernel"), (True, "kernel"), (False, "copy_engine"),
                                             (True, "copy_engine")],
                          ids=["dispatched", "gathered", "dispatched-ce", "gathered-ce"])
@@ -290,7 +290,9 @@ def test_echo_layer_over_nvlink_equals_ep1(R, routing, recompute, gathered, send
     weights and gradient reduce-back over peer memory, combine) against the same layer at EP=1:
     outputs, input gradients, expert gradients and replicated gradients, fp64 to 1e-12. With
     ``recompute`` the layer runs under activation checkpointing: its backward re-runs dispatch and
-    combine, rewriting the peer buffers of the same step, and must give the same gradients.
+    combine, rewriting the peer buffers of the same step, and must give the same gradients. ``recompute =
+    "poison"``: a first step, then every shared buffer poisoned (NaN / 2**30), then the checked step (nothing
+    written in an earlier step is read).
     ``gathered``: the experts read the received token rows by index and sum per token themselves
     (``gathered_experts``) instead of the dispatcher expanding them into expert rows. ``send``: ``nvlink_send``."""
     import copy
@@ -329,8 +331,12 @@ def test_echo_layer_over_nvlink_equals_ep1(R, routing, recompute, gathered, send
         disp = NVLinkDispatcher(R * (e + S), None, R, float(R), workspace=ws, name="layer", send=send)
         layer.dispatcher, layer.ep_size = disp, R
         layer.echo = Echo(E, R, rank, S, "greedy", build_transport(disp, None, R, rank, S, e))  # counts over the workspace too
+        if recompute == "poison":
+            layer(x_all[rank:rank + 1].clone().requires_grad_()).sum().backward()
+            layer.zero_grad(set_to_none=True)
+            _poison(ws)
         x = x_all[rank:rank + 1].clone().requires_grad_()
-        y = torch.utils.checkpoint.checkpoint(layer, x, use_reentrant=False) if recompute else layer(x)
+        y = torch.utils.checkpoint.checkpoint(layer, x, use_reentrant=False) if recompute is True else layer(x)
         (y * gy_all[rank:rank + 1]).sum().backward()
         return y.detach(), x.grad, {n: p.grad for n, p in layer.named_parameters()}, layer.echo_stats.clone()
 
