@@ -89,7 +89,7 @@ def gathered_round_trip(disp, x_TD, ids_TK, w_TK, y_ND=None):
 
 FEW_CTAS = 24  # the copy kernels also timed at this many CTAs: what they reach while leaving the SMs to the GEMMs
 PHASES = ["route", "route_send", "send_kernel", "barrier", "owner_sum", "pull_kernel", f"send_kernel_c{FEW_CTAS}",
-          f"pull_kernel_c{FEW_CTAS}", "send_tokens", "send_tokens_ce"]
+          f"pull_kernel_c{FEW_CTAS}", "send_tokens", "send_tokens_ce", "sum_back", "sum_back_ce"]
 
 
 def gathered_phases(disp, x_TD, ids_TK, w_TK, y_ND, timed) -> dict:
@@ -98,7 +98,8 @@ def gathered_phases(disp, x_TD, ids_TK, w_TK, y_ND, timed) -> dict:
     ``send_kernel`` (the token rows' peer writes), ``barrier`` (one device barrier of the two ranks),
     ``owner_sum`` (the owner's weighted per-token sums, local), ``pull_kernel`` (the sources' reads of those sums);
     ``*_c24``: the two copy kernels at ``FEW_CTAS`` CTAs instead of the dispatcher's; ``send_tokens`` and
-    ``send_tokens_ce``: the token send with its barrier, by the kernel and by the copy engines (``nvlink_send``)."""
+    ``send_tokens_ce``: the token send with its barrier, by the kernel and by the copy engines (``nvlink_copy``);
+    ``sum_back`` and ``sum_back_ce``: the whole combine (owner sums, barrier, the sources' sums) both ways."""
     def run(fn):
         def go():
             with torch.no_grad():
@@ -110,7 +111,9 @@ def gathered_phases(disp, x_TD, ids_TK, w_TK, y_ND, timed) -> dict:
     sums = disp.ws.buffer(f"{disp.name}/sums/{y_ND.dtype}", tuple(h.tok.local.shape), y_ND.dtype, y_ND.device)
     kw = dict(programs=disp.programs, block_t=disp.block_t)
     ce = copy.copy(disp)
-    ce.send = "copy_engine"
+    ce.copies = "copy_engine"
+    with torch.no_grad():
+        h_ce = ce.route(x_TD, ids_TK, w_TK)[2]
     return {
         "route": run(lambda: disp.route(x_TD, ids_TK, w_TK)),
         "route_send": run(lambda: send_tokens(disp, *disp.route(x_TD, ids_TK, w_TK)[2:], x_c)),
@@ -126,6 +129,8 @@ def gathered_phases(disp, x_TD, ids_TK, w_TK, y_ND, timed) -> dict:
                                                                 block_t=disp.block_t)),
         "send_tokens": run(lambda: send_tokens(disp, h, x_c)),
         "send_tokens_ce": run(lambda: send_tokens(ce, h, x_c)),
+        "sum_back": run(lambda: sum_back(disp, h, y_ND, sums, weighted=True, out_dtype=h.out_dtype)),
+        "sum_back_ce": run(lambda: sum_back(ce, h_ce, y_ND, sums, weighted=True, out_dtype=h.out_dtype)),
     }
 
 
@@ -309,7 +314,7 @@ def main():
 
                 def nvlink(sms, block_t=None, send="kernel"):
                     return NVLinkDispatcher(E, group, world, cf_nv, programs=sms, name="bench", block_t=block_t,
-                                            send=send)
+                                            copies=send)
 
                 with torch.no_grad():
                     _, _, h = nvlink(int(a.sms)).dispatch(x, ids, w)
@@ -335,7 +340,7 @@ def main():
                         gathered_round_trip(gd, x, ids, w, y_ND)
 
                 t_gat, t_gat_g = timed(gathered_fn), timed(gathered_fn, graph=True)
-                # the token sends by the copy engines (nvlink_send = "copy_engine"): same sums, so bitwise equal
+                # token rows by the copy engines (nvlink_copy = "copy_engine"): same sums in the same order, bitwise equal
                 ce = nvlink(int(a.sms), send="copy_engine")
                 with torch.no_grad():
                     x_nd, _, h = ce.dispatch(x, ids, w)
@@ -439,10 +444,12 @@ def main():
                                    + [f"{k}_graph_ms" for k in PHASES]
                                    + ["send_kernel_frac_of_copy", "pull_kernel_frac_of_copy",
                                       f"send_kernel_c{FEW_CTAS}_frac_of_copy", f"pull_kernel_c{FEW_CTAS}_frac_of_copy"]))
-        table += ("\n\nToken sends by the copy engines (``nvlink_send = \"copy_engine\"``) against the kernel (graphed "
+        table += ("\n\nToken rows by the copy engines (``nvlink_copy = \"copy_engine\"``: the sends and the combine's "
+                  "pull) against the kernels (graphed "
                   "unless named eager; ``*_beside_gemm``: the round trip with an 8192³ bf16 GEMM on a side stream):\n\n"
                   + markdown_table(rows, ["T", "D", "routing", "peer_copy_ms", "send_tokens_graph_ms",
-                                          "send_tokens_ce_graph_ms", "nvlink_graph_ms", "nvlink_ce_graph_ms",
+                                          "send_tokens_ce_graph_ms", "sum_back_graph_ms", "sum_back_ce_graph_ms",
+                                          "nvlink_graph_ms", "nvlink_ce_graph_ms",
                                           "nvlink_ms", "nvlink_ce_ms", "gathered_graph_ms", "gathered_ce_graph_ms",
                                           "nvlink_ce_graph_frac_of_ceiling", "gathered_ce_graph_frac_of_ceiling",
                                           "gemm_ms", "nvlink_beside_gemm_ms", "nvlink_ce_beside_gemm_ms",

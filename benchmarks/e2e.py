@@ -22,8 +22,10 @@ same byte-level HF tokenizer, batch, sequence length, AdamW (fused, same lr / wa
 compute with fp32 master weights; no checkpoints, no activation checkpointing.
 
 tokens/s per GPU is the median of the logged windows after the first half of the run (the
-steady state); ``replays`` counts our overflowed steps replayed inside that window (non-zero: the
-figure includes replays and re-captures, run longer or with a larger capacity_factor). MFU uses one formula for every run, torchtitan's:
+steady state), leaving out our windows that replayed an overflowed step and the window after each (its
+eager warm-up and re-capture): those time the recovery, not the step, and where they fall differs between
+otherwise equal runs. ``replays`` counts the overflowed steps replayed after the first half; ``windows`` the
+windows the median is over. MFU uses one formula for every run, torchtitan's:
 
     flops_per_token = 6 · (active parameters − embedding) + 6 · layers · heads · (d_qk + d_v) · seq_len
                       (torchtitan's ``get_moe_model_nparams_and_flops``: active = dense + router + shared
@@ -160,10 +162,19 @@ def flops_per_token(cfg: dict) -> float:
     return float(args.get_nparams_and_flops(model, cfg["training"]["seq_len"])[1])
 
 
-def steady(values: list[tuple[int, float]], steps: int) -> float | None:
-    """Median of the windows logged after the first half of the run."""
-    late = [v for s, v in values if s > steps // 2]
+def steady(values: list[tuple[int, float]], steps: int, skip: set[int] = frozenset()) -> float | None:
+    """Median of the windows logged after the first half of the run, but those ending at a step in ``skip``."""
+    late = [v for s, v in values if s > steps // 2 and s not in skip]
     return statistics.median(late) if late else None
+
+
+def disturbed_windows(rows: list[dict]) -> set[int]:
+    """Logged steps whose window replayed an overflowed step (``moe/replayed_steps``, cumulative, grew) or follows
+    one that did: a replay is followed by eager warm-up steps and a re-capture, so both windows time those, not
+    the graphed step (at 5 steps a window and ``cuda_graph_warmup`` < 5)."""
+    total = [(r["step"], r["moe/replayed_steps"]) for r in rows if "moe/replayed_steps" in r]
+    grew = [b > a for (_, a), (_, b) in zip([(0, 0)] + total[:-1], total)]
+    return {s for i, (s, _) in enumerate(total) if grew[i] or (i > 0 and grew[i - 1])}
 
 
 def replays_in_steady(rows: list[dict], steps: int) -> int:
@@ -279,11 +290,14 @@ def measure(run: str, a, cfg_path: str, cfg: dict, tok_dir: str, data: str, work
         vals = [(r["step"], r["tokens_per_s"] / a.nproc) for r in rows if "tokens_per_s" in r]  # untimed: replayed
     replays = None if run.startswith("torchtitan") else replays_in_steady(rows, a.steps)
     rank_load = None if run.startswith("torchtitan") else rank_load_in_steady(rows, a.steps)
-    tps = steady(vals, a.steps)
+    skip = set() if run.startswith("torchtitan") else disturbed_windows(rows)
+    tps = steady(vals, a.steps, skip)
     if tps is None:
-        return {"run": run, "error": "no logged window in the steady state", "folder": dump}
+        return {"run": run, "error": "no logged window in the steady state free of replays and re-captures: "
+                "run more steps (--steps) or a larger capacity_factor", "folder": dump}
     graph = re.search(r"cuda graph\s+(.*)", log)
-    return {"run": run, "tokens_per_s_per_gpu": tps, "windows": len([s for s, _ in vals if s > a.steps // 2]),
+    windows = len([s for s, _ in vals if s > a.steps // 2 and s not in skip])
+    return {"run": run, "tokens_per_s_per_gpu": tps, "windows": windows,
             "graph": graph.group(1).strip() if graph else "", "replays": replays, "rank_load": rank_load,
             "peak_gib": peak_gib(run, log, dump), "folder": dump}
 

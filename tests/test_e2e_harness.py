@@ -10,13 +10,27 @@ from conftest import ROOT
 sys.path.insert(0, ROOT)
 import pytest  # noqa: E402
 
-from benchmarks.e2e import (compare, failure_line, parse_variants, peak_gib, rank_load_in_steady,  # noqa: E402
-                            replays_in_steady, source_tree, steady, with_overrides)
+from benchmarks.e2e import (compare, disturbed_windows, failure_line, parse_variants, peak_gib,  # noqa: E402
+                            rank_load_in_steady, replays_in_steady, source_tree, steady, with_overrides)
 
 
 def test_steady_state_is_the_median_of_the_second_half():
     assert steady([(5, 1.0), (10, 9.0), (15, 3.0), (20, 5.0), (25, 4.0)], steps=20) == 4.0  # steps 15, 20, 25
     assert steady([(5, 1.0)], steps=20) is None
+
+
+def test_windows_with_a_replay_or_its_recapture_are_left_out_of_the_steady_state():
+    # cumulative replays as logged by a 60-step EP=2 run: replays in the windows ending at 25, 30 and 55; the
+    # windows after (35, 60) hold the eager warm-up and the re-capture
+    replayed = {5: 0, 10: 0, 15: 0, 20: 0, 25: 4, 30: 6, 35: 6, 40: 6, 45: 6, 50: 6, 55: 8, 60: 8}
+    tps = {5: 150, 10: 209, 15: 199, 20: 206, 25: 76, 30: 102, 35: 143, 40: 205, 45: 192, 50: 204, 55: 105, 60: 209}
+    rows = [{"step": s, "moe/replayed_steps": float(r), "tokens_per_s": tps[s]} for s, r in replayed.items()]
+    skip = disturbed_windows(rows)
+    assert skip == {25, 30, 35, 55, 60}
+    assert steady(list(tps.items()), steps=60, skip=skip) == 204  # windows 40, 45, 50
+    assert steady(list(tps.items()), steps=60) == (192 + 204) / 2  # every window from 35 on
+    assert disturbed_windows([{"step": 5, "loss": 1.0}]) == set()  # EP=1: nothing to leave out
+    assert steady([(35, 1.0)], steps=60, skip={35}) is None  # every window disturbed: no figure, an error
 
 
 def test_peak_memory_from_torchtitan_log_and_from_our_metrics(tmp_path):

@@ -77,7 +77,7 @@ def choose_backend(cfg: MoEEchoConfig, num_experts: int, top_k: int, dim: int, t
         timings = {}
         for name in names:
             d = build_dispatcher(MoEEchoConfig(dispatcher=name, capacity_factor=max(cfg.capacity_factor, 2.0),
-                                               nvlink_sms=cfg.nvlink_sms, nvlink_send=cfg.nvlink_send), num_experts, group, ep)
+                                               nvlink_sms=cfg.nvlink_sms, nvlink_copy=cfg.nvlink_copy), num_experts, group, ep)
 
             def fn():
                 with torch.no_grad():

@@ -31,7 +31,7 @@ def build_dispatcher(cfg: MoEEchoConfig, num_experts: int, ep_group=None, ep_siz
     if backend == "local":
         return LocalDispatcher(num_experts)
     if backend == "nvlink":
-        return NVLinkDispatcher(num_experts, ep_group, ep_size, cfg.capacity_factor, cfg.nvlink_sms, send=cfg.nvlink_send)
+        return NVLinkDispatcher(num_experts, ep_group, ep_size, cfg.capacity_factor, cfg.nvlink_sms, copies=cfg.nvlink_copy)
     if backend == "deepep":
         return DeepEPDispatcher(num_experts, ep_group, ep_size)
     if backend == "alltoall":

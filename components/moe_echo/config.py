@@ -58,19 +58,22 @@ class MoEEchoConfig:
     EP · T rows, cannot overflow)."""
 
     nvlink_sms: int = 64
-    """nvlink: CTAs (about one per SM) the kernels that cross NVLink occupy (token sends, pulls of the
-    combined rows and gradients); the kernels that only touch this GPU's memory (expanding tokens into
-    expert rows, per-token sums) use the whole GPU."""
+    """nvlink with ``nvlink_copy = "kernel"`` (the default): CTAs (about one per SM) the kernels that cross NVLink
+    occupy (token sends, pulls of the combined rows and gradients); the kernels that only touch this GPU's memory
+    (expanding tokens into expert rows, per-token sums) use the whole GPU."""
 
-    nvlink_send: Literal["kernel", "copy_engine"] = "kernel"
-    """nvlink: how token rows (dispatch) and their output gradients (combine's backward) reach the ranks they
-    go to. ``kernel``: a Triton kernel on ``nvlink_sms`` SMs writes each token's row into every rank holding
-    one of its experts. ``copy_engine``: the GPU's copy engines copy this rank's whole [T, D] block into
-    every rank (rows of tokens that go nowhere there cross too, and are never read): no SM is used, so the
-    GEMMs and shared experts beside it keep the whole GPU. It suits routing where most tokens reach most ranks
-    (uniform routing over 64 experts: at EP=2 and K=6 each rank receives ~99% of the tokens, at EP=4 and K=8 ~91%).
-    On 2×H200 the send is 1.1–1.25× faster graphed at 16384 tokens per rank, but the v2lite_1b step at EP=2 ran
-    at 0.99× the kernel's (docs/performance.md), so the kernel is the default."""
+    nvlink_copy: Literal["kernel", "copy_engine"] = "kernel"
+    """nvlink: what moves token rows across NVLink. ``kernel``: Triton kernels on ``nvlink_sms`` SMs write each
+    token's row into, and read its sums from, only the ranks holding one of its experts. ``copy_engine``: the
+    GPU's copy engines, no SM for the copies. Dispatch and combine's backward copy this rank's whole [T, D] block
+    of token rows (or their gradients) into every rank (rows of tokens that go nowhere there cross too, and are
+    never read); combine pulls each peer's [T, D] block of per-token sums for this rank's tokens into a local
+    staging buffer while the SMs sum this rank's own expert outputs, then adds the blocks in one local pass. It
+    suits routing where most tokens reach most ranks (uniform routing over 64 experts: at EP=2 and K=6 each rank
+    receives ~99% of the tokens, at EP=4 and K=8 ~91%). On 2×H200 (docs/performance.md) the graphed round trip
+    is 1.06–1.25× faster with the copy engines at 16384 tokens per rank, but the eager one (before capture, after
+    a replay) is up to 1.7× slower at 4096 tokens, and the graphed v2lite_1b step at EP=2 is the same (0.99×,
+    1.01× in two runs): the kernels stay the default."""
 
     shared_experts_stream: Literal["auto", "on", "off"] = "auto"
     """Run the shared experts on a side CUDA stream, concurrent with the router, dispatch, routed

@@ -18,14 +18,21 @@ Per MoE layer every rank holds, in symmetric memory (``symmetric.py``):
 and, shared by all layers, the backward's token-row gradients (``grad_tok`` [R·T, D]), ``grad_y``
 [N_cap, D] and ``grad_w`` [R·T, K].
 
-    dispatch:  slot ranks + counts ─write counts to all peers─► barrier ─► layout tail ─► token rows
-               + meta to the ranks they go to ─► barrier ─► local expand tok → x   (kernels.route_layout)
-               (``send = "copy_engine"``: the copy engines move the whole [T, D] block into rows s·T.. of
-               every rank instead; rows of tokens that go nowhere there are never read: their meta rows are -1)
+    dispatch:  slot ranks + counts ─write counts to all peers─► barrier ─► layout tail ─► meta rows to the
+               ranks the tokens go to ─► token rows there ─► barrier ─► local expand tok → x   (kernels.route_layout)
     combine:   tok[s·T+t] = Σ_k w · y[row] (owner, local) ─► barrier ─► y_TD[t] = Σ_r peer_r tok[s·T+t]
     backward:  combine: g[t] to every rank t went to ─► barrier ─► owner: grad_y[row] = w · g,
                grad_w = <g, y[row]> ─► barrier ─► sources read their grad_w
                dispatch: grad_tok[s·T+t] = Σ_k grad_x[row] (owner) ─► barrier ─► Σ_r peer rows
+
+What moves the token rows (``copies``, ``[moe_echo] nvlink_copy``):
+    ``copy_engine``: the copy engines, no SM. A send copies the whole [T, D] block into rows s·T.. of
+        every rank (rows of tokens that go nowhere there cross too and are never read: their meta rows are -1).
+        A sum-back has the owner sum the peers' tokens first; after the barrier the copy engines pull block s of
+        every peer's sums into a local staging [R·T, D] on a side stream while the SMs sum this rank's own
+        tokens, then one local pass adds the blocks (the same fp32 sums, in the same rank order, as the kernel).
+    ``kernel`` (default): Triton kernels on ``programs`` CTAs write each row only into, and read its sums only
+        from, the ranks the token goes to.
 
 No host read anywhere (counts, offsets and overflow stay on the device); every shape comes from
 the capacity, so the step can be captured in a CUDA graph. Assignments that do not fit are not
@@ -88,6 +95,7 @@ class NVLinkHandle(DispatchHandle):
     meta_row: SymmBuffer  # [R·T, K] int32: where source s's token t's choices land here (-1: not here)
     meta_w: SymmBuffer  # [R·T, K]: their routing weights
     tok: SymmBuffer  # [R·T, D]: received tokens (dispatch), then this rank's partial sums (combine)
+    stage_row_TR: torch.Tensor | None = None  # copy-engine pull: row r·T + t of the staging (-1 where row_TR is)
 
 
 class NVLinkDispatcher(FixedCapacity, ExpertParallel):
@@ -96,14 +104,14 @@ class NVLinkDispatcher(FixedCapacity, ExpertParallel):
     LOCAL_PROGRAMS = 4096  # CTAs of the kernels that only touch this rank's memory (expand, sums)
 
     def __init__(self, num_experts: int, group, ep_size: int, capacity_factor: float, programs: int = 32,
-                 workspace=None, name: str | None = None, block_t: int | None = None, send: str = "kernel"):
+                 workspace=None, name: str | None = None, block_t: int | None = None, copies: str = "kernel"):
         ExpertParallel.__init__(self, num_experts, group, ep_size)
         FixedCapacity.__init__(self, capacity_factor)
         self.programs = programs
         self.block_t = block_t  # tokens per CTA iteration of the peer kernels (None: kernels.peer_rows.peer_block_t)
-        if send not in ("kernel", "copy_engine"):
-            raise ValueError(f"[moe_echo] nvlink_send = {send!r}: use 'kernel' or 'copy_engine'")
-        self.send = send  # token rows and their gradients to the ranks: a Triton kernel or the copy engines
+        if copies not in ("copy_engine", "kernel"):
+            raise ValueError(f"[moe_echo] nvlink_copy = {copies!r}: use 'copy_engine' or 'kernel'")
+        self.copies = copies  # what moves token rows, their sums and gradients across ranks (``nvlink_copy``)
         self.ws = workspace if workspace is not None else workspace_for(group)
         self.rank = self.ws.rank
         # buffer names must agree across ranks: layers are built in the same order on every rank
@@ -112,11 +120,13 @@ class NVLinkDispatcher(FixedCapacity, ExpertParallel):
     def _shared(self, role: str, shape: tuple, dtype, device) -> SymmBuffer:
         return self.ws.buffer(f"shared/{role}/{'x'.join(map(str, shape))}/{dtype}", shape, dtype, device)
 
-    def _ranks_TR(self, T: int, device) -> torch.Tensor:
-        """[T, R] = r: the destination column of the token routes (kept: the same every step)."""
+    def _ranks_TR(self, T: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+        """([T, R] = r: the destination column of the token routes, [T, R] = r·T + t: the staging row of a
+        copy-engine pull), kept: the same every step."""
         cached = getattr(self, "_ranks_cache", None)
-        if cached is None or cached.shape[0] != T or cached.device != device:
-            cached = self._ranks_cache = torch.arange(self.ep_size, device=device).expand(T, self.ep_size).contiguous()
+        if cached is None or cached[0].shape[0] != T or cached[0].device != device:
+            ranks_TR = torch.arange(self.ep_size, device=device).expand(T, self.ep_size).contiguous()
+            cached = self._ranks_cache = (ranks_TR, ranks_TR * T + torch.arange(T, device=device)[:, None])
         return cached
 
     def _tok(self, rows: int, D: int, dtype, device) -> SymmBuffer:
@@ -147,10 +157,13 @@ class NVLinkDispatcher(FixedCapacity, ExpertParallel):
         # every (destination r, token t) meta row is rewritten each step: -1 where t sends nothing to r
         rank_TK, row_TK, row_TR = peer_route_meta(ids_TK, rank_in_id_N.view(T, K), base_X, self.num_local, cap,
                                                   w_TK.detach(), meta_row, meta_w, self.rank, programs=self.programs)
-        rank_TR = self._ranks_TR(T, dev)
+        rank_TR, stage_TR = self._ranks_TR(T, dev)
         D = x_TD.shape[1]
+        stage_row_TR = None
+        if self.copies == "copy_engine":  # peer r's sums for token t land in staging row r·T + t (row_TR: rank·T + t)
+            stage_row_TR = torch.where(row_TR >= 0, stage_TR, row_TR)
         h = NVLinkHandle(rank_TK, row_TK, rank_TR, row_TR, w_TK, out_dtype, x_TD.dtype, meta_row, meta_w,
-                         self._tok(R * T, D, x_TD.dtype, dev), dropped=dropped, needed_factor=needed)
+                         self._tok(R * T, D, x_TD.dtype, dev), stage_row_TR, dropped=dropped, needed_factor=needed)
         return x_TD, counts_e, h
 
     def combine(self, y_ND, handle: NVLinkHandle):
@@ -159,10 +172,10 @@ class NVLinkDispatcher(FixedCapacity, ExpertParallel):
 
 def send_rows(disp: NVLinkDispatcher, h: NVLinkHandle, x_TD: torch.Tensor, buf: SymmBuffer) -> None:
     """Row t of x_TD into row s·T + t of ``buf`` [R·T, D] on every rank token t goes to (s = this rank), then a
-    barrier: a Triton kernel on ``programs`` CTAs, or (``send = "copy_engine"``) the whole block on every rank by
+    barrier: a Triton kernel on ``programs`` CTAs, or (``copies = "copy_engine"``) the whole block on every rank by
     the copy engines, the local block on a side stream beside the peers' (rows of tokens that go nowhere on a
     rank are never read there)."""
-    if disp.send == "kernel":
+    if disp.copies == "kernel":
         peer_scatter(x_TD, h.rank_TR, h.row_TR, buf.ptrs_R, buf.peers, programs=disp.programs, block_t=disp.block_t)
     else:
         T, s = x_TD.shape[0], disp.rank
@@ -206,22 +219,51 @@ def send_tokens(disp: NVLinkDispatcher, h: NVLinkHandle, x_TD: torch.Tensor) -> 
 
 
 def sum_back(disp: NVLinkDispatcher, h: NVLinkHandle, y_ND: torch.Tensor, into: SymmBuffer, weighted: bool,
-              out_dtype) -> torch.Tensor:
+             out_dtype) -> torch.Tensor:
     """y_TD[t] = Σ over the ranks t went to of Σ_k (w ·) y_ND[row of (t, k)] there: each owner sums its rows per
-    source token into ``into`` [R·T, D] (fp32 accumulation), then each source pulls its tokens' sums."""
+    source token into ``into`` [R·T, D] (fp32 accumulation), then each source adds its tokens' sums (fp32, in rank
+    order): read from the peers by a kernel, or (``copies = "copy_engine"``) pulled by the copy engines first."""
+    if disp.copies == "copy_engine":
+        return _sum_back_copy_engine(disp, h, y_ND, into, weighted, out_dtype)
     owner_sums(y_ND, h, into, weighted)
     disp.ws.barrier(into)
     return peer_gather_sum(h.rank_TR, h.row_TR, into.ptrs_R, into.peers, out_dtype=out_dtype, programs=disp.programs,
                            block_t=disp.block_t)
 
 
-def owner_sums(y_ND: torch.Tensor, h: NVLinkHandle, into: SymmBuffer, weighted: bool) -> None:
-    """into.local[s·T + t] = Σ_k (w ·) y_ND[row of source s's choice (t, k) here] (zero where none is here): local.
+def _sum_back_copy_engine(disp: NVLinkDispatcher, h: NVLinkHandle, y_ND: torch.Tensor, into: SymmBuffer,
+                          weighted: bool, out_dtype) -> torch.Tensor:
+    """``sum_back`` with the copy engines: the sums the peers pull first; after the barrier, block s (this rank)
+    of every peer's ``into`` is copied into block r of a local staging [R·T, D] on the side stream while the own
+    tokens' sums go into block s; then y_TD[t] = Σ_r staging[r·T + t] (where row_TR[t, r] ≥ 0), one local pass."""
+    R, s = disp.ep_size, disp.rank
+    T, D = h.row_TR.shape[0], y_ND.shape[1]
+    for rows in (slice(0, s * T), slice((s + 1) * T, R * T)):  # the other sources' tokens
+        if rows.stop > rows.start:
+            owner_sums(y_ND, h, into.local[rows], weighted, rows)
+    disp.ws.barrier(into)
+    stage_UD = torch.empty(R * T, D, dtype=into.local.dtype, device=y_ND.device)
+    with _beside(y_ND):
+        for r, peer in enumerate(into.peers):
+            if r != s:
+                stage_UD[r * T:(r + 1) * T].copy_(peer[s * T:(s + 1) * T])
+    mine = slice(s * T, (s + 1) * T)
+    owner_sums(y_ND, h, stage_UD[mine], weighted, mine)
+    _join(y_ND)
+    out_TD = torch.empty(T, D, dtype=out_dtype, device=y_ND.device)
+    return gather_sum(stage_UD, h.stage_row_TR, out=out_TD)
+
+
+def owner_sums(y_ND: torch.Tensor, h: NVLinkHandle, into: SymmBuffer | torch.Tensor, weighted: bool,
+               rows: slice = slice(None)) -> None:
+    """into[u] = Σ_k (w ·) y_ND[row of choice k of token u here] for the token rows u = s·T + t in ``rows`` (zero
+    where none is here): local. ``into``: a SymmBuffer (its local [R·T, D] part) or the [len(rows), D] target.
     Most of a token's K choices lie on other ranks (-1: nothing read), so at hidden sizes ≥ 4096 two tokens per CTA
     iteration keep more loads in flight (0.79 vs 0.93 ms at 2·16384 tokens × 7168, K=8, on H200;
     ``benchmarks/row_kernels.py``, kernel ``combine_share``); at 2048 one is faster."""
     D = y_ND.shape[1]
-    gather_sum(y_ND, h.meta_row.local, h.meta_w.local if weighted else None, out=into.local,
+    out = into.local if isinstance(into, SymmBuffer) else into
+    gather_sum(y_ND, h.meta_row.local[rows], h.meta_w.local[rows] if weighted else None, out=out,
                block_t=2 if D >= 4096 else 1)
 
 

@@ -295,9 +295,9 @@ def validate(cfg) -> None:
         from components.moe_echo.deepep_dispatch import require_deep_ep
 
         require_deep_ep()
-    if e.nvlink_send != "kernel" and e.dispatcher not in ("auto", "fastest", "nvlink"):
-        raise UserError(f"[moe_echo] nvlink_send = {e.nvlink_send!r} applies to the nvlink dispatcher only (dispatcher = "
-                        f"{e.dispatcher!r}); set nvlink_send = 'kernel' or dispatcher = 'nvlink'")
+    if e.nvlink_copy != "kernel" and e.dispatcher not in ("auto", "fastest", "nvlink"):
+        raise UserError(f"[moe_echo] nvlink_copy = {e.nvlink_copy!r} applies to the nvlink dispatcher only (dispatcher = "
+                        f"{e.dispatcher!r}); set nvlink_copy = 'kernel' or dispatcher = 'nvlink'")
     if e.dispatcher in ("alltoall", "padded", "nvlink", "deepep") and ep == 1:
         raise UserError(f"[moe_echo] dispatcher = {e.dispatcher!r} needs [parallelism] expert_parallel_degree > 1; "
                         "use 'local' or 'auto'")
