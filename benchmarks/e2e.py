@@ -420,11 +420,13 @@ def render(path: str) -> str:
         return f"{v:.1f}" if isinstance(v, float) else str(v)
 
     cols = ["config", "gpus", "label", "run", "variant", "tokens_per_s_per_gpu", "step_ms", "mfu_pct", "peak_gib", "vs_torchtitan_best",
-            "graph_vs_eager", "compile_vs_graph", "replays", "rank_load", "graph", "error"]
+            "graph_vs_eager", "compile_vs_graph", "replays", "windows", "rank_load", "graph", "error"]
     lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     lines += ["| " + " | ".join(cell(r, c) for c in cols) + " |" for r in d["rows"]]
     text = (f"End-to-end training throughput on {d['env']['gpu']} (benchmarks/e2e.py; torch {d['env']['torch']}; "
-            f"MFU against {d['peak_tflops']:.0f} TFLOP/s dense bf16; steady-state median of each run)\n\n"
+            f"MFU against {d['peak_tflops']:.0f} TFLOP/s dense bf16; steady-state median of each run over its "
+            "``windows`` of 5 steps in the second half; from the ``nvlink_copy`` rows on, our windows that replayed "
+            "an overflowed step and the window after each are left out)\n\n"
             + "\n".join(lines) + "\n")
     with open(path[: -len(".json")] + ".md", "w") as f:
         f.write(text)
