@@ -312,9 +312,9 @@ def main():
                 dist.all_reduce(recv_rows)  # rows each rank receives
                 cf_nv = max(1.0, math.ceil(float(recv_rows.max()) / (T * K) * 100) / 100)  # no drops
 
-                def nvlink(sms, block_t=None, send="kernel"):
+                def nvlink(sms, block_t=None, copies="kernel"):
                     return NVLinkDispatcher(E, group, world, cf_nv, programs=sms, name="bench", block_t=block_t,
-                                            copies=send)
+                                            copies=copies)
 
                 with torch.no_grad():
                     _, _, h = nvlink(int(a.sms)).dispatch(x, ids, w)
@@ -341,7 +341,7 @@ def main():
 
                 t_gat, t_gat_g = timed(gathered_fn), timed(gathered_fn, graph=True)
                 # token rows by the copy engines (nvlink_copy = "copy_engine"): same sums in the same order, bitwise equal
-                ce = nvlink(int(a.sms), send="copy_engine")
+                ce = nvlink(int(a.sms), copies="copy_engine")
                 with torch.no_grad():
                     x_nd, _, h = ce.dispatch(x, ids, w)
                     ce_equal = torch.equal(ce.combine(x_nd, h).float(), want)
