@@ -38,6 +38,10 @@ windows the median is over. MFU uses one formula for every run, torchtitan's:
     python benchmarks/e2e.py --configs v2lite_1b_gpu --nproc 2 --ours "--parallelism.expert_parallel_degree 2" \
         --titan "--parallelism.expert_parallel_degree 2" --label ep2
 
+``--repeats N`` runs every run N times, in turn (A B A B ...), and reports the median of the N figures with
+``spread_pct`` = 100 · (max − min) / median: one run of a baseline varies by up to ~15% between calls, so a ratio
+resting on one run of each carries that.
+
 Writes ``e2e_<gpu>.json`` / ``.md`` (rows {config, gpus, run, tokens_per_s_per_gpu, step_ms, mfu_pct,
 vs_torchtitan_best, graph_vs_eager, compile_vs_graph, variant, rank_load: the busiest EP rank's load over the
 mean in the steady window}); a file already there gets the new rows merged
@@ -232,6 +236,29 @@ def failure_line(log: str) -> str:
     return lines[-1][:160] if lines else ""
 
 
+def combine_repeats(rs: list[dict]) -> dict:
+    """One row from the repeats of a run (same run, variant and arguments): tokens/s per GPU is their median, and
+    ``spread_pct`` = 100 · (max − min) / median of the repeats' figures; the other columns come from the repeat
+    nearest the median (peak memory: the largest; replays and windows: summed). A repeat that failed makes the
+    row its error."""
+    failed = [r for r in rs if not r.get("tokens_per_s_per_gpu")]
+    if failed:
+        return dict(failed[0], error=f"repeat {rs.index(failed[0]) + 1} of {len(rs)}: {failed[0].get('error', '')}")
+    if len(rs) == 1:
+        return rs[0]
+    tps = [r["tokens_per_s_per_gpu"] for r in rs]
+    mid = statistics.median(tps)
+    row = dict(min(rs, key=lambda r: abs(r["tokens_per_s_per_gpu"] - mid)))
+    peaks = [r["peak_gib"] for r in rs if r.get("peak_gib") is not None]
+    row.update(tokens_per_s_per_gpu=mid, repeats=len(rs), repeat_tokens_per_s=tps,
+               spread_pct=100 * (max(tps) - min(tps)) / mid, peak_gib=max(peaks) if peaks else None,
+               folder=[r["folder"] for r in rs])
+    for col in ("replays", "windows"):
+        if all(r.get(col) is not None for r in rs):
+            row[col] = sum(r[col] for r in rs)
+    return row
+
+
 def compare(group: list[dict]) -> None:
     """Ratios inside one call's rows: vs the faster torchtitan run, graphed vs eager and compiled vs
     graphed (the latter two within one variant)."""
@@ -325,6 +352,8 @@ def main():
     ap.add_argument("--variants", default="", help='our runs once per "NAME=ARGS;NAME=ARGS" (after --ours)')
     ap.add_argument("--label", default="", help="names this call's rows (e.g. ep2)")
     ap.add_argument("--timeout", type=int, default=600, help="seconds per run")
+    ap.add_argument("--repeats", type=int, default=1,
+                    help="run every run this many times, in turn (ABAB), and report the median and the spread")
     ap.add_argument("--work", default=None, help="parent of the run folders (default: a new temp folder)")
     ap.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results"))
     ap.add_argument("--render", default=None, metavar="JSON", help="only rewrite the markdown table of this file")
@@ -332,6 +361,8 @@ def main():
                     help="merge the rows of another call's e2e JSON (e.g. copied back from the GPU host that ran "
                          "it) into --out's file of that GPU, as if this call had measured them, and rewrite its table")
     a = ap.parse_args()
+    if a.repeats < 1:
+        ap.error(f"--repeats {a.repeats}: give 1 or more")
     if a.render:
         print(render(a.render))
         return
@@ -367,9 +398,16 @@ def main():
         with open(cfg_path, "rb") as f:
             cfg = tomllib.load(f)
         group = []
-        for run, (variant, extra) in [(run, v) for run in a.runs.split(",")
-                                      for v in (variants if run.startswith("ours") else [("", "")])]:
-            r = measure(run, a, cfg_path, cfg, tok_dir, data, work, variant, extra)
+        plan = [(run, v) for run in a.runs.split(",") for v in (variants if run.startswith("ours") else [("", "")])]
+        repeats: dict = {}
+        for _ in range(a.repeats):  # in turn, so drift over the call touches every run alike
+            for run, (variant, extra) in plan:
+                r = measure(run, a, cfg_path, cfg, tok_dir, data, work, variant, extra)
+                repeats.setdefault((run, variant), []).append(r)
+                print(f"{name} {run} {variant} repeat {len(repeats[(run, variant)])}/{a.repeats}: "
+                      f"{r.get('tokens_per_s_per_gpu') or r.get('error')}", flush=True)
+        for run, (variant, extra) in plan:
+            r = combine_repeats(repeats[(run, variant)])
             r.update({"config": name, "gpus": a.nproc, "label": a.label.lstrip("_")})
             if variant:
                 r["variant"] = variant
@@ -420,7 +458,8 @@ def render(path: str) -> str:
         return f"{v:.1f}" if isinstance(v, float) else str(v)
 
     cols = ["config", "gpus", "label", "run", "variant", "tokens_per_s_per_gpu", "step_ms", "mfu_pct", "peak_gib", "vs_torchtitan_best",
-            "graph_vs_eager", "compile_vs_graph", "replays", "windows", "rank_load", "graph", "error"]
+            "graph_vs_eager", "compile_vs_graph", "replays", "windows", "repeats", "spread_pct", "rank_load", "graph",
+            "error"]
     lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     lines += ["| " + " | ".join(cell(r, c) for c in cols) + " |" for r in d["rows"]]
     text = (f"End-to-end training throughput on {d['env']['gpu']} (benchmarks/e2e.py; torch {d['env']['torch']}; "

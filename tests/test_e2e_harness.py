@@ -10,7 +10,7 @@ from conftest import ROOT
 sys.path.insert(0, ROOT)
 import pytest  # noqa: E402
 
-from benchmarks.e2e import (compare, disturbed_windows, failure_line, parse_variants, peak_gib,  # noqa: E402
+from benchmarks.e2e import (combine_repeats, compare, disturbed_windows, failure_line, parse_variants, peak_gib,  # noqa: E402
                             rank_load_in_steady, replays_in_steady, source_tree, steady, with_overrides)
 
 
@@ -31,6 +31,21 @@ def test_windows_with_a_replay_or_its_recapture_are_left_out_of_the_steady_state
     assert steady(list(tps.items()), steps=60) == (192 + 204) / 2  # every window from 35 on
     assert disturbed_windows([{"step": 5, "loss": 1.0}]) == set()  # EP=1: nothing to leave out
     assert steady([(35, 1.0)], steps=60, skip={35}) is None  # every window disturbed: no figure, an error
+
+
+def test_repeats_give_the_median_and_the_spread_and_a_failed_repeat_is_the_error():
+    rs = [{"run": "ours_graph", "tokens_per_s_per_gpu": v, "peak_gib": g, "replays": 2, "windows": 3, "folder": f}
+          for v, g, f in ((100.0, 20.0, "a"), (120.0, 21.0, "b"), (90.0, 19.5, "c"))]
+    row = combine_repeats(rs)
+    assert row["tokens_per_s_per_gpu"] == 100.0 and row["repeats"] == 3
+    assert abs(row["spread_pct"] - 30.0) < 1e-12  # (120 - 90) / 100
+    assert row["peak_gib"] == 21.0 and row["replays"] == 6 and row["windows"] == 9
+    assert row["repeat_tokens_per_s"] == [100.0, 120.0, 90.0] and row["folder"] == ["a", "b", "c"]
+    even = combine_repeats(rs[:2])
+    assert even["tokens_per_s_per_gpu"] == 110.0 and even["folder"] == ["a", "b"]
+    assert combine_repeats(rs[:1]) is rs[0]  # one run: the row as measured, no spread column
+    bad = combine_repeats([rs[0], {"run": "ours_graph", "error": "rc 1: boom", "folder": "d"}])
+    assert bad["error"] == "repeat 2 of 2: rc 1: boom" and not bad.get("tokens_per_s_per_gpu")
 
 
 def test_peak_memory_from_torchtitan_log_and_from_our_metrics(tmp_path):
@@ -163,3 +178,33 @@ def test_a_variant_runs_another_source_tree(tmp_path):
     assert r.get("tokens_per_s_per_gpu", 0) > 0, r
     log = open(os.path.join(r["folder"], "run.log")).read()
     assert "BASE-TREE-RECIPE" in log and str(tree / "train_configs" / "debug_cpu.toml") in log.splitlines()[0]
+
+
+def test_repeats_run_in_turn_and_land_as_one_row_each(tmp_path, monkeypatch):
+    """``--repeats 2`` over two runs and two variants: A B C A B C order, one merged row per run and variant, ratios
+    taken on the medians."""
+    import benchmarks.e2e as e2e
+    import torchtitan.tools.utils as tt_utils
+
+    calls = []
+
+    def fake_measure(run, a, cfg_path, cfg, tok_dir, data, work, variant="", extra=""):
+        calls.append((run, variant))
+        tps = {"torchtitan_compile": 100.0, "ours_graph": 150.0 + 10 * len(calls)}[run]
+        return {"run": run, "tokens_per_s_per_gpu": tps, "peak_gib": 1.0, "folder": f"f{len(calls)}"}
+
+    monkeypatch.setattr(e2e, "measure", fake_measure)
+    monkeypatch.setattr(e2e, "make_assets", lambda folder: ("tok", "data.jsonl"))
+    monkeypatch.setattr(e2e, "environment", lambda: {"gpu": "Test GPU", "torch": "t", "date": "d"})
+    monkeypatch.setattr(tt_utils, "get_peak_flops", lambda name: 1e15)
+    monkeypatch.setattr(sys, "argv", ["e2e.py", "--configs", "debug_gpu", "--runs", "ours_graph,torchtitan_compile",
+                                      "--variants", "x=;y=", "--repeats", "2", "--work", str(tmp_path / "w"),
+                                      "--out", str(tmp_path)])
+    e2e.main()
+    assert calls == [("ours_graph", "x"), ("ours_graph", "y"), ("torchtitan_compile", "")] * 2
+    rows = json.load(open(tmp_path / "e2e_Test_GPU.json"))["rows"]
+    by = {(r["run"], r.get("variant", "")): r for r in rows}
+    assert len(rows) == 3 and by[("ours_graph", "x")]["repeat_tokens_per_s"] == [160.0, 190.0]
+    assert by[("ours_graph", "x")]["tokens_per_s_per_gpu"] == 175.0
+    assert abs(by[("ours_graph", "y")]["vs_torchtitan_best"] - 1.85) < 1e-12  # median of 170 and 200 over 100
+    assert "spread_pct" in open(tmp_path / "e2e_Test_GPU.md").read()

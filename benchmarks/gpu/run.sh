@@ -27,7 +27,8 @@
 #                    at the same time, every run of a config on its GPU; VARIANTS as below) | ep2 | fill | variants:
 #                    VARIANTS="name=recipe args;..." at EP=2 on CONFIGS (default v2lite_1b_gpu), our runs once per
 #                    variant against one torchtitan baseline, e.g. "quack=--moe_echo.experts_gemm quack;torch=";
-#                    "base=@/tmp/base;head=" times another revision (build/base.tgz, see lib.sh) in the same call)
+#                    "base=@/tmp/base;head=" times another revision (build/base.tgz, see lib.sh) in the same call;
+#                    REPEATS=N: every run N times in turn, the median and its spread)
 #                    -> e2e_<GPU>.md
 #   echo_tests  2    ECHO's GPU tests: graph = eager with ECHO (torch and QuACK GEMMs; QuACK's after quack_unpack),
 #                    the EP=2 layer checks (padded / nvlink x ECHO off / on), ~250 s
@@ -201,7 +202,7 @@ print('largest step difference over steps 1-20: %.2e at step %d' % max(rel[:20])
       i=0
       for cfg in ${CONFIGS:-debug_gpu v2lite_1b_gpu}; do
         mkdir -p "$OUT/gpu$i"
-        CUDA_VISIBLE_DEVICES=$i timeout ${TMO:-560} python3 benchmarks/e2e.py --configs $cfg --nproc 1 --runs $runs \
+        CUDA_VISIBLE_DEVICES=$i timeout ${TMO:-560} python3 benchmarks/e2e.py ${REPEATS:+--repeats $REPEATS} --configs $cfg --nproc 1 --runs $runs \
           --steps ${STEPS:-40} --out "$OUT/gpu$i" --work /tmp/e2e/gpu$i ${ARGS:+--ours "$ARGS"} \
           ${LABEL:+--label "$LABEL"} ${VARIANTS:+--variants "$VARIANTS"} > "$OUT/gpu$i/log.txt" 2>&1 &
         i=$((i + 1))
@@ -209,21 +210,21 @@ print('largest step difference over steps 1-20: %.2e at step %d' % max(rel[:20])
       wait; for f in "$OUT"/gpu*/log.txt; do grep -v '^{' "$f" | tail -12; done
     elif [ "${PART:-1gpu}" = 1gpu ]; then
       for cfg in ${CONFIGS:-debug_gpu v2lite_1b_gpu qwen3_30b_a3b_small_gpu}; do
-        CUDA_VISIBLE_DEVICES=0 timeout ${TMO:-560} python3 benchmarks/e2e.py --configs $cfg --nproc 1 --runs $runs \
+        CUDA_VISIBLE_DEVICES=0 timeout ${TMO:-560} python3 benchmarks/e2e.py ${REPEATS:+--repeats $REPEATS} --configs $cfg --nproc 1 --runs $runs \
           --steps ${STEPS:-40} --out "$OUT" --work /tmp/e2e ${ARGS:+--ours "$ARGS"} ${LABEL:+--label "$LABEL"} \
           ${VARIANTS:+--variants "$VARIANTS"} 2>&1 | grep -v '^{' | tail -12
       done
     elif [ "$PART" = variants ]; then  # VARIANTS="name=recipe args;..." at EP=2: one call, one torchtitan baseline
-      timeout ${TMO:-560} python3 benchmarks/e2e.py --configs ${CONFIGS:-v2lite_1b_gpu} --nproc 2 \
+      timeout ${TMO:-560} python3 benchmarks/e2e.py ${REPEATS:+--repeats $REPEATS} --configs ${CONFIGS:-v2lite_1b_gpu} --nproc 2 \
         --runs ${RUNS:-ours_compile_graph,torchtitan_compile} --label ${LABEL:-variants} --steps ${STEPS:-40} --out "$OUT" \
         --work /tmp/e2e --titan "--parallelism.expert_parallel_degree 2" --variants "${VARIANTS:?VARIANTS=\"name=args;...\"}" \
         --ours "--parallelism.expert_parallel_degree 2 --moe_echo.dispatcher nvlink ${ARGS:-}" 2>&1 | grep -v '^{' | tail -12
     elif [ "$PART" = fill ]; then  # the 2-GPU config sized to fill the GPUs (EP=2 set in the config)
-      timeout ${TMO:-560} python3 benchmarks/e2e.py --configs v2lite_6b_2gpu --nproc 2 --runs $runs --label ${LABEL:-fill} \
+      timeout ${TMO:-560} python3 benchmarks/e2e.py ${REPEATS:+--repeats $REPEATS} --configs v2lite_6b_2gpu --nproc 2 --runs $runs --label ${LABEL:-fill} \
         --steps ${STEPS:-40} --out "$OUT" --work /tmp/e2e --titan "--parallelism.expert_parallel_degree 2" \
         ${ARGS:+--ours "$ARGS"} 2>&1 | grep -v '^{' | tail -12
     else
-      timeout ${TMO:-560} python3 benchmarks/e2e.py --configs v2lite_1b_gpu --nproc 2 --runs $runs --label ${LABEL:-ep2} \
+      timeout ${TMO:-560} python3 benchmarks/e2e.py ${REPEATS:+--repeats $REPEATS} --configs v2lite_1b_gpu --nproc 2 --runs $runs --label ${LABEL:-ep2} \
         --steps ${STEPS:-40} --out "$OUT" --work /tmp/e2e --titan "--parallelism.expert_parallel_degree 2" \
         --ours "--parallelism.expert_parallel_degree 2 --moe_echo.dispatcher nvlink --moe_echo.capacity_factor 1.5 ${ARGS:-}" \
         2>&1 | grep -v '^{' | tail -12
