@@ -68,12 +68,13 @@ class MoEEchoConfig:
     GPU's copy engines, no SM for the copies. Dispatch and combine's backward copy this rank's whole [T, D] block
     of token rows (or their gradients) into every rank (rows of tokens that go nowhere there cross too, and are
     never read); combine pulls each peer's [T, D] block of per-token sums for this rank's tokens into a local
-    staging buffer while the SMs sum this rank's own expert outputs, then adds the blocks in one local pass. It
-    suits routing where most tokens reach most ranks (uniform routing over 64 experts: at EP=2 and K=6 each rank
+    staging buffer while the SMs sum this rank's own expert outputs, then adds the blocks in one local pass (the
+    staging holds EP · T rows of hidden size while a combine runs: 1.9 GB at EP=8, 16384 tokens, hidden 7168, bf16).
+    It suits routing where most tokens reach most ranks (uniform routing over 64 experts: at EP=2 and K=6 each rank
     receives ~99% of the tokens, at EP=4 and K=8 ~91%). On 2×H200 (docs/performance.md) the graphed round trip
     is 1.06–1.25× faster with the copy engines at 16384 tokens per rank, but the eager one (before capture, after
-    a replay) is up to 1.7× slower at 4096 tokens, and the graphed v2lite_1b step at EP=2 is the same (0.99×,
-    1.01× in two runs): the kernels stay the default."""
+    a replay) is up to 1.7× slower at 4096 tokens, and the graphed v2lite_1b step at EP=2 is the same (its clean
+    windows 191–209k tokens/s per GPU with either): the kernels stay the default."""
 
     shared_experts_stream: Literal["auto", "on", "off"] = "auto"
     """Run the shared experts on a side CUDA stream, concurrent with the router, dispatch, routed
