@@ -42,6 +42,30 @@ def graphed(fn):
     return g.replay
 
 
+def slowest(ms: float) -> float:
+    """The largest of every rank's ``ms`` (a collective over the default process group): the busiest rank sets
+    the time of a collective operation."""
+    import torch.distributed as dist
+
+    t = torch.tensor([ms], device="cuda")
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return float(t)
+
+
+def beside(fn, other):
+    """One callable: ``fn`` on the current stream with ``other`` on a side stream at the same time (forked before,
+    joined after; capturable): what ``fn`` costs while ``other`` wants the SMs too."""
+    side = torch.cuda.Stream()
+
+    def both():
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            other()
+        fn()
+        torch.cuda.current_stream().wait_stream(side)
+    return both
+
+
 def host_ms(fn, warmup: int = 5, iters: int = 20) -> float:
     """Median host milliseconds to issue ``fn()`` with the GPU idle at its start (no sync inside ``fn``):
     where it is close to ``time_ms(fn)``, the call is bound by the host, not the GPU."""

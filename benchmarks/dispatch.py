@@ -34,7 +34,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch
 import torch.distributed as dist
 
-from benchmarks.common import environment, host_ms, markdown_table, time_ms, write_results
+from benchmarks.common import beside, environment, host_ms, markdown_table, slowest, time_ms, write_results
 from components.moe_echo.ep_dispatch import AllToAllDispatcher, PaddedDispatcher, padded_capacity
 from components.moe_echo.gathered_experts import _to_rows
 from components.moe_echo.nvlink_dispatch import NVLinkDispatcher, nvlink_capacity, owner_sums, send_tokens, sum_back
@@ -49,12 +49,6 @@ def routing(T, kind, gen, dev):
         pop = torch.arange(1, E + 1, device=dev).float().pow(-1.2)
         scores = pop.log() - torch.log(-torch.log(scores.clamp_min(1e-9)))
     return scores.topk(K, dim=-1).indices
-
-
-def slowest(ms: float) -> float:
-    t = torch.tensor([ms], device="cuda")
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return float(t)
 
 
 def peer_copy_ms(nbytes: int, rank: int, world: int) -> float:
@@ -137,15 +131,7 @@ def gathered_phases(disp, x_TD, ids_TK, w_TK, y_ND, timed) -> dict:
 def beside_gemm(fn, gemm, timed) -> float:
     """Graphed ms of ``fn`` with ``gemm`` on a side stream at the same time (forked before, joined after): what a
     transfer costs while other work wants the SMs (the shared experts run beside dispatch and combine)."""
-    side = torch.cuda.Stream()
-
-    def both():
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            gemm()
-        fn()
-        torch.cuda.current_stream().wait_stream(side)
-    return timed(both, graph=True)
+    return timed(beside(fn, gemm), graph=True)
 
 
 def graphed(fn):

@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 from torch.profiler import ProfilerActivity, profile
 
-from benchmarks.common import environment, graphed, markdown_table, time_ms, write_results
+from benchmarks.common import beside, environment, graphed, markdown_table, slowest, time_ms, write_results
 from components.moe_echo.symmetric import workspace_for
 from kernels.peer_rows import peer_gather_sum, peer_scatter
 
@@ -38,14 +38,8 @@ def main():
     ws = workspace_for(dist.group.WORLD)
     other = (rank + 1) % dist.get_world_size()
 
-    def slowest(ms: float) -> float:
-        t = torch.tensor([ms], device=dev)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        return float(t)
-
     mm_a, mm_b = (torch.randn(8192, 8192, device=dev, dtype=torch.bfloat16) for _ in range(2))
     gemm = lambda: torch.mm(mm_a, mm_b)  # noqa: E731
-    side = torch.cuda.Stream()
     rows, names = [], ""
     for shape in a.shapes.split(","):
         T, D = map(int, shape.split("x"))
@@ -66,18 +60,13 @@ def main():
         dist.barrier()
         t_gemm = slowest(time_ms(graphed(gemm)))
         for name, op in ops.items():
-            def both(op=op):
-                side.wait_stream(torch.cuda.current_stream())
-                with torch.cuda.stream(side):
-                    op()
-                gemm()
-                torch.cuda.current_stream().wait_stream(side)
+            both = beside(gemm, op)  # the op on the side stream, the GEMM on the current one
             dist.barrier()
             ms = slowest(time_ms(graphed(op)))
             dist.barrier()
-            beside = slowest(time_ms(graphed(both)))
+            with_gemm = slowest(time_ms(graphed(both)))
             rows.append({"T": T, "D": D, "op": name, "ms": ms, "GBs": T * D * 2 / ms / 1e6, "gemm_ms": t_gemm,
-                         "beside_gemm_ms": beside, "added_to_gemm_ms": beside - t_gemm})
+                         "beside_gemm_ms": with_gemm, "added_to_gemm_ms": with_gemm - t_gemm})
             if rank == 0:
                 print(rows[-1], flush=True)
         if rank == 0 and not names:
