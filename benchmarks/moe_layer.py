@@ -9,6 +9,10 @@ The tensor cores' reachable rate is measured in the same run: a plain bf16 GEMM 
 the experts' GEMM precision: each case also runs with ``expert_precision = "fp8"`` on Hopper (its row's
 reference is a rowwise-scaled FP8 ``torch._scaled_mm`` of the same shape; ``fp8_speedup_vs_bf16`` is
 the bf16 row's time over the FP8 row's; ``fp8_out_rel_diff`` its output against the bf16 layer's).
+``fp8_weights`` names where an FP8 row's weight copies come from: ``cast`` (cast from the weights in every
+forward and backward) or ``copies`` (``Fp8WeightCopies``, written by the optimizer step; the row's times add
+``fp8_copy_write_ms``, what writing them costs that step: the optimizer's pass over this layer's experts with
+the FP8 copies minus without, so the ratio charges the layer for its copies).
 ``experts_gemm`` names the kernels of the bf16 expert GEMMs: ``torch`` (``torch._grouped_mm``) and, where
 quack-kernels is installed on a Hopper GPU, a ``quack`` row (``experts_gemm = "quack"``: QuACK's grouped
 GEMMs with SwiGLU in their epilogues; ``quack_out_rel_diff`` its output against the torch row's), and a
@@ -42,6 +46,7 @@ from torchtitan.models.moe import MoE, MoEArgs
 from benchmarks import megatron_layer
 from benchmarks.common import environment, graphed, markdown_table, time_ms, write_results
 from components.moe_echo.config import MoEEchoConfig
+from components.moe_echo.fp8_experts import Fp8WeightCopies
 from components.moe_echo.layer import MoELayer
 
 CASES = [  # (T, D, H, E, K)
@@ -150,9 +155,16 @@ def run_case(T, D, H, E, K, routing, dev):
         with torch.no_grad():
             y8 = ours(x)
         t8, t8_graph = time_ms(fwd_bwd(ours)), graphed_ms(fwd_bwd(ours))
+        ours.experts.enable_fp8_copies()  # as the optimizer writes them (from these weights here)
+        with torch.no_grad():
+            y8c = ours(x)
+        t8c, t8c_graph = time_ms(fwd_bwd(ours)), graphed_ms(fwd_bwd(ours))
+        ours.experts.fp8_copies = None
         ours.experts.precision = "bf16"
         fp8 = {"fp8_ms": t8, "fp8_graph_ms": t8_graph,
-               "fp8_out_rel_diff": float((y8 - y_ours).float().norm() / y_ours.float().norm())}
+               "fp8_out_rel_diff": float((y8 - y_ours).float().norm() / y_ours.float().norm()),
+               "fp8_copies_ms": t8c, "fp8_copies_graph_ms": t8c_graph, "fp8_copy_write_ms": fp8_copy_write_ms(ours),
+               "fp8_copies_out_rel_diff": float((y8c - y_ours).float().norm() / y_ours.float().norm())}
     # before the QuACK rows: they move w1's and w3's data into one [w1; w3] tensor (GroupedExperts._shared_13); a
     # profile taken after them showed 1.7 ms of strided copies in the FP8 path that a fresh layer's profile does not
     if PROFILE and not PROFILED:
@@ -217,15 +229,46 @@ def plain_fp8_gemm_tflops(dev: str, m: int = 16384, n: int = 4096, k: int = 4096
     return 2 * m * n * k / (ms * 1e-3) / 1e12
 
 
-def fp8_row(row: dict, gemm8: float) -> dict:
-    """The FP8 row of a case: our layer with expert_precision = "fp8" against the same baselines."""
-    ms = row["fp8_ms"]
+def fp8_copy_write_ms(layer: MoELayer) -> float:
+    """What the optimizer step pays to write the FP8 weight copies of ``layer``'s experts: its fused AdamW pass
+    (kernels/adamw.py: fp32 masters and moments, bf16 gradients and weights) over the three weights with the
+    FP8 copies written, minus the same pass without them, median ms."""
+    from kernels.adamw import adamw_master_
+
+    ge = layer.experts
+    copies = Fp8WeightCopies(*ge.w1.shape, ge.w1.device)
+    ws = [w.detach().float() for w in (ge.w1, ge.w2, ge.w3)]
+    copies.write_(*ws)
+    state = [(torch.zeros_like(w), torch.zeros_like(w), torch.randn_like(w).bfloat16(), w.bfloat16()) for w in ws]
+    step = torch.ones((), device=ws[0].device)
+
+    def adamw(fp8: bool):
+        def fn():
+            for role, w, (m, v, g, p) in zip((1, 2, 3), ws, state):
+                adamw_master_(p, g, w, m, v, 1e-5, step, 0.9, 0.95, 1e-8, 0.1, fp8=copies.copy(role) if fp8 else None)
+            if fp8:
+                copies.finish_(dict(zip((1, 2, 3), ws)), {1, 2, 3}, None)
+        return fn
+
+    return time_ms(adamw(True)) - time_ms(adamw(False))
+
+
+def fp8_row(row: dict, gemm8: float, weights: str = "cast") -> dict:
+    """The FP8 row of a case: our layer with expert_precision = "fp8" against the same baselines; ``weights``
+    "copies": the optimizer-written copies, their write charged to the row (``fp8_copy_write_ms``)."""
+    if weights == "copies":
+        extra = row["fp8_copy_write_ms"]
+        ms = row["fp8_copies_ms"] + extra
+        graph = row["fp8_copies_graph_ms"] + extra if row.get("fp8_copies_graph_ms") is not None else None
+    else:
+        ms, graph = row["fp8_ms"], row.get("fp8_graph_ms")
     tf = row["ours_tflops"] * row["ours_ms"] / ms
-    return {**row, "precision": "fp8", "ours_ms": ms, "ours_tflops": tf, "plain_gemm_tflops": gemm8,
-            "frac_of_peak_gemm": tf / gemm8, "speedup_vs_torchtitan": row["torchtitan_ms"] / ms,
+    return {**row, "precision": "fp8", "fp8_weights": weights, "ours_ms": ms, "ours_tflops": tf,
+            "plain_gemm_tflops": gemm8, "frac_of_peak_gemm": tf / gemm8, "speedup_vs_torchtitan": row["torchtitan_ms"] / ms,
             "frac_of_dense": row["dense_ms"] / ms, "fp8_speedup_vs_bf16": row["ours_ms"] / ms,
             "speedup_vs_megatron": row["megatron_ms"] / ms if row.get("megatron_ms") else None,
-            **graph_columns(row, row.get("fp8_graph_ms"), gemm8, "fp8")}
+            "fp8_copy_write_ms": row.get("fp8_copy_write_ms") if weights == "copies" else None,
+            **graph_columns(row, graph, gemm8, "fp8")}
 
 
 def quack_row(row: dict, gemm: float, name: str = "quack") -> dict:
@@ -306,16 +349,17 @@ def main():
             rows.append(row)
             print(rows[-1], flush=True)
             if FP8:
-                rows.append(fp8_row(row, gemm8))
+                rows += [fp8_row(row, gemm8), fp8_row(row, gemm8, "copies")]
             if QUACK:
                 rows += [quack_row(row, gemm), quack_row(row, gemm, "quack_gathered")]
             torch.cuda.empty_cache()
     env = environment()
-    cols = ["T", "D", "H", "E", "K", "routing", "precision", "experts_gemm", "load_max_over_mean", "ours_ms", "torchtitan_ms",
+    cols = ["T", "D", "H", "E", "K", "routing", "precision", "fp8_weights", "experts_gemm", "load_max_over_mean", "ours_ms",
+            "fp8_copy_write_ms", "torchtitan_ms",
             "dense_ms", "megatron_ms", "ours_tflops", "torchtitan_tflops", "dense_tflops", "megatron_tflops",
             "plain_gemm_tflops", "frac_of_peak_gemm", "speedup_vs_torchtitan", "speedup_vs_megatron", "frac_of_dense",
             "fp8_speedup_vs_bf16", "ours_graph_ms", "frac_of_peak_gemm_graph", "fp8_speedup_vs_bf16_graph",
-            "quack_speedup_vs_torch", "quack_out_rel_diff", "routing_agree", "out_rel_diff", "fp8_out_rel_diff", "megatron_path",
+            "quack_speedup_vs_torch", "quack_out_rel_diff", "routing_agree", "out_rel_diff", "fp8_out_rel_diff", "fp8_copies_out_rel_diff", "megatron_path",
             "megatron_routing_agree", "megatron_out_rel_diff"]
     table = markdown_table(rows, cols)
     name = "moe_layer" if not (a.tokens or a.case or a.routing) else f"moe_layer_T{a.tokens or 'x'}"  # partial runs apart

@@ -14,6 +14,10 @@ Scales are dequantisation multipliers rounded up to a power of two (x ≈ q · s
     cast_experts_t(w_EOI, s_E, out_EIP, col0)    out[e, i, col0 + o]  = fp8(w[e, o, i] / s[e])
         the transposed FP8 copy the input gradient's GEMM needs (Hopper FP8 GEMMs read both operands
         along the reduction dimension); ``cast_experts_torch`` is the plain (forward) layout's reference.
+    Fp8Copy, write_copy_reference_, recast_moved_, transpose_copy_
+        a weight's place in a persistent FP8 copy that the optimizer step writes (kernels/adamw.py) with
+        the scales it already has while it takes the new amax; ``recast_moved_`` then recasts only the
+        experts whose scale moved, and ``transpose_copy_`` writes the transposed copy from the plain one.
     swiglu_quant(ab_MJ, n_valid=None) -> (h_MH bf16, q_MH fp8, s_M)          J = 2H, ab = [a | b]
         h = silu(a) · b in fp32, written in bf16 and as FP8 rows (one scale per row).
     swiglu_quant_bwd(dh_MH, ab_MJ, n_valid=None) -> (da_MH, db_MH bf16, q_MJ fp8, s_M)
@@ -22,6 +26,8 @@ Scales are dequantisation multipliers rounded up to a power of two (x ≈ q · s
 
 Everything is read from device memory: no host sync, fixed output shapes (CUDA-graph capturable).
 """
+
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -246,6 +252,48 @@ def cast_experts_t(w_EOI: torch.Tensor, s_E: torch.Tensor, out_EIP: torch.Tensor
     BO, BI = 64, 64
     _cast_experts_t_kernel[(triton.cdiv(O, BO), triton.cdiv(I, BI), E)](w, s_E, out_EIP, O, I, out_EIP.shape[2], col0,
                                                                          BLOCK_O=BO, BLOCK_I=BI, num_warps=4)
+
+
+class Fp8Copy(NamedTuple):
+    """Where a weight w [E, O, I] lives in a persistent FP8 copy: rows [row0, row0 + O) of ``plain_EPI``
+    [E, P, I]; ``scale_E`` the scales the copy holds (shared with the weights stacked beside it), ``amax_E``
+    the running amax of what was written since the scales were last set (both fp32 [E], device)."""
+    plain_EPI: torch.Tensor
+    row0: int
+    scale_E: torch.Tensor
+    amax_E: torch.Tensor
+
+
+def write_copy_reference_(w_EOI: torch.Tensor, c: Fp8Copy) -> None:
+    """fp8(w / c.scale_E) written into the copy, |w|'s amax per expert folded into c.amax_E (torch: the
+    optimizer kernel's reference)."""
+    c.plain_EPI[:, c.row0:c.row0 + w_EOI.shape[1]] = _cast(w_EOI.detach(), c.scale_E[:, None, None])
+    torch.maximum(c.amax_E, w_EOI.detach().abs().flatten(1).amax(1).float(), out=c.amax_E)
+
+
+def recast_moved_(w_EOI: torch.Tensor, c: Fp8Copy, s_E: torch.Tensor) -> None:
+    """w's rows of the copy recast with the scales ``s_E`` for the experts where s_E differs from c.scale_E
+    (which is left as it is: the caller sets it after every weight sharing it was recast)."""
+    E, O, I = w_EOI.shape
+    rows = c.plain_EPI[:, c.row0:c.row0 + O]
+    if not _on_kernels(w_EOI):
+        rows.copy_(torch.where((s_E != c.scale_E)[:, None, None], _cast(w_EOI.detach(), s_E[:, None, None]), rows))
+        return
+    w = w_EOI.detach()
+    if not w.is_contiguous():
+        raise ValueError("recast_moved_: the weight must be contiguous (the optimizer's fp32 master)")
+    BLOCK = 4096
+    _recast_kernel[(triton.cdiv(O * I, BLOCK), E)](w, c.scale_E, s_E, c.plain_EPI, O * I, c.plain_EPI[0].numel(),
+                                                   c.row0 * I, BLOCK=BLOCK, num_warps=8)
+
+
+def transpose_copy_(plain_EPI: torch.Tensor, out_EIP: torch.Tensor) -> None:
+    """out[e] = plain[e]ᵀ, FP8 bytes unchanged (the transposed copy the input gradient's GEMM reads)."""
+    if not _on_kernels(plain_EPI):
+        out_EIP.view(torch.uint8).copy_(plain_EPI.view(torch.uint8).transpose(1, 2))
+        return
+    # the transposed cast at scale 1: FP8 values pass through fp32 exactly
+    cast_experts_t(plain_EPI, torch.ones(plain_EPI.shape[0], dtype=torch.float32, device=plain_EPI.device), out_EIP, 0)
 
 
 def swiglu_quant(ab_MJ: torch.Tensor, n_valid: torch.Tensor | None = None):

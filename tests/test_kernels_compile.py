@@ -1,4 +1,4 @@
-"""Kernels no interpreter test runs (FP8 casts, the fused master-weight AdamW) compile for sm_90 on a
+"""Kernels no interpreter test runs (FP8 casts, the fused master-weight AdamW, also writing FP8 copies) compile for sm_90 on a
 machine without a GPU: their wrappers launch them on CPU tensors with launches recorded, not
 executed (tests/sm90_compile.py, SM90_COMPILE_ONLY), then Triton compiles each launch to a cubin."""
 
@@ -25,6 +25,18 @@ for param_dtype in (torch.bfloat16, torch.float32):
     adamw.adamw_master_(p, g, w, m, v, 1e-3, step, 0.9, 0.95, 1e-8, 0.1)
     adamw.adamw_master_(p, g, w, m, v, torch.full((), 1e-3), step, 0.9, 0.95, 1e-8, 0.1, skip=torch.zeros(()),
                         grad_mul=torch.ones(()))
+# FP8 copies written in the optimizer's pass ([w1; w3] halves and a whole w2), their recast and transposition
+E, H, D = 3, 40, 24
+plain, step = torch.empty(E, 2 * H, D, dtype=FP8), torch.ones(())
+c = fp8.Fp8Copy(plain, H, torch.ones(E), torch.zeros(E))
+g13, p13 = torch.zeros(E, 2 * H, D).bfloat16(), torch.zeros(E, 2 * H, D).bfloat16()
+w, m, v = (torch.zeros(E, H, D) for _ in range(3))
+adamw.adamw_master_(p13[:, H:], g13[:, H:], w, m, v, torch.full((), 1e-3), step, 0.9, 0.95, 1e-8, 0.1,
+                    skip=torch.zeros(()), fp8=c)
+adamw.adamw_master_(torch.zeros(E, H, D).bfloat16(), torch.zeros(E, H, D).bfloat16(), w, m, v, 1e-3, step, 0.9,
+                    0.95, 1e-8, 0.1, fp8=c)
+fp8.recast_moved_(w, c, torch.ones(E))
+fp8.transpose_copy_(plain, torch.empty(E, D, 2 * H, dtype=FP8))
 print("LAUNCHED-OK")
 """
 

@@ -13,6 +13,7 @@ def _bf16_row(ms=10.0, graph_ms=8.0, gemm=800.0):
     tf = FLOPS / (ms * 1e-3) / 1e12
     row = {"T": T, "ours_ms": ms, "ours_tflops": tf, "ours_graph_ms": graph_ms, "torchtitan_ms": 20.0,
            "dense_ms": 9.0, "megatron_ms": 15.0, "fp8_ms": 8.0, "fp8_graph_ms": 6.4, "quack_ms": 9.0,
+           "fp8_copies_ms": 7.0, "fp8_copies_graph_ms": 5.6, "fp8_copy_write_ms": 0.4,
            "quack_graph_ms": 7.2, "quack_out_rel_diff": 0.004, "quack_gathered_ms": 9.5,
            "quack_gathered_graph_ms": None, "quack_gathered_out_rel_diff": 0.004}
     return row, gemm
@@ -28,6 +29,17 @@ def test_fp8_row_divides_by_the_fp8_gemm_and_the_bf16_times():
     assert r["frac_of_peak_gemm_graph"] == pytest.approx(FLOPS / 6.4e-3 / 1e12 / 1600.0)
     assert r["speedup_vs_torchtitan"] == pytest.approx(20.0 / 8.0)
     assert r["speedup_vs_megatron"] == pytest.approx(15.0 / 8.0)
+
+
+def test_fp8_copies_row_charges_the_optimizers_copy_write_to_the_layer():
+    row, gemm = _bf16_row()
+    r = fp8_row(row, 1600.0, "copies")
+    assert r["fp8_weights"] == "copies" and r["ours_ms"] == pytest.approx(7.4) and r["fp8_copy_write_ms"] == 0.4
+    assert r["fp8_speedup_vs_bf16"] == pytest.approx(10.0 / 7.4)
+    assert r["fp8_speedup_vs_bf16_graph"] == pytest.approx(8.0 / 6.0)
+    assert fp8_row(row, 1600.0)["fp8_copy_write_ms"] is None  # the per-call cast row pays nothing there
+    row["fp8_copies_graph_ms"] = None  # a failed capture stays empty
+    assert fp8_row(row, 1600.0, "copies")["ours_graph_ms"] is None
 
 
 def test_quack_rows_take_their_own_times_and_a_failed_capture_stays_empty():

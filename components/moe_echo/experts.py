@@ -25,7 +25,7 @@ from components.tensors import local_of
 from kernels.cast import cast_scale
 from kernels.swiglu import swiglu, swiglu13
 
-from .fp8_experts import fp8_grouped_swiglu
+from .fp8_experts import Fp8WeightCopies, fp8_grouped_swiglu
 from .quack_experts import quack_grouped_swiglu, quack_swiglu
 
 
@@ -167,6 +167,7 @@ class GroupedExperts(nn.Module):
         self._grad_divide = 1.0
         self._grad_hooks: list = []
         self.compute_copies = False  # enable_compute_copies: the optimizer writes the compute dtype's copies
+        self.fp8_copies: Fp8WeightCopies | None = None  # enable_fp8_copies: the optimizer writes the FP8 copies
 
     def set_gradient_divide_factor(self, factor: float) -> None:
         """Divide the weights' gradients by ``factor`` (FSDPModule's method of the same name, for weights
@@ -205,8 +206,9 @@ class GroupedExperts(nn.Module):
         weights = self.local_weights()
         if extend is not None:
             weights = tuple(extend(w, i) for i, w in enumerate(weights))
-        if self.precision == "fp8":
-            return fp8_grouped_swiglu(x_ND, *weights, counts_e, self._fp8_scale_hint(weights[0]))
+        if self.precision == "fp8":  # ECHO's extended weights (clones appended) are cast per call
+            copies = self.fp8_copies if extend is None else None
+            return fp8_grouped_swiglu(x_ND, *weights, counts_e, self._fp8_scale_hint(weights[0]), copies=copies)
         if self.gemm == "quack" and x_ND.is_cuda:
             return quack_grouped_swiglu(x_ND, *weights, counts_e)
         return grouped_swiglu(x_ND, *weights, counts_e)
@@ -264,6 +266,20 @@ class GroupedExperts(nn.Module):
                 full2[:e] = c2
                 self.w2.compute_copy, self._full13, self._full2 = full2[:e], full13, full2
         self.compute_copies = True
+
+    def enable_fp8_copies(self) -> None:
+        """FP8 experts whose optimizer writes their FP8 weight copies (``Fp8WeightCopies``; AdamWWithCopies and
+        MasterAdamW, components/train/master_adamw.py, find them as ``w.fp8_copy = (copies, role)``): the forward
+        and the input gradient read them instead of casting the weights per call. Written here from the weights
+        as they are; ``refresh_compute_copies`` rewrites them after weights were loaded."""
+        if self.precision != "fp8":
+            raise ValueError("FP8 weight copies are for expert_precision = 'fp8'")
+        w1, w2, w3 = (local_of(w).detach() for w in (self.w1, self.w2, self.w3))
+        E, H, D = w1.shape
+        self.fp8_copies = Fp8WeightCopies(E, H, D, w1.device)
+        self.fp8_copies.write_(w1, w2, w3)
+        for role, w in enumerate((self.w1, self.w2, self.w3), start=1):
+            w.fp8_copy = (self.fp8_copies, role)
 
     def _new_forward(self) -> None:
         """A forward that will be differentiated: the compute gradients of the last step were applied."""

@@ -15,7 +15,9 @@ output gradients one scale per row; weights one scale per expert (w1 and w3 shar
 plain copy (forward) and the transposed copy (input gradient) share it. The forward copy is cast
 with the previous call's scale while the amax is taken, and cast again only where the scale moved
 (``kernels.fp8.cast_experts_scaled``): exact current scaling without a separate amax pass. The FP8
-weight copies are made per call; weights stay in their own dtype (fp32 masters or bf16 parameters).
+weight copies are made per call; weights stay in their own dtype (fp32 masters or bf16 parameters) —
+unless ``copies`` (``Fp8WeightCopies``) are given: persistent FP8 copies in both layouts that the
+optimizer step writes from the fp32 masters (kernels/adamw.py), so no weight is cast in the layer.
 Expert groups need no alignment (the 2d×3d FP8 GEMMs accept any row counts); rows past sum(counts)
 are skipped by every pass.
 
@@ -26,7 +28,8 @@ tests check everything but the tensor-core kernels.
 import torch
 
 from components.errors import UserError
-from kernels.fp8 import FP8, cast_experts_scaled, cast_experts_t, quant_rows, swiglu_quant, swiglu_quant_bwd
+from kernels.fp8 import (FP8, Fp8Copy, cast_experts_scaled, cast_experts_t, pow2_scale, quant_rows, recast_moved_,
+                         swiglu_quant, swiglu_quant_bwd, transpose_copy_)
 
 ALIGN = 16  # FP8 GEMM operands: dim and hidden_dim must be multiples of 16 (16-byte rows)
 
@@ -75,16 +78,81 @@ def _per_column(s_E: torch.Tensor, n: int) -> torch.Tensor:
     return s_E[:, None].expand(-1, n).contiguous()
 
 
+class Fp8WeightCopies:
+    """Persistent FP8 copies of one rank's E experts (w1, w3: [E, H, D], w2: [E, D, H]) in the layouts the GEMMs
+    read, written by the optimizer step (``adamw_master_(..., fp8=copies.copy(role))`` writes the plain copies
+    in its pass over each weight; ``finish_`` then settles the scales and transposes) instead of cast from the
+    weights in every forward and backward:
+
+        plain13_E2HD [E, 2H, D]  [w1; w3] as stored (forward),   plain2_EDH [E, D, H]  w2 (forward)
+        t13_ED2H     [E, D, 2H]  [w1; w3]ᵀ (input gradient),      t2_EHD     [E, H, D]  w2ᵀ (input gradient)
+        scale_2E     fp32 [2, E] the scales of ([w1; w3], w2) the copies hold (module docstring's scaling)
+        amax_2E      fp32 [2, E] the amax of the weights written since the last ``finish_``
+
+    2 bytes per weight element in all, the size of one bf16 copy. Roles: 1, 2, 3 for w1, w2, w3. Per step the
+    optimizer moves 3 bytes per element for them (write the plain copy; read it, write the transposed one)
+    where casting in the layer moves 6 (read bf16 and write FP8, twice)."""
+
+    def __init__(self, E: int, H: int, D: int, device: torch.device):
+        new = lambda *shape: torch.zeros(*shape, dtype=FP8, device=device)
+        self.plain13_E2HD, self.plain2_EDH = new(E, 2 * H, D), new(E, D, H)
+        self.t13_ED2H, self.t2_EHD = new(E, D, 2 * H), new(E, H, D)
+        self.scale_2E = torch.ones(2, E, dtype=torch.float32, device=device)
+        self.amax_2E = torch.zeros(2, E, dtype=torch.float32, device=device)
+        self.H = H
+
+    def copy(self, role: int) -> Fp8Copy:
+        """Where weight ``role`` (1, 2, 3: w1, w2, w3) lives in the copies."""
+        if role == 2:
+            return Fp8Copy(self.plain2_EDH, 0, self.scale_2E[1], self.amax_2E[1])
+        return Fp8Copy(self.plain13_E2HD, 0 if role == 1 else self.H, self.scale_2E[0], self.amax_2E[0])
+
+    @torch.no_grad()
+    def write_(self, w1_EHD: torch.Tensor, w2_EDH: torch.Tensor, w3_EHD: torch.Tensor) -> None:
+        """Every copy from the weights (at the start, after weights were loaded): exact current scales."""
+        cast_experts_scaled((w1_EHD, w3_EHD), self.plain13_E2HD, self.scale_2E[0])
+        cast_experts_scaled((w2_EDH,), self.plain2_EDH, self.scale_2E[1])
+        self._transpose()
+        self.amax_2E.zero_()
+
+    def _transpose(self) -> None:
+        transpose_copy_(self.plain13_E2HD, self.t13_ED2H)
+        transpose_copy_(self.plain2_EDH, self.t2_EHD)
+
+    @torch.no_grad()
+    def finish_(self, masters: dict[int, torch.Tensor], updated: set[int], skip: torch.Tensor | None) -> None:
+        """After the optimizer wrote the copies of the weights in ``updated`` (with the held scales) from
+        ``masters`` (role -> fp32 weight, all three roles): the scales become those of the new amax — kept where
+        ``skip`` (device flag of a gated step) is set — the experts whose scale moved are recast, and the
+        transposed copies written from the plain ones. All on the device; a partial update (a weight without
+        gradient) rewrites every copy."""
+        if updated != {1, 2, 3}:
+            self.write_(masters[1], masters[2], masters[3])
+            return
+        s_2E = pow2_scale(self.amax_2E)
+        if skip is not None:
+            s_2E = torch.where(skip > 0, self.scale_2E, s_2E)
+        for role in (1, 2, 3):
+            recast_moved_(masters[role], self.copy(role), s_2E[0 if role != 2 else 1])
+        self.scale_2E.copy_(s_2E)
+        self.amax_2E.zero_()
+        self._transpose()
+
+
 class _Fp8GroupedSwiGLU(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x_ND, w1_EHD, w2_EDH, w3_EHD, counts_E, hint_2E):
+    def forward(ctx, x_ND, w1_EHD, w2_EDH, w3_EHD, counts_E, hint_2E, copies):
         E, H, D = w1_EHD.shape
         offs_E = torch.cumsum(counts_E, 0, dtype=torch.int32)
         used = offs_E[-1:]
-        w13_q = torch.empty(E, 2 * H, D, dtype=FP8, device=x_ND.device)  # [w1; w3] as stored: K-major for x @ ·ᵀ
-        s13_E = cast_experts_scaled((w1_EHD, w3_EHD), w13_q, hint_2E[0])
-        w2_q = torch.empty(E, D, H, dtype=FP8, device=x_ND.device)
-        s2_E = cast_experts_scaled((w2_EDH,), w2_q, hint_2E[1])
+        ctx.copies = copies
+        if copies is not None:  # written by the optimizer: no weight is read here
+            w13_q, w2_q, s13_E, s2_E = copies.plain13_E2HD, copies.plain2_EDH, *copies.scale_2E.unbind(0)
+        else:
+            w13_q = torch.empty(E, 2 * H, D, dtype=FP8, device=x_ND.device)  # [w1; w3] as stored: K-major for x @ ·ᵀ
+            s13_E = cast_experts_scaled((w1_EHD, w3_EHD), w13_q, hint_2E[0])
+            w2_q = torch.empty(E, D, H, dtype=FP8, device=x_ND.device)
+            s2_E = cast_experts_scaled((w2_EDH,), w2_q, hint_2E[1])
         x_q, x_s = quant_rows(x_ND, used)
         ab_MJ = scaled_grouped_mm(x_q, w13_q.transpose(-2, -1), x_s, _per_column(s13_E, 2 * H), offs_E)
         h_MH, h_q, h_s = swiglu_quant(ab_MJ, used)
@@ -99,27 +167,38 @@ class _Fp8GroupedSwiGLU(torch.autograd.Function):
         used = offs_E[-1:]
         dy_ND = dy_ND.to(torch.bfloat16).contiguous()
         dy_q, dy_s = quant_rows(dy_ND, used)
-        w2t_q = torch.empty(E, H, D, dtype=FP8, device=dy_ND.device)  # w2ᵀ: K-major for dy @ w2
-        cast_experts_t(w2_EDH, s2_E, w2t_q, 0)
+        copies = ctx.copies
+        if copies is not None:
+            w2t_q, w13t_q = copies.t2_EHD, copies.t13_ED2H
+        else:
+            w2t_q = torch.empty(E, H, D, dtype=FP8, device=dy_ND.device)  # w2ᵀ: K-major for dy @ w2
+            cast_experts_t(w2_EDH, s2_E, w2t_q, 0)
+            w13t_q = torch.empty(E, D, 2 * H, dtype=FP8, device=dy_ND.device)  # [w1; w3]ᵀ: K-major for [da|db] @ ·
+            cast_experts_t(w1_EHD, s13_E, w13t_q, 0)
+            cast_experts_t(w3_EHD, s13_E, w13t_q, H)
         dh_MH = scaled_grouped_mm(dy_q, w2t_q.transpose(-2, -1), dy_s, _per_column(s2_E, H), offs_E)
         da_MH, db_MH, dab_q, dab_s = swiglu_quant_bwd(dh_MH, ab_MJ, used)
-        w13t_q = torch.empty(E, D, 2 * H, dtype=FP8, device=dy_ND.device)  # [w1; w3]ᵀ: K-major for [da|db] @ ·
-        cast_experts_t(w1_EHD, s13_E, w13t_q, 0)
-        cast_experts_t(w3_EHD, s13_E, w13t_q, H)
         dx_ND = scaled_grouped_mm(dab_q, w13t_q.transpose(-2, -1), dab_s, _per_column(s13_E, D), offs_E)
         dw1 = grouped_wgrad(da_MH, x_ND, offs_E)
         dw3 = grouped_wgrad(db_MH, x_ND, offs_E)
         dw2 = grouped_wgrad(dy_ND, h_MH, offs_E)
-        return dx_ND.to(x_ND.dtype), dw1.to(w1_EHD.dtype), dw2.to(w2_EDH.dtype), dw3.to(w3_EHD.dtype), None, None
+        return dx_ND.to(x_ND.dtype), dw1.to(w1_EHD.dtype), dw2.to(w2_EDH.dtype), dw3.to(w3_EHD.dtype), None, None, None
 
 
-def fp8_grouped_swiglu(x_ND, w1_EHD, w2_EDH, w3_EHD, counts_E, scale_hint_2E=None):
+def fp8_grouped_swiglu(x_ND, w1_EHD, w2_EDH, w3_EHD, counts_E, scale_hint_2E=None,
+                       copies: Fp8WeightCopies | None = None):
     """SwiGLU experts with FP8 GEMMs (see the module docstring); x_ND bf16, D and H multiples of 16.
     ``scale_hint_2E``: fp32 [2, E] on the device, the weight scales ([w1; w3], w2) of the previous call,
-    updated in place — kept by the caller across steps it saves the weights' amax pass (zeros: no guess)."""
+    updated in place — kept by the caller across steps it saves the weights' amax pass (zeros: no guess).
+    ``copies``: the weights' FP8 copies, current (written by the optimizer): the weights themselves only
+    receive the gradients."""
     E, H, D = w1_EHD.shape
     if D % ALIGN or H % ALIGN:
         raise UserError(f"FP8 experts need dim and hidden_dim divisible by {ALIGN}; got dim={D}, hidden_dim={H}")
+    if copies is not None and tuple(copies.plain2_EDH.shape) != tuple(w2_EDH.shape):
+        raise ValueError(f"FP8 copies of shape {tuple(copies.plain2_EDH.shape)} for w2 of {tuple(w2_EDH.shape)}: "
+                         "the copies belong to other weights (ECHO's extended weights have none)")
     if scale_hint_2E is None:
         scale_hint_2E = torch.zeros(2, E, dtype=torch.float32, device=x_ND.device)
-    return _Fp8GroupedSwiGLU.apply(x_ND.to(torch.bfloat16).contiguous(), w1_EHD, w2_EDH, w3_EHD, counts_E, scale_hint_2E)
+    return _Fp8GroupedSwiGLU.apply(x_ND.to(torch.bfloat16).contiguous(), w1_EHD, w2_EDH, w3_EHD, counts_E, scale_hint_2E,
+                                   copies)

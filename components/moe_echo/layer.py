@@ -218,6 +218,13 @@ class MoELayer(nn.Module):
         slot rows after them where ECHO is on (its clones are written there: no concatenation per step)."""
         self.experts.enable_compute_copies(spare_rows=self.echo.S if self.echo is not None else 0)
 
+    def enable_fp8_copies(self) -> None:
+        """FP8 experts' optimizer-written FP8 weight copies (``GroupedExperts.enable_fp8_copies``). Nothing with
+        bf16 experts, and nothing with ECHO: its clones extend the weights every step, and the extended weights
+        are cast per call."""
+        if self.experts.precision == "fp8" and self.echo is None and not self.cfg.gathered_experts:
+            self.experts.enable_fp8_copies()
+
     def _shared_stream(self, x_TD: torch.Tensor) -> torch.cuda.Stream | None:
         """The side stream for the shared experts, or None where they run on the current stream."""
         mode = self.cfg.shared_experts_stream

@@ -15,6 +15,10 @@ Interchangeable with torch.optim.AdamW(fused=True) where the recipe relies on it
 - checkpoints: ``ModelAndOptimizer`` saves the masters as the model's weights (fp32, as the autocast
   path saves), so checkpoints load across the two paths and layouts; ``masters_in_model`` swaps them in
   for code that reads the model's full-precision weights (the HF export).
+
+Both optimizers also write FP8 experts' weight copies (``GroupedExperts.enable_fp8_copies``: a weight with
+``w.fp8_copy = (copies, role)``) in the same pass, from the fp32 master, then let the copies settle their
+scales (``Fp8WeightCopies.finish_``, on the device).
 """
 
 from contextlib import contextmanager
@@ -68,9 +72,11 @@ class MasterAdamW(torch.optim.Optimizer):
             if isinstance(lr, torch.Tensor) and lr.device != params[0].device:  # a host tensor (DCP's state init)
                 lr = float(lr)
             beta1, beta2 = group["betas"]
+            fp8 = _Fp8Writes()
             for p, s in zip(params, states):  # param and grad may be halves of [w1; w3] (QuACK): read in place
                 adamw_master_(p.data, p.grad, self.masters[p], s["exp_avg"], s["exp_avg_sq"], lr, s["step"], beta1,
-                              beta2, group["eps"], group["weight_decay"], skip, grad_mul)
+                              beta2, group["eps"], group["weight_decay"], skip, grad_mul, fp8.target(p))
+            fp8.finish(group["params"], self.masters.__getitem__, skip)
         return loss
 
     def load_state_dict(self, state_dict: dict) -> None:
@@ -113,6 +119,7 @@ class AdamWWithCopies(torch.optim.AdamW):
         scale = getattr(self, "grad_scale", None)
         for group in self.param_groups:
             beta1, beta2 = group["betas"]
+            fp8 = _Fp8Writes()
             for p in group["params"]:
                 g = getattr(p, "compute_grad", None)
                 if g is None:
@@ -134,7 +141,8 @@ class AdamWWithCopies(torch.optim.AdamW):
                 # g and the copy may be halves of [w1; w3] (QuACK's layout): the kernel reads them in place
                 adamw_master_(p.compute_copy, g, local_of(p), local_of(state["exp_avg"]),
                               local_of(state["exp_avg_sq"]), lr, state["step"], beta1, beta2, group["eps"],
-                              group["weight_decay"], skip, mul)
+                              group["weight_decay"], skip, mul, fp8.target(p))
+            fp8.finish(group["params"], local_of, skip)
         return loss
 
     def zero_grad(self, set_to_none: bool = True) -> None:
@@ -145,12 +153,37 @@ class AdamWWithCopies(torch.optim.AdamW):
                     p.compute_grad = None
 
 
-def refresh_compute_copies(model: torch.nn.Module) -> None:
-    """Rewrite every compute copy from its weights (after weights were loaded into them)."""
+class _Fp8Writes:
+    """The FP8 copies one param group's step writes: ``target(p)`` for each weight it updates, then ``finish``."""
+
+    def __init__(self):
+        self.updated: dict = {}  # Fp8WeightCopies -> roles written
+
+    def target(self, p: torch.Tensor):
+        copies, role = getattr(p, "fp8_copy", (None, None))
+        if copies is None:
+            return None
+        self.updated.setdefault(copies, set()).add(role)
+        return copies.copy(role)
+
+    def finish(self, params, master_of, skip) -> None:
+        for copies, roles in self.updated.items():
+            masters = {q.fp8_copy[1]: master_of(q) for q in params if getattr(q, "fp8_copy", (None,))[0] is copies}
+            copies.finish_(masters, roles, skip)
+
+
+def refresh_compute_copies(model: torch.nn.Module, optimizer=None) -> None:
+    """Rewrite every compute copy and FP8 weight copy from its weights (after weights were loaded into them);
+    the FP8 copies from the fp32 masters where ``optimizer`` keeps them (MasterAdamW), as its step writes them."""
     with torch.no_grad():
         for p in model.parameters():
             if getattr(p, "compute_copy", None) is not None:
                 p.compute_copy.copy_(local_of(p))
+        master = optimizer.masters.__getitem__ if has_masters(optimizer) else local_of
+        for module in model.modules():
+            copies = getattr(module, "fp8_copies", None)
+            if copies is not None:
+                copies.write_(*(master(w) for w in (module.w1, module.w2, module.w3)))
 
 
 def has_masters(optimizer) -> bool:

@@ -146,9 +146,13 @@ def build_training(run: Run, model: torch.nn.Module, loader: TokenBatchLoader) -
     fixed = any(is_fixed_capacity(moe.dispatcher) for _, moe in layers)
     replay = fixed and cfg.moe_echo.on_overflow == "replay"
     gated = replay or t.max_nonfinite_steps > 0
-    if use_copies(run, model):  # experts outside FSDP: the optimizer writes their bf16 copies
+    copies = use_copies(run, model)
+    if copies:  # experts outside FSDP: the optimizer writes their bf16 copies
         for _, moe in layers:
             moe.enable_compute_copies()
+    if master or copies:  # FP8 experts without ECHO: the optimizer writes their FP8 copies too
+        for _, moe in layers:
+            moe.enable_fp8_copies()
     optimizer = build_optimizer(model, cfg.optimizer, gated=gated, master_dtype=torch.bfloat16 if master else None)
     scale_into = optimizer if device.type == "cuda" and (master or cfg.optimizer.implementation == "fused") else None
     scheduler = build_lr_scheduler(optimizer, cfg.lr_scheduler, t.steps)
@@ -182,7 +186,7 @@ def resume(run: Run, tr: Training, model: torch.nn.Module) -> bool:
             loaded = load_initial_weights(model, ckpt.initial_load_path, ckpt.initial_load_in_hf, cfg.model.name)
         if tr.master:
             tr.optimizer.sync_params()
-        refresh_compute_copies(model)
+        refresh_compute_copies(model, tr.optimizer)
         run.say(f"initial weights: {loaded}")
     if tr.state.step >= t.steps:
         run.say(f"nothing to do: {found[1] if found else cfg.job.dump_folder} is at step {tr.state.step}, "

@@ -40,7 +40,7 @@ class ModelAndOptimizer:
             value = float(group["lr"])  # a captured step reads a tensor lr: fill it and keep it
             group["lr"] = old.fill_(value) if isinstance(old, torch.Tensor) else value
         self.tensor_lr_groups = set()
-        refresh_compute_copies(self.model)  # the bf16 copies the optimizer writes, from the loaded weights
+        refresh_compute_copies(self.model, self.optimizer)  # the copies the optimizer writes, from the loaded weights
 
 
 def _lr_as_number(optim_sd: dict, as_tensor: set[int] = frozenset()) -> dict:
