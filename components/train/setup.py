@@ -153,6 +153,11 @@ def build_training(run: Run, model: torch.nn.Module, loader: TokenBatchLoader) -
     if master or copies:  # FP8 experts without ECHO: the optimizer writes their FP8 copies too
         for _, moe in layers:
             moe.enable_fp8_copies()
+    if cfg.moe_echo.expert_precision == "fp8":
+        n = sum(moe.experts.fp8_copies is not None for _, moe in layers)
+        run.say(f"fp8 experts: weight copies written by the optimizer step in {n} of {len(layers)} MoE layers"
+                + ("" if n == len(layers) else "; the others cast their weights per call (ECHO's clones, or no "
+                   "optimizer that writes copies)"))
     optimizer = build_optimizer(model, cfg.optimizer, gated=gated, master_dtype=torch.bfloat16 if master else None)
     scale_into = optimizer if device.type == "cuda" and (master or cfg.optimizer.implementation == "fused") else None
     scheduler = build_lr_scheduler(optimizer, cfg.lr_scheduler, t.steps)
