@@ -47,5 +47,5 @@ def test_fp8_and_adamw_kernels_compile_for_sm90():
     run_in_interpreter(_SCRIPT, "LAUNCHED-OK", p)
     compiled = p.stderr.split("SM90-COMPILED", 1)[1].splitlines()[0]
     for kernel in ("_quant_rows_kernel", "_cast_amax_kernel", "_recast_kernel", "_cast_experts_t_kernel",
-                   "_swiglu_quant_kernel", "_swiglu_quant_bwd_kernel", "_adamw_kernel"):
+                   "_swiglu_quant_kernel", "_swiglu_quant_bwd_kernel", "_adamw_kernel", "_transpose_kernel"):
         assert kernel in compiled.split(": ", 1)[1].split(), compiled  # launched, so compiled (not a torch fallback)
