@@ -39,6 +39,11 @@ CASES = {
     "padded_2gpu": (2, ["--parallelism.expert_parallel_degree", "2", "--moe_echo.dispatcher", "padded",
                         "--moe_echo.capacity_factor", "2.0"]),
 }
+# FP8 experts with optimizer-written weight copies (Hopper): MasterAdamW on one GPU, AdamWWithCopies at EP=2
+CASES["fp8_copies_1gpu"] = (1, ["--moe_echo.expert_precision", "fp8"])
+CASES["fp8_copies_nvlink_2gpu"] = (2, CASES["padded_2gpu"][1][:2] + ["--moe_echo.dispatcher", "nvlink",
+                                                                    "--moe_echo.capacity_factor", "2.0",
+                                                                    "--moe_echo.expert_precision", "fp8"])
 CASES["echo_nvlink_quack_2gpu"] = (2, CASES["echo_nvlink_2gpu"][1] + ["--moe_echo.experts_gemm", "quack"])
 CASES["gathered_quack_1gpu"] = (1, ["--moe_echo.experts_gemm", "quack", "--moe_echo.gathered_experts", "true"])
 CASES["gathered_echo_nvlink_quack_2gpu"] = (2, CASES["echo_nvlink_quack_2gpu"][1] + ["--moe_echo.gathered_experts", "true"])
@@ -51,9 +56,13 @@ def test_sync_free_steps_and_graph_equals_eager(case, tmp_path):
         pytest.skip(f"needs {nproc} GPUs")
     if "quack" in case:  # ECHO's clone weights, or token rows read by index, through QuACK's GEMMs
         pytest.importorskip("quack")
+    if "fp8" in case and torch.cuda.get_device_capability() < (9, 0):
+        pytest.skip("FP8 experts need a Hopper GPU")
     eager, _ = run_recipe(str(tmp_path), "eager", nproc, extra)
     graphed, out = run_recipe(str(tmp_path), "graphed", nproc, extra + ["--training.cuda_graph", "true"])
     assert "cuda graph: captured" in out, out[-3000:]
+    if "fp8" in case:
+        assert "fp8 experts: weight copies written by the optimizer step in" in out, out[-3000:]
     assert len(eager) == len(graphed) == STEPS
     for s, (a, b) in enumerate(zip(eager, graphed), 1):
         assert abs(a - b) <= 2e-3 * abs(a), f"step {s}: eager loss {a} vs graphed {b}"
@@ -176,3 +185,20 @@ def test_graphed_run_resumes_graphed_and_eagerly(tmp_path):
         assert "resumed from" in out and len(resumed) == STEPS - 10
         for s, (a, b) in enumerate(zip(graphed[10:], resumed), 11):
             assert abs(a - b) <= 2e-3 * abs(a), f"{name} step {s}: uninterrupted {a} vs resumed {b}"
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() < (9, 0),
+                    reason="needs a Hopper GPU")
+def test_fp8_copies_are_rewritten_on_resume_and_the_loss_curve_continues(tmp_path):
+    """FP8 experts, graphed, one GPU: a run resumed from its step-10 checkpoint (the FP8 weight copies rewritten
+    from the loaded fp32 masters) continues the uninterrupted run's loss curve."""
+    import shutil
+
+    args = ["--moe_echo.expert_precision", "fp8", "--training.cuda_graph", "true", "--checkpoint.enable", "true",
+            "--checkpoint.interval", "10"]
+    whole, _ = run_recipe(str(tmp_path), "whole", 1, args)
+    shutil.copytree(tmp_path / "whole" / "checkpoint" / "step-10", tmp_path / "resumed" / "checkpoint" / "step-10")
+    resumed, out = run_recipe(str(tmp_path), "resumed", 1, args)
+    assert "resumed from" in out and len(resumed) == STEPS - 10
+    for s, (a, b) in enumerate(zip(whole[10:], resumed), 11):
+        assert abs(a - b) <= 2e-3 * abs(a), f"step {s}: uninterrupted {a} vs resumed {b}"
