@@ -45,8 +45,8 @@ from torchtitan.models.moe import MoE, MoEArgs
 
 from benchmarks import megatron_layer
 from benchmarks.common import environment, graphed, markdown_table, time_ms, write_results
+from benchmarks.optimizer_pass import fp8_copies_pass_ms
 from components.moe_echo.config import MoEEchoConfig
-from components.moe_echo.fp8_experts import Fp8WeightCopies
 from components.moe_echo.layer import MoELayer
 
 CASES = [  # (T, D, H, E, K)
@@ -231,26 +231,11 @@ def plain_fp8_gemm_tflops(dev: str, m: int = 16384, n: int = 4096, k: int = 4096
 
 def fp8_copy_write_ms(layer: MoELayer) -> float:
     """What the optimizer step pays to write the FP8 weight copies of ``layer``'s experts: its fused AdamW pass
-    (kernels/adamw.py: fp32 masters and moments, bf16 gradients and weights) over the three weights with the
-    FP8 copies written, minus the same pass without them, median ms."""
-    from kernels.adamw import adamw_master_
-
+    over the three weights with the FP8 copies written, minus the same pass without them, median ms
+    (``benchmarks/optimizer_pass.py``)."""
     ge = layer.experts
-    copies = Fp8WeightCopies(*ge.w1.shape, ge.w1.device)
-    ws = [w.detach().float() for w in (ge.w1, ge.w2, ge.w3)]
-    copies.write_(*ws)
-    state = [(torch.zeros_like(w), torch.zeros_like(w), torch.randn_like(w).bfloat16(), w.bfloat16()) for w in ws]
-    step = torch.ones((), device=ws[0].device)
-
-    def adamw(fp8: bool):
-        def fn():
-            for role, w, (m, v, g, p) in zip((1, 2, 3), ws, state):
-                adamw_master_(p, g, w, m, v, 1e-5, step, 0.9, 0.95, 1e-8, 0.1, fp8=copies.copy(role) if fp8 else None)
-            if fp8:
-                copies.finish_(dict(zip((1, 2, 3), ws)), {1, 2, 3}, None)
-        return fn
-
-    return time_ms(adamw(True)) - time_ms(adamw(False))
+    t = fp8_copies_pass_ms(*(w.detach().float() for w in (ge.w1, ge.w2, ge.w3)))
+    return t["with_fp8_copies_ms"] - t["adamw_ms"]
 
 
 def fp8_row(row: dict, gemm8: float, weights: str = "cast") -> dict:

@@ -17,7 +17,9 @@ import torch
 
 from benchmarks.common import environment, markdown_table, time_ms, write_results
 from components.moe_echo.experts import GroupedExperts, _ComputeCast
+from components.moe_echo.fp8_experts import Fp8WeightCopies
 from components.train.master_adamw import AdamWWithCopies
+from kernels.adamw import adamw_master_
 
 HP = dict(lr=1e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1, fused=True)
 
@@ -30,6 +32,29 @@ def experts(args, copies: bool) -> GroupedExperts:
     if copies:
         ge.enable_compute_copies()
     return ge
+
+
+def fp8_copies_pass_ms(w1_EHD: torch.Tensor, w2_EDH: torch.Tensor, w3_EHD: torch.Tensor) -> dict:
+    """The fused AdamW pass (kernels/adamw.py: fp32 masters and moments, bf16 gradients and weights) over one
+    layer's three expert weights (fp32, CUDA), median ms: ``adamw_ms`` alone, ``with_fp8_copies_ms`` also writing
+    their FP8 copies (``Fp8WeightCopies``: the plain copy in the pass, then ``finish_``), and ``finish_ms``, the
+    ``finish_`` alone once no scale moves."""
+    ws = (w1_EHD, w2_EDH, w3_EHD)
+    copies = Fp8WeightCopies(*w1_EHD.shape, w1_EHD.device)
+    copies.write_(*ws)
+    state = [(torch.zeros_like(w), torch.zeros_like(w), torch.randn_like(w).bfloat16(), w.bfloat16()) for w in ws]
+    step = torch.ones((), device=w1_EHD.device)
+    finish = lambda: copies.finish_(dict(zip((1, 2, 3), ws)), {1, 2, 3}, None)  # noqa: E731
+
+    def adamw(fp8: bool):
+        def fn():
+            for role, w, (m, v, g, p) in zip((1, 2, 3), ws, state):
+                adamw_master_(p, g, w, m, v, 1e-5, step, 0.9, 0.95, 1e-8, 0.1, fp8=copies.copy(role) if fp8 else None)
+            if fp8:
+                finish()
+        return fn
+
+    return {"adamw_ms": time_ms(adamw(False)), "with_fp8_copies_ms": time_ms(adamw(True)), "finish_ms": time_ms(finish)}
 
 
 def copy_rate_gbs() -> float:
