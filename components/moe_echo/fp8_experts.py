@@ -6,9 +6,11 @@
 GEMMs (``torch._scaled_grouped_mm``: Hopper FP8, fp32 accumulation, bf16 out):
     forward         [a | b] = x @ [w1; w3]ᵀ  (one GEMM, N = 2H),   y = h @ w2ᵀ
     input gradient  dh = dy @ w2,   dx = [da | db] @ [w1; w3]      (one GEMM, reduction over 2H)
-The three weight-gradient GEMMs stay in bf16 (``torch._grouped_mm`` on the bf16 x, h, dy, da, db):
-FP8 there needs per-(expert, column) scales of the token operands, i.e. five more transposing
-passes over tensors as large as the GEMMs' inputs, for ~1.3× on a third of the FLOPs.
+The three weight-gradient GEMMs stay in bf16 (``torch._grouped_mm`` on the bf16 x, h, dy, da, db): in
+FP8 (2d×2d ``torch._scaled_grouped_mm``, groups 16-aligned along the reduction) they measure 1.24× / 0.97×
+the bf16 ones at ``moe_layer.py``'s two shapes on H200, before the transposed, group-scaled FP8 copies of
+x, h, dy and [da | db] they read are written — which cost more than that saves
+(``benchmarks/probe_fp8_wgrad.py``).
 
 Scaling (dequantisation multipliers, powers of two, computed on the device): activations and
 output gradients one scale per row; weights one scale per expert (w1 and w3 share it), so the
