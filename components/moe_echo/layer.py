@@ -36,6 +36,7 @@ from torch import nn
 from torchtitan.models.moe import MoEArgs
 
 from components.debug import DEBUG_CHECKS, setup_work
+from components.streams import side_stream
 
 from .config import MoEEchoConfig
 from .dispatcher import Dispatcher, LocalDispatcher
@@ -44,17 +45,6 @@ from .experts import GroupedExperts, SwiGLU
 from .gathered_experts import RowLayout, gathered_swiglu_combine, nvlink_gathered_swiglu_combine
 from .nvlink_dispatch import NVLinkDispatcher
 from .router import TopKRouter, sequence_aux_loss, updated_expert_bias
-
-
-_SIDE_STREAMS: dict[int, torch.cuda.Stream] = {}
-
-
-def side_stream(device: torch.device) -> torch.cuda.Stream:
-    """The shared experts' side stream on ``device``: one per device, made once (graphs keep it)."""
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    if index not in _SIDE_STREAMS:
-        _SIDE_STREAMS[index] = torch.cuda.Stream(device=index)
-    return _SIDE_STREAMS[index]
 
 
 class _AddAuxLossGrad(torch.autograd.Function):
@@ -232,7 +222,7 @@ class MoELayer(nn.Module):
             return None
         if mode == "auto" and isinstance(self.dispatcher, LocalDispatcher):
             return None
-        return side_stream(x_TD.device)
+        return side_stream(x_TD.device, "shared_experts")
 
     @torch.no_grad()
     def update_expert_bias(self, counts_E: torch.Tensor | None = None, skip: torch.Tensor | None = None) -> None:

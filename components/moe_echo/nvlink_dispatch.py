@@ -50,6 +50,7 @@ from dataclasses import dataclass
 
 import torch
 
+from components.streams import side_stream
 from kernels.moe_rows import combine_backward, gather_sum
 from kernels.peer_rows import peer_gather_sum, peer_route_meta, peer_scatter
 from kernels.route_layout import layout_tail, slot_ranks
@@ -189,9 +190,6 @@ def send_rows(disp: NVLinkDispatcher, h: NVLinkHandle, x_TD: torch.Tensor, buf: 
     disp.ws.barrier(buf)
 
 
-_COPY_STREAMS: dict[int, torch.cuda.Stream] = {}
-
-
 @contextlib.contextmanager
 def _beside(x: torch.Tensor):
     """Run the body on the copy side stream of x's device, forked from the current stream (``_join`` joins it
@@ -199,9 +197,7 @@ def _beside(x: torch.Tensor):
     if not x.is_cuda:
         yield
         return
-    if x.device.index not in _COPY_STREAMS:
-        _COPY_STREAMS[x.device.index] = torch.cuda.Stream(device=x.device)
-    side = _COPY_STREAMS[x.device.index]
+    side = side_stream(x.device, "nvlink_copies")
     side.wait_stream(torch.cuda.current_stream(x.device))
     with torch.cuda.stream(side):
         yield
@@ -209,7 +205,7 @@ def _beside(x: torch.Tensor):
 
 def _join(x: torch.Tensor) -> None:
     if x.is_cuda:
-        torch.cuda.current_stream(x.device).wait_stream(_COPY_STREAMS[x.device.index])
+        torch.cuda.current_stream(x.device).wait_stream(side_stream(x.device, "nvlink_copies"))
 
 
 def send_tokens(disp: NVLinkDispatcher, h: NVLinkHandle, x_TD: torch.Tensor) -> None:
