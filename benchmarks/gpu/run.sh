@@ -214,11 +214,12 @@ print('largest step difference over steps 1-20: %.2e at step %d' % max(rel[:20])
           --steps ${STEPS:-40} --out "$OUT" --work /tmp/e2e ${ARGS:+--ours "$ARGS"} ${LABEL:+--label "$LABEL"} \
           ${VARIANTS:+--variants "$VARIANTS"} 2>&1 | grep -v '^{' | tail -12
       done
-    elif [ "$PART" = variants ]; then  # VARIANTS="name=recipe args;..." at EP=2: one call, one torchtitan baseline
-      timeout ${TMO:-560} python3 benchmarks/e2e.py ${REPEATS:+--repeats $REPEATS} --configs ${CONFIGS:-v2lite_1b_gpu} --nproc 2 \
+    elif [ "$PART" = variants ]; then  # VARIANTS="name=recipe args;..." at EP=${EP:-2} GPUs: one call, one torchtitan baseline
+      ep=${EP:-2}
+      timeout ${TMO:-560} python3 benchmarks/e2e.py ${REPEATS:+--repeats $REPEATS} --configs ${CONFIGS:-v2lite_1b_gpu} --nproc $ep \
         --runs ${RUNS:-ours_compile_graph,torchtitan_compile} --label ${LABEL:-variants} --steps ${STEPS:-40} --out "$OUT" \
-        --work /tmp/e2e --titan "--parallelism.expert_parallel_degree 2" --variants "${VARIANTS:?VARIANTS=\"name=args;...\"}" \
-        --ours "--parallelism.expert_parallel_degree 2 --moe_echo.dispatcher nvlink ${ARGS:-}" 2>&1 | grep -v '^{' | tail -12
+        --work /tmp/e2e --titan "--parallelism.expert_parallel_degree $ep" --variants "${VARIANTS:?VARIANTS=\"name=args;...\"}" \
+        --ours "--parallelism.expert_parallel_degree $ep --moe_echo.dispatcher nvlink ${ARGS:-}" 2>&1 | grep -v '^{' | tail -12
     elif [ "$PART" = fill ]; then  # the 2-GPU config sized to fill the GPUs (EP=2 set in the config)
       timeout ${TMO:-560} python3 benchmarks/e2e.py ${REPEATS:+--repeats $REPEATS} --configs v2lite_6b_2gpu --nproc 2 --runs $runs --label ${LABEL:-fill} \
         --steps ${STEPS:-40} --out "$OUT" --work /tmp/e2e --titan "--parallelism.expert_parallel_degree 2" \
