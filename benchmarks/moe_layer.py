@@ -18,8 +18,9 @@ quack-kernels is installed on a Hopper GPU, a ``quack`` row (``experts_gemm = "q
 GEMMs with SwiGLU in their epilogues; ``quack_out_rel_diff`` its output against the torch row's), and a
 ``quack_gathered`` row (``gathered_experts = true``: the GEMMs read token rows by index and the combine weights
 sit in their epilogues; no expert-major copy of the tokens).
-``*_graph_ms``: our layer's fwd+bwd captured in one CUDA graph, as the graphed training step runs it (no host
-launch time; the eager columns include it): ``frac_of_peak_gemm_graph`` and ``fp8_speedup_vs_bf16_graph`` from them.
+``*_graph_ms``: our layer's fwd+bwd captured in a CUDA graph, as the graphed training step runs it (no host
+launch time; the eager columns include it), the median of three captures (``graphed_ms``):
+``frac_of_peak_gemm_graph`` and ``fp8_speedup_vs_bf16_graph`` from them.
 
 ``megatron_ms``: Megatron-Core 0.16.1's MoE layer on the same weights, routing bias and inputs
 (``benchmarks/megatron_layer.py``): no transformer-engine, so its non-TE grouped path — GroupedMLP
@@ -34,6 +35,7 @@ names the one measured. Its outputs are cross-checked like torchtitan's (``megat
 import argparse
 import dataclasses
 import os
+import statistics
 import sys
 import traceback
 
@@ -82,13 +84,20 @@ def megatron_columns(ours, x, fwd_bwd, flops) -> dict:
             "megatron_out_rel_diff": rel}
 
 
+GRAPH_CAPTURES = 3
+
+
 def graphed_ms(fn) -> float | None:
-    """Median ms of ``fn`` replayed from one CUDA graph, or None (with the reason printed) where capture fails."""
+    """ms of ``fn`` replayed from a CUDA graph: the median over ``GRAPH_CAPTURES`` separate captures of each one's
+    median replay (on H200 one capture of an FP8 layer came out up to 1.1 ms, ~13%, slower than another of the same
+    layer; eager times vary far less), or None (with the reason printed) where capture fails."""
     try:
-        return time_ms(graphed(fn))
+        per_capture = [time_ms(graphed(fn)) for _ in range(GRAPH_CAPTURES)]
     except Exception as e:  # keep the eager columns of the run
         print(f"graphed timing: not measured ({type(e).__name__}: {str(e).splitlines()[0]})", flush=True)
         return None
+    print("graphed captures: " + ", ".join(f"{t:.3f}" for t in per_capture) + " ms", flush=True)
+    return statistics.median(per_capture)
 
 
 def run_case(T, D, H, E, K, routing, dev):

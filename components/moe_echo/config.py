@@ -28,7 +28,7 @@ class MoEEchoConfig:
     device), bf16 GEMMs for the weight gradients; Hopper or newer GPUs. Master weights, router,
     dispatch and combine stay as they are. Without ECHO the optimizer step writes the weights' FP8
     copies from the fp32 masters (2 bytes per expert weight element, resident); with ECHO they are cast
-    per call. Measured on H200: layer 1.05–1.16× bf16 graphed, v2lite_1b step 1.01× (docs/performance.md);
+    per call. Measured on H200: layer 1.09–1.16× bf16 graphed, v2lite_1b step 1.01× (docs/performance.md);
     300-step losses within the drift of two equivalent bf16 runs."""
 
     experts_gemm: Literal["torch", "quack"] = "torch"
