@@ -156,7 +156,7 @@ def summary_extra(run: Run, tr: Training, model, n_params: int, step_graph, logs
     extra = {"params": f"{n_params:,}", "model": f"{m.name}/{m.flavor} ({len(layers)} MoE layers)",
              "ranks": f"{run.world} (dp_replicate {dims.dp_replicate} x dp_shard {dims.dp_shard}, ep {dims.ep})",
              "dispatcher": type(layers[0][1].dispatcher).__name__ if layers else "-",
-             "cuda graph": (f"replayed (captured {step_graph.captures}x)" if step_graph.captures
+             "cuda graph": (f"on (captured {step_graph.captures}x)" if step_graph.captures
                             else f"off ({step_graph.reason})" if step_graph.reason
                             else "never captured (the run ended within the warm-up steps)"),
              "compile": f"{c.backend}: {' + '.join(done) or 'nothing'}" if c.enable else "off",
