@@ -36,7 +36,33 @@ overlap of any kind, overflow replays, ECHO's routing rewrite and clone-weight c
 The validation table compares the model with the EP=2 / EP=4 training runs (none of which is used
 by any fit); only then come the EP=8 / 16 / 64 predictions.
 
+Across hosts (the host tables, printed last): H hosts × L GPUs, EP rank r on host r // L, two link
+classes per GPU and direction, NVLink inside a host (--nvlink-gbs, 400) and the network between hosts
+(--network-gbs, 50; assumed, one NIC per GPU). Per MoE layer and direction (dispatch, combine; the
+backward moves the same bytes again), bf16 rows of D:
+- flat ``padded``: one all_to_all of C = round_up(ceil(cf·T·K/R), 8) rows per (source, destination):
+  (R - L)·C rows over the network and (L - 1)·C over NVLink, at once.
+- ``hierarchical``: a network leg of C1 = min(round_up(T, 8), round_up(ceil(cf·T·K/H), 8)) rows per
+  (source, host) to the same local index there ((H - 1)·C1 rows, + K int32 ids and K fp32 weights per
+  row on dispatch), then an NVLink leg of C2 = round_up(ceil(cf·T·K/L), 8) rows per (entry, owner)
+  ((L - 1)·C2 rows); combine runs the NVLink leg back, then one partial sum per (token, host) crosses.
+A leg costs a fixed ms per collective (--collective-ms; default half the one-host padded fit's
+intercept: launch, layout and latency together) + max over link classes of bytes / GB/s; legs run one
+after the other. Time uses the fixed (padded) sizes, which is what moves; the rows with data (flat:
+(token, expert) pairs; hierarchical: unique (token, host) pairs, from per-token routing after ECHO's
+rewrite) are reported beside them, with the fullest block over its capacity (``fill`` > 1: an
+overflow, replayed in training, not modelled). ECHO plans as on one host; a clone's weights and its
+gradient cross the network when its home is on another host (counted apart: ``clone_net_GB``; time at
+the busiest rank). Non-MoE = the one-host model (token part ∝ T, FSDP traffic at the network rate).
+``calibrate_hosts`` fits the network GB/s and the collective's ms to measured dispatch + combine round
+trips on an emulated cluster (benchmarks/results/dispatch_hosts*.json, e2e_hosts*.json: {"rows": [...]})
+and checks every measured row (±15%). Not modelled across hosts: overlap of legs or of communication
+with compute, congestion and network topology (full bisection assumed), the NVLink leg's per-row ids,
+the extra permutes of the hierarchical path beyond its collectives' fixed cost, overflow replays.
+
     python benchmarks/step_sim.py [--gpu NVIDIA_H200] [--steps 8] [--out DIR]     (~3 min on 2 CPU cores)
+    python benchmarks/step_sim.py --hosts-only [--gpus-per-host 8] [--nvlink-gbs 400] [--network-gbs 50]
+        [--capacity-factor 1.25] [--collective-ms MS] [--host-steps 2]          (~30 s: the host tables only)
 """
 
 import argparse
@@ -56,6 +82,7 @@ import torch
 
 from benchmarks.common import RESULTS, environment, markdown_table, write_results
 from benchmarks.planner import drifting_counts
+from components.moe_echo.dispatcher import capacity_rows
 from components.moe_echo.ep_dispatch import padded_capacity
 from components.moe_echo.planner import RULES, plan_echo
 
@@ -207,8 +234,9 @@ class LayerLoad:
         return self.traffic_RR.sum(0)
 
 
-def layer_load(counts_RE: torch.Tensor, slots: int, rule: str = "fill") -> LayerLoad:
-    """Rows per (source, destination) with ECHO's plan (slots > 0) or without."""
+def layer_load(counts_RE: torch.Tensor, slots: int, rule: str = "fill", plan=None) -> LayerLoad:
+    """Rows per (source, destination) with ECHO's plan (slots > 0; ``plan``: one already made from
+    these counts) or without."""
     R, E = counts_RE.shape
     e = E // R
     home_RR = counts_RE.view(R, R, e).sum(2)
@@ -216,7 +244,7 @@ def layer_load(counts_RE: torch.Tensor, slots: int, rule: str = "fill") -> Layer
     before = imbalance(counts_RE, R)
     if slots == 0:
         return LayerLoad(home_RR, zero, zero.clone(), before, before)
-    plan = plan_echo(counts_RE, slots, rule)
+    plan = plan if plan is not None else plan_echo(counts_RE, slots, rule)
     x_G, q_RG = plan.slot_expert_G, plan.quota_RG
     used_G = x_G >= 0
     moved_RE = torch.zeros(R, E, dtype=torch.int64).index_add_(1, x_G.clamp(min=0), q_RG * used_G)
@@ -679,6 +707,618 @@ def cross_checks(cal: Calibration, shape: ModelShape, results: str,
     return out
 
 
+# ----------------------------------------------------------------------------- hosts: flat vs hierarchical dispatch
+
+DISPATCHERS = ("padded", "hierarchical", "alltoall")
+META_BYTES = 8  # per choice of a hierarchical network row, dispatch only: an expert id (4 B) and a weight (fp32)
+TOLERANCE = 0.15  # predicted / measured within ±15%: the model's form holds on that row
+HOST_PREDICT = [(16, 64), (32, 128), (64, 256)]  # (EP, E): 4 experts per rank, as the EP=16 / 64 predictions
+HOST_ROUTINGS = {"Zipf(1.2)": "zipf1.2", "8 hot experts": "hot8"}
+
+
+@dataclass
+class Cluster:
+    """H hosts × L GPUs; EP rank r lives on host r // L. Link rates are per GPU and per direction
+    (GB/s): NVLink inside a host, the network (one NIC per GPU) between hosts. ``collective_ms``:
+    fixed ms of one data-moving collective (launch, layout, latency); None: half the one-host
+    padded fit's intercept (its round trip is two collectives)."""
+    hosts: int
+    gpus_per_host: int
+    nvlink_gbs: float = 400.0
+    network_gbs: float = 50.0
+    collective_ms: float | None = None
+
+    @property
+    def ranks(self) -> int:
+        return self.hosts * self.gpus_per_host
+
+    def host_R(self) -> torch.Tensor:
+        return torch.arange(self.ranks) // self.gpus_per_host
+
+
+@dataclass
+class HostRun:
+    """One configuration on a cluster. dispatcher: "padded" (flat, C rows per (source, destination)),
+    "hierarchical" (network leg then NVLink leg, fixed C1 / C2) or "alltoall" (flat, real rows, split
+    sizes read on the host). slots = 0: ECHO off."""
+    cluster: Cluster
+    dispatcher: str = "padded"
+    experts: int = 64
+    slots: int = 0
+    capacity_factor: float = 1.25
+
+
+@dataclass
+class Leg:
+    """One collective of one direction: bytes each rank sends over each link class (receives the same)."""
+    name: str
+    network_bytes: float
+    nvlink_bytes: float
+
+
+def hier_capacities(T: int, K: int, hosts: int, gpus_per_host: int, cf: float) -> tuple[int, int]:
+    """(C1, C2) rows of the hierarchical legs: C1 per (source rank, destination host) block,
+    min(round_up(T, 8), round_up(ceil(cf·T·K/H), 8)) (a token needs a host at most once); C2 per
+    (entry rank, owner rank) block of the NVLink fan-out, round_up(ceil(cf·T·K/L), 8)."""
+    c1 = min(-(-T // 8) * 8, capacity_rows(cf, T * K, 8, hosts))
+    return c1, padded_capacity(T, K, gpus_per_host, cf)
+
+
+def dispatch_legs(dispatcher: str, cluster: Cluster, T: int, D: int, K: int, cf: float,
+                  traffic_RR: torch.Tensor | None = None) -> dict[str, list[Leg]]:
+    """{"dispatch": legs, "combine": legs} of one forward round trip, per rank, bf16 rows of D.
+
+    padded: one collective each way; (R - L)·C rows to other hosts, (L - 1)·C over NVLink.
+    hierarchical: dispatch = network leg ((H - 1)·C1 rows + K ids and K weights per row) then NVLink
+    leg ((L - 1)·C2 rows); combine = the NVLink leg back, then (H - 1)·C1 partial sums over the network.
+    alltoall: real rows (the busiest rank's, from ``traffic_RR``; else T·K/R per pair, balanced) plus
+    a bytes-free split exchange on dispatch."""
+    H, L = cluster.hosts, cluster.gpus_per_host
+    R, row = H * L, D * BYTES
+    if dispatcher == "padded":
+        C = padded_capacity(T, K, R, cf)
+        leg = Leg("all_to_all", (R - L) * C * row, (L - 1) * C * row)
+        return {"dispatch": [leg], "combine": [leg]}
+    if dispatcher == "hierarchical":
+        C1, C2 = hier_capacities(T, K, H, L, cf)
+        net_out, net_back = [], []
+        if H > 1:
+            net_out = [Leg("network", (H - 1) * C1 * (row + META_BYTES * K), 0.0)]
+            net_back = [Leg("network", (H - 1) * C1 * row, 0.0)]
+        host = [Leg("nvlink", 0.0, (L - 1) * C2 * row)] if L > 1 else []
+        return {"dispatch": net_out + host, "combine": host + net_back}
+    if dispatcher == "alltoall":
+        if traffic_RR is None:
+            n = T * K / R
+            on, off = (L - 1) * n, (R - L) * n
+        else:
+            on, off = bottleneck_rows(traffic_RR, L)
+        leg = Leg("all_to_all", off * row, on * row)
+        return {"dispatch": [Leg("splits", 0.0, 0.0), leg], "combine": [leg]}
+    raise ValueError(f"unknown dispatcher {dispatcher!r}; expected one of {DISPATCHERS}")
+
+
+def leg_ms(leg: Leg, cluster: Cluster, collective_ms: float) -> float:
+    """Fixed cost + the slower link class (both classes move at once inside one collective)."""
+    return collective_ms + max(leg.network_bytes / cluster.network_gbs, leg.nvlink_bytes / cluster.nvlink_gbs) / 1e6
+
+
+def default_collective_ms(cal: Calibration) -> float:
+    """Half the intercept of the padded fit at the largest measured EP (two collectives per round trip)."""
+    ep = max(e for b, e in cal.comm if b == "padded")
+    return cal.comm[("padded", ep)].intercept / 2
+
+
+def round_trip_ms(legs: dict[str, list[Leg]], cluster: Cluster, collective_ms: float) -> float:
+    """ms of dispatch + combine (forward); legs run one after the other (no overlap)."""
+    return sum(leg_ms(l, cluster, collective_ms) for l in legs["dispatch"] + legs["combine"])
+
+
+def network_bytes(legs: dict[str, list[Leg]]) -> float:
+    """Bytes one rank sends to other hosts in one forward round trip."""
+    return sum(l.network_bytes for l in legs["dispatch"] + legs["combine"])
+
+
+# routing with token identity: the hierarchical leg's rows are unique (token, host) pairs
+
+def gumbel_ids(R: int, logp_E: torch.Tensor, tokens: int, k: int, gen: torch.Generator) -> torch.Tensor:
+    """ids_RTK: the choices behind gumbel_counts (same draws, same order)."""
+    E = logp_E.shape[0]
+    ids = torch.empty(R, tokens, k, dtype=torch.int64)
+    for r in range(R):
+        g = -torch.log(-torch.log(torch.rand(tokens, E, generator=gen).clamp(1e-9, 1 - 1e-9)))
+        ids[r] = (logp_E.float() + g).topk(k, dim=-1).indices
+    return ids
+
+
+def routing_ids(R: int, E: int, k: int, routing: str, tokens: int, seed: int) -> torch.Tensor:
+    """ids_RTK for "zipf<s>" (Zipf(s) on a random expert permutation: zipf_counts' draws), "hot<N>"
+    (experts 0..N-1 only: hot_counts' draws) or "uniform"."""
+    g = torch.Generator().manual_seed(seed)
+    if routing.startswith("zipf"):
+        logp = -float(routing[4:]) * torch.log(torch.arange(1, E + 1, dtype=torch.float64))
+        return gumbel_ids(R, logp[torch.randperm(E, generator=g)], tokens, k, g)
+    if routing.startswith("hot"):
+        return gumbel_ids(R, torch.zeros(int(routing[3:])), tokens, k, g)
+    if routing == "uniform":
+        return gumbel_ids(R, torch.zeros(E), tokens, k, g)
+    raise ValueError(f"unknown routing {routing!r}")
+
+
+def echo_dest_TK(ids_TK: torch.Tensor, home_TK: torch.Tensor, quota_G: torch.Tensor, slot_expert_G: torch.Tensor,
+                 slots: int) -> torch.Tensor:
+    """dest_TK: the rank each choice of one source goes to after ECHO's rewrite: the first quota_G[g]
+    choices (in token order) of expert slot_expert_G[g] go to slot g's rank (g // slots), in slot order."""
+    used = (slot_expert_G >= 0) & (quota_G > 0)
+    if not bool(used.any()):
+        return home_TK
+    G = slot_expert_G.numel()
+    g_s = used.nonzero().flatten()
+    g_s = g_s[torch.argsort(slot_expert_G[g_s] * G + g_s)]
+    x_s, q_s = slot_expert_G[g_s], quota_G[g_s]
+    cs = torch.cumsum(q_s, 0)
+    first = torch.ones_like(x_s, dtype=torch.bool)
+    first[1:] = x_s[1:] != x_s[:-1]
+    end_s = cs - (cs - q_s)[first][torch.cumsum(first.long(), 0) - 1]  # cumulative quota within the expert
+    f = ids_TK.reshape(-1)
+    N = f.numel()
+    sorted_f, order = torch.sort(f, stable=True)
+    occ = torch.empty_like(f)
+    occ[order] = torch.arange(N) - torch.searchsorted(sorted_f, sorted_f)  # choice's place among its expert's
+    big = N + 1
+    i = torch.searchsorted(x_s * big + end_s, f * big + occ, right=True)  # first slot of f ending past occ
+    ic = i.clamp(max=g_s.numel() - 1)
+    hit = (i < g_s.numel()) & (x_s[ic] == f)
+    return torch.where(hit, g_s[ic] // slots, home_TK.reshape(-1)).view_as(ids_TK)
+
+
+@dataclass
+class HostLayer:
+    """One MoE layer's routing on a cluster. load: rows per (source, destination) after ECHO (the GEMM,
+    the flat blocks' fill); unique_RH[r, h]: tokens of source r with a choice on host h (after ECHO's
+    rewrite: the hierarchical network rows); clone_home_G / clone_rank_G: home rank and rank of each
+    used echo slot."""
+    load: LayerLoad
+    unique_RH: torch.Tensor
+    clone_home_G: torch.Tensor
+    clone_rank_G: torch.Tensor
+
+
+def host_layer(ids_RTK: torch.Tensor, E: int, slots: int, cluster: Cluster, up: int = 1) -> HostLayer:
+    """A layer from sampled choices (counts × ``up`` to the modelled T; the plan is made on the scaled
+    counts, its quotas applied to the sample as round(q / up))."""
+    R, L, H = cluster.ranks, cluster.gpus_per_host, cluster.hosts
+    e = E // R
+    counts_RE = torch.stack([torch.bincount(ids_RTK[r].flatten(), minlength=E) for r in range(R)]) * up
+    plan = plan_echo(counts_RE, slots) if slots else None
+    load = layer_load(counts_RE, slots, plan=plan)
+    home_RTK = ids_RTK // e
+    unique_RH = torch.zeros(R, H, dtype=torch.int64)
+    for r in range(R):
+        dest = home_RTK[r]
+        if plan is not None:
+            quota = torch.round(plan.quota_RG[r].double() / up).long()
+            dest = echo_dest_TK(ids_RTK[r], dest, quota, plan.slot_expert_G, slots)
+        need_TH = torch.zeros(dest.shape[0], H, dtype=torch.int64).scatter_(1, dest // L, 1)
+        unique_RH[r] = need_TH.sum(0) * up
+    if plan is None:
+        none = torch.zeros(0, dtype=torch.int64)
+        return HostLayer(load, unique_RH, none, none.clone())
+    used = plan.slot_expert_G >= 0
+    return HostLayer(load, unique_RH, plan.slot_expert_G[used] // e, used.nonzero().flatten() // slots)
+
+
+def host_fill(layer: HostLayer, run: HostRun, T: int, K: int) -> float:
+    """Fullest fixed block over its capacity (> 1: overflow, a replayed step; not modelled). padded:
+    (token, expert) rows per (source, destination); hierarchical: unique (token, host) rows per C1 block,
+    (token, expert) rows per (entry, owner) C2 block (entry (h, j) gathers the sources of local index j)."""
+    cl = run.cluster
+    R, L, H = cl.ranks, cl.gpus_per_host, cl.hosts
+    t = layer.load.traffic_RR
+    if run.dispatcher == "padded":
+        return float(t.max()) / padded_capacity(T, K, R, run.capacity_factor)
+    if run.dispatcher == "hierarchical":
+        C1, C2 = hier_capacities(T, K, H, L, run.capacity_factor)
+        entry = t.view(H, L, R).sum(0)  # [local index j of the source, destination rank]
+        host_leg = max(float(entry[:, h * L:(h + 1) * L].max()) for h in range(H))
+        return max(float(layer.unique_RH.max()) / C1, host_leg / C2)
+    return 0.0  # alltoall: variable sizes
+
+
+def real_network_gb(layer: HostLayer, run: HostRun, shape: ModelShape) -> float:
+    """GB the mean rank sends to other hosts in rows with data, one layer fwd + bwd: flat, its (token,
+    expert) pairs on other hosts × 2 ways; hierarchical, its unique (token, remote host) pairs (+ ids and
+    weights on dispatch) and one partial sum back per pair."""
+    cl = run.cluster
+    host_R = cl.host_R()
+    D, K = shape.dim, shape.top_k
+    if run.dispatcher == "hierarchical":
+        remote_R = (layer.unique_RH * (torch.arange(cl.hosts)[None, :] != host_R[:, None])).sum(1)
+        real = float(remote_R.double().mean()) * (2 * D * BYTES + META_BYTES * K)
+    else:
+        off_RR = host_R[:, None] != host_R[None, :]
+        real = float((layer.load.traffic_RR * off_RR).sum(1).double().mean()) * 2 * D * BYTES
+    return 2 * real / 1e9
+
+
+def host_layer_ms(layer: HostLayer, run: HostRun, cal: Calibration, shape: ModelShape) -> dict:
+    """One MoE layer, fwd + bwd, on a cluster (ms, for the straggler) and its network bytes per rank
+    (GB, fwd + bwd: the backward moves the forward's bytes again). network_gb: what moves (fixed blocks);
+    network_gb_real: the rows with data (mean rank); clone_network_gb: ECHO's weights and gradients
+    between hosts (mean rank)."""
+    cl = run.cluster
+    R, host_R = cl.ranks, cl.host_R()
+    T, D, K, Hx = shape.tokens_per_rank, shape.dim, shape.top_k, shape.hidden
+    lat = cl.collective_ms if cl.collective_ms is not None else default_collective_ms(cal)
+    legs = dispatch_legs(run.dispatcher, cl, T, D, K, run.capacity_factor,
+                         layer.load.traffic_RR if run.dispatcher == "alltoall" else None)
+    comm = 2 * round_trip_ms(legs, cl, lat)
+    gemm_R = cal.gemm_ms(layer.load.rows_R, Hx)
+    echo, clone_gb = 0.0, 0.0
+    if run.slots:
+        w = 3 * D * Hx * BYTES  # one expert's w1, w2, w3
+        off = host_R[layer.clone_home_G] != host_R[layer.clone_rank_G]
+        busiest = lambda m: torch.maximum(torch.bincount(layer.clone_home_G[m], minlength=R),  # noqa: E731
+                                          torch.bincount(layer.clone_rank_G[m], minlength=R)).double()
+        mc = float(torch.maximum(busiest(off) * w / cl.network_gbs, busiest(~off) * w / cl.nvlink_gbs).max()) / 1e6
+        echo = cal.planner(R, run.slots) / 1e3 + 2 * mc  # multicast forward, gradients back
+        clone_gb = 2 * int(off.sum()) * w / R / 1e9
+    gemm = float(gemm_R.max())
+    return {"router": cal.router_ms, "comm": comm, "gemm": gemm, "gemm_mean": float(gemm_R.mean()), "echo": echo,
+            "total": cal.router_ms + comm + gemm + echo, "network_gb": 2 * network_bytes(legs) / 1e9,
+            "network_gb_real": real_network_gb(layer, run, shape), "clone_network_gb": clone_gb,
+            "fill": host_fill(layer, run, T, K)}
+
+
+def host_step(layers: list[HostLayer], run: HostRun, cal: Calibration, shape: ModelShape) -> dict:
+    """One step on a cluster: the one-host model's non-MoE part (token part ∝ T; FSDP traffic at the
+    network rate once EP spans hosts) + Σ over the MoE layers of host_layer_ms."""
+    cl = run.cluster
+    cfg = SimConfig(cl.ranks, experts=run.experts, slots=run.slots, backend="padded",
+                    capacity_factor=run.capacity_factor, gpus_per_host=cl.gpus_per_host if cl.hosts > 1 else None,
+                    inter_host_gbs=cl.network_gbs)
+    nm = nonmoe_ms(cfg, cal, shape) if cl.ranks > 1 else {"token": cal.token_ms, "param": cal.param_ms_per_param * (
+        shape.dense_params + shape.expert_params(run.experts)), "fsdp": 0.0}
+    nm["token"] *= shape.tokens_per_rank / ModelShape().tokens_per_rank  # calibrated at 16384 tokens
+    per = [host_layer_ms(l, run, cal, shape) for l in layers]
+    moe = {k: sum(p[k] for p in per) for k in per[0] if k != "fill"}
+    step = sum(nm.values()) + moe["total"]
+    return {"step_ms": step, "tokens_per_s_per_gpu": shape.tokens_per_rank / step * 1e3, "nonmoe": nm, "moe": moe,
+            "fill": max(p["fill"] for p in per),
+            "load_before": statistics.mean(l.load.load_before for l in layers),
+            "load_after": statistics.mean(l.load.load_after for l in layers)}
+
+
+def host_mean(steps: list[dict], shape: ModelShape) -> dict:
+    """Mean of several simulated steps (tokens/s from the mean step; fill: the fullest)."""
+    step = statistics.mean(s["step_ms"] for s in steps)
+    return {"step_ms": step, "tokens_per_s_per_gpu": shape.tokens_per_rank / step * 1e3,
+            "nonmoe": {k: statistics.mean(s["nonmoe"][k] for s in steps) for k in steps[0]["nonmoe"]},
+            "moe": {k: statistics.mean(s["moe"][k] for s in steps) for k in steps[0]["moe"]},
+            "fill": max(s["fill"] for s in steps),
+            "load_before": statistics.mean(s["load_before"] for s in steps),
+            "load_after": statistics.mean(s["load_after"] for s in steps)}
+
+
+def host_layers(cluster: Cluster, E: int, routing: str, slots_list: list[int], steps: int, shape: ModelShape,
+                seed: int = 0, tokens: int = SAMPLE_TOKENS) -> dict[int, list[list[HostLayer]]]:
+    """{slots: layers[step][layer]}: the same sampled routing for every slot count (``tokens`` drawn
+    per rank, scaled to the shape's T)."""
+    up = max(1, shape.tokens_per_rank // tokens)
+    out = {s: [] for s in slots_list}
+    for t in range(steps):
+        ids = [routing_ids(cluster.ranks, E, shape.top_k, routing, tokens, seed + 7 * l + 1000 * t)
+               for l in range(shape.moe_layers)]
+        for s in slots_list:
+            out[s].append([host_layer(i, E, s, cluster, up) for i in ids])
+    return out
+
+
+def predict_hosts(cal: Calibration, shape: ModelShape, gpus_per_host: int = 8, nvlink_gbs: float = 400.0,
+                  network_gbs: float = 50.0, capacity_factor: float = 1.25, collective_ms: float | None = None,
+                  steps: int = 2, slots: int = 2, seed: int = 0, plan=HOST_PREDICT) -> list[dict]:
+    """Flat padded vs hierarchical × ECHO off / on × Zipf(1.2) / 8 hot experts at EP = 16 / 32 / 64."""
+    rows = []
+    for ep, E in plan:
+        cl = Cluster(ep // gpus_per_host, gpus_per_host, nvlink_gbs, network_gbs, collective_ms)
+        sh = replace(shape, experts=E)
+        for name, routing in HOST_ROUTINGS.items():
+            t0 = time.time()
+            layers = host_layers(cl, E, routing, [0, slots], steps, sh, seed)
+            flat = {}
+            for S in (0, slots):
+                for disp in ("padded", "hierarchical"):
+                    run = HostRun(cl, disp, E, S, capacity_factor)
+                    m = host_mean([host_step(ls, run, cal, sh) for ls in layers[S]], sh)
+                    if disp == "padded":
+                        flat[S] = m
+                    rows.append({
+                        "EP": ep, "hosts": f"{cl.hosts}x{gpus_per_host}", "E": E, "routing": name,
+                        "dispatch": "flat padded" if disp == "padded" else "hierarchical",
+                        "ECHO": f"S={S}" if S else "off",
+                        "load": f"{m['load_before']:.2f}" + (f" -> {m['load_after']:.2f}" if S else ""),
+                        "fill": m["fill"], "net_GB": m["moe"]["network_gb"], "net_GB_real": m["moe"]["network_gb_real"],
+                        "clone_net_GB": m["moe"]["clone_network_gb"], "comm_ms": m["moe"]["comm"],
+                        "gemm_ms": m["moe"]["gemm"], "echo_ms": m["moe"]["echo"], "fsdp_ms": m["nonmoe"]["fsdp"],
+                        "step_ms": m["step_ms"], "tok_s_per_gpu": m["tokens_per_s_per_gpu"],
+                        "vs_flat": flat[S]["step_ms"] / m["step_ms"]})
+            print(f"  (hosts: EP={ep}, {name}: {time.time() - t0:.1f} s)", flush=True)
+    return rows
+
+
+def network_ratios(shape: ModelShape, capacity_factor: float = 1.25, steps: int = 2, seed: int = 0,
+                   clusters: tuple = ((2, 1), (2, 2), (2, 8)), E: int = 64) -> list[dict]:
+    """Network GB per step per rank, flat padded vs hierarchical, ECHO off, at 2 hosts (bytes only:
+    no calibration needed). padded: the fixed blocks that move; real: rows with data (mean rank)."""
+    rows = []
+    for H, L in clusters:
+        cl = Cluster(H, L)
+        sh = replace(shape, experts=E)
+        for name, routing in HOST_ROUTINGS.items():
+            layers = [ls for st in host_layers(cl, E, routing, [0], steps, sh, seed)[0] for ls in st]
+            gb = {}
+            for disp in ("padded", "hierarchical"):
+                legs = dispatch_legs(disp, cl, sh.tokens_per_rank, sh.dim, sh.top_k, capacity_factor)
+                run = HostRun(cl, disp, E, 0, capacity_factor)
+                real = statistics.mean(real_network_gb(l, run, sh) for l in layers)
+                gb[disp] = (2 * network_bytes(legs) * sh.moe_layers / 1e9, real * sh.moe_layers,
+                            max(host_fill(l, run, sh.tokens_per_rank, sh.top_k) for l in layers))
+            (fp, fr, ff), (hp, hr, hf) = gb["padded"], gb["hierarchical"]
+            rows.append({"hosts": f"{H}x{L}", "E": E, "K": sh.top_k, "routing": name, "flat_padded_GB": fp,
+                         "hier_padded_GB": hp, "hier_over_flat_padded": hp / fp, "flat_real_GB": fr, "hier_real_GB": hr,
+                         "hier_real_over_flat_real": hr / fr, "hier_real_over_flat_padded": hr / fp,
+                         "flat_fill": ff, "hier_fill": hf, "target_45pct": "met" if hp / fp <= 0.45 else "missed"})
+    return rows
+
+
+# calibration against measured multi-host rows (emulated hosts)
+
+MEASURED_KEYS = ("dispatch_combine_ms", "step_ms", "network_gbs")
+
+
+def _num(v) -> float | None:
+    try:
+        x = float(v)
+    except (TypeError, ValueError):
+        return None
+    return x if math.isfinite(x) else None
+
+
+def host_row(row: dict) -> dict | None:
+    """A measured row normalised (ints, floats), or None when it lacks what the model needs: dispatcher,
+    hosts, gpus_per_host, tokens_per_rank, hidden, top_k (+ capacity_factor unless alltoall) and at least
+    one positive measurement."""
+    if not isinstance(row, dict) or row.get("dispatcher") not in DISPATCHERS:
+        return None
+    out = dict(row)
+    for k in ("hosts", "gpus_per_host", "tokens_per_rank", "hidden", "top_k"):
+        v = _num(row.get(k))
+        if v is None or v < 1 or v != int(v):
+            return None
+        out[k] = int(v)
+    cf = _num(row.get("capacity_factor"))
+    if cf is None and row["dispatcher"] != "alltoall":
+        return None
+    out["capacity_factor"] = cf
+    for k in ("experts", "slots"):
+        v = _num(row.get(k))
+        out[k] = int(v) if v is not None else None
+    measured = 0
+    for k in MEASURED_KEYS:
+        v = _num(row.get(k))
+        out[k] = v if v is not None and v > 0 else None
+        measured += out[k] is not None
+    return out if measured else None
+
+
+def read_host_rows(results: str = RESULTS) -> list[dict]:
+    """The usable rows of ``dispatch_hosts*.json`` and ``e2e_hosts*.json`` ({"rows": [...]}), each tagged
+    with its file; missing or unreadable files and incomplete rows are skipped."""
+    import glob
+
+    rows = []
+    names = sorted(glob.glob(os.path.join(results, "dispatch_hosts*.json"))) + \
+        sorted(glob.glob(os.path.join(results, "e2e_hosts*.json")))
+    for path in names:
+        try:
+            with open(path) as f:
+                data = json.load(f)
+        except (OSError, ValueError):
+            continue
+        for row in data.get("rows", []) if isinstance(data, dict) and isinstance(data.get("rows"), list) else []:
+            r = host_row(row)
+            if r is not None:
+                rows.append({**r, "source": os.path.basename(path)})
+    return rows
+
+
+def _row_legs(row: dict, nvlink_gbs: float) -> tuple[Cluster, dict[str, list[Leg]]]:
+    cl = Cluster(row["hosts"], row["gpus_per_host"], nvlink_gbs)
+    legs = dispatch_legs(row["dispatcher"], cl, row["tokens_per_rank"], row["hidden"], row["top_k"],
+                         row["capacity_factor"] or 1.0)
+    return cl, legs
+
+
+def predicted_round_trip_ms(row: dict, network_gbs: float, collective_ms: float, nvlink_gbs: float = 400.0) -> float:
+    """Forward dispatch + combine ms of a measured row's configuration (balanced rows for alltoall)."""
+    cl, legs = _row_legs(row, nvlink_gbs)
+    return round_trip_ms(legs, replace(cl, network_gbs=network_gbs), collective_ms)
+
+
+def _fit_network(rows: list[dict], nvlink_gbs: float, collective_ms: float | None,
+                 iters: int = 50) -> tuple[float, float, str]:
+    """(ms per network byte, ms per collective, form) minimising the relative error of the round trips.
+    A leg costs c + max(network bytes · s, NVLink bytes / nvlink_gbs): fixed-point over which class is
+    the slower one per leg (start: the network), linear least squares inside. Fewer than two independent
+    rows (or a given ``collective_ms``): s alone, c fixed (0 when not given)."""
+    y = np.array([r["dispatch_combine_ms"] for r in rows])
+    all_legs = [[l for ls in _row_legs(r, nvlink_gbs)[1].values() for l in ls] for r in rows]
+    nvl = [[l.nvlink_bytes / nvlink_gbs / 1e6 for l in legs] for legs in all_legs]
+    n_legs = np.array([len(legs) for legs in all_legs], dtype=float)
+    s, c = None, collective_ms
+    for _ in range(iters):
+        net_x, const = np.zeros(len(rows)), np.zeros(len(rows))
+        for i, legs in enumerate(all_legs):
+            for leg, t_nvl in zip(legs, nvl[i]):
+                if s is None or leg.network_bytes * s >= t_nvl:
+                    net_x[i] += leg.network_bytes
+                else:
+                    const[i] += t_nvl
+        A = np.stack([n_legs, net_x], 1)
+        if collective_ms is None and np.linalg.matrix_rank(A / y[:, None]) == 2:
+            c_new, s_new = np.linalg.lstsq(A / y[:, None], (y - const) / y, rcond=None)[0]
+            form = "network GB/s and ms per collective"
+        else:
+            c_new = collective_ms or 0.0
+            z = net_x / y
+            s_new = float(z @ ((y - const - c_new * n_legs) / y) / (z @ z))
+            form = f"network GB/s (ms per collective fixed at {c_new:.3f})"
+        done = s is not None and np.isclose(s_new, s, rtol=1e-12, atol=0) and np.isclose(c_new, c, rtol=1e-12, atol=0)
+        s, c = float(s_new), float(c_new)
+        if done:
+            break
+    return s, c, form
+
+
+def calibrate_hosts(measured: list[dict], nvlink_gbs: float = 400.0, cal: Calibration | None = None,
+                    shape: ModelShape | None = None, collective_ms: float | None = None, steps: int = 2) -> dict:
+    """Fit the effective network GB/s (and ms per collective) to the rows with ``dispatch_combine_ms``,
+    then predicted vs measured for every usable row and quantity: dispatch_combine_ms (the fitted round
+    trip), step_ms (host_step with the fitted network: needs experts; optional row keys slots (ECHO) and
+    routing ("natural" = "zipf1.2", "zipf<s>", "hot<N>", default "uniform"); ``cal`` made from the default
+    GPU's results when not given), network_gbs (the fitted rate against the measured per-peer all_to_all).
+    Returns {"network_gbs", "collective_ms", "form", "fit_rows", "rms_rel", "checks": [...]}; each check has
+    predicted, measured, ratio and within_15pct."""
+    rows = [r for r in (host_row(m) for m in measured) if r is not None]
+    fit_rows = [r for r in rows if r["dispatch_combine_ms"] is not None]
+    out = {"network_gbs": None, "collective_ms": None, "nvlink_gbs": nvlink_gbs, "form": "no dispatch rows",
+           "fit_rows": len(fit_rows), "rms_rel": None, "checks": []}
+    if not fit_rows:
+        return out
+    s, c, form = _fit_network(fit_rows, nvlink_gbs, collective_ms)
+    gbs = 1 / (s * 1e6)
+    out.update(network_gbs=gbs, collective_ms=c, form=form)
+    rel = []
+    for i, r in enumerate(rows):
+        label = {k: r[k] for k in ("dispatcher", "hosts", "gpus_per_host", "tokens_per_rank", "hidden", "top_k",
+                                   "capacity_factor")}
+        label["source"] = r.get("source", "")
+        checks = []
+        if r["dispatch_combine_ms"] is not None:
+            checks.append(("dispatch_combine_ms", predicted_round_trip_ms(r, gbs, c, nvlink_gbs),
+                           r["dispatch_combine_ms"]))
+            rel.append(checks[-1][1] / checks[-1][2] - 1)
+        if r["network_gbs"] is not None:
+            checks.append(("network_gbs", gbs, r["network_gbs"]))
+        if r["step_ms"] is not None and r["experts"]:
+            if cal is None:
+                cal = calibrate()
+            sh = replace(shape or ModelShape(), dim=r["hidden"], top_k=r["top_k"], experts=r["experts"],
+                         tokens_per_rank=r["tokens_per_rank"])
+            run = HostRun(Cluster(r["hosts"], r["gpus_per_host"], nvlink_gbs, gbs, c), r["dispatcher"], r["experts"],
+                          r["slots"] or 0, r["capacity_factor"] or 1.0)
+            routing = r.get("routing") or "uniform"
+            routing = "zipf1.2" if routing == "natural" else routing
+            tokens = min(SAMPLE_TOKENS, r["tokens_per_rank"])
+            layers = host_layers(run.cluster, r["experts"], routing, [run.slots], steps, sh, tokens=tokens)[run.slots]
+            checks.append(("step_ms", host_mean([host_step(ls, run, cal, sh) for ls in layers], sh)["step_ms"],
+                           r["step_ms"]))
+        for q, pred, meas in checks:
+            ratio = pred / meas
+            out["checks"].append({"row": i, **label, "quantity": q, "predicted": pred, "measured": meas,
+                                  "ratio": ratio, "within_15pct": abs(ratio - 1) <= TOLERANCE})
+    out["rms_rel"] = float(np.sqrt(np.mean(np.square(rel))))
+    return out
+
+
+def hosts_report(cal: Calibration, shape: ModelShape, pred: list[dict], ratios: list[dict], measured: dict,
+                 args: dict) -> str:
+    """The host section: 2-host network bytes, emulated-cluster calibration, EP = 16 / 32 / 64 predictions."""
+    f = markdown_table
+    lat = args["collective_ms"] if args["collective_ms"] is not None else default_collective_ms(cal)
+    out = [
+        "## Across hosts: flat padded vs hierarchical dispatch",
+        "",
+        f"EP rank r on host r // L; NVLink {args['nvlink_gbs']:g} GB/s and network {args['network_gbs']:g} GB/s per GPU "
+        f"and direction; capacity factor {args['capacity_factor']:g}; {lat:.3f} ms fixed per collective "
+        f"({'given' if args['collective_ms'] is not None else 'half the one-host padded fit intercept'}); legs "
+        "sequential, no overlap. Flat padded: C = round_up(cf·T·K/R, 8) rows per (source, destination), (R - L)·C "
+        "over the network each way. Hierarchical: C1 = min(T, round_up(cf·T·K/H, 8)) rows per (source, host) over the "
+        f"network (+{META_BYTES}·K bytes of ids and weights per row on dispatch), then C2 = round_up(cf·T·K/L, 8) rows "
+        "per (entry, owner) over NVLink; combine reverses both. Backward moves the forward's bytes again.",
+        "",
+        f"### Network bytes per step per rank at 2 hosts (v2lite_1b routing: E=64, K={shape.top_k}, T={shape.tokens_per_rank}, "
+        f"{shape.moe_layers} MoE layers, ECHO off)",
+        "",
+        "`padded`: the fixed blocks that move (what the time uses); `real`: rows with data, mean rank (flat: "
+        "(token, expert) pairs on other hosts; hierarchical: unique (token, remote host) pairs). `fill`: fullest block / "
+        "its capacity over the sampled layers (> 1: overflow, a replayed step, not modelled). Target: hierarchical ≤ "
+        "45% of flat padded at the same capacity factor.",
+        "",
+        f(ratios, ["hosts", "routing", "flat_padded_GB", "hier_padded_GB", "hier_over_flat_padded", "flat_real_GB",
+                   "hier_real_GB", "hier_real_over_flat_real", "hier_real_over_flat_padded", "flat_fill", "hier_fill",
+                   "target_45pct"]),
+        "",
+        "### Calibration against the emulated two-host cluster",
+        "",
+    ]
+    if not measured["checks"]:
+        out.append("No usable rows in benchmarks/results/dispatch_hosts*.json or e2e_hosts*.json: nothing fitted.")
+    else:
+        out += [f"Fitted to {measured['fit_rows']} dispatch + combine rows ({measured['form']}): network "
+                f"{measured['network_gbs']:.2f} GB/s per GPU, {measured['collective_ms']:.3f} ms per collective, "
+                f"relative rms {100 * measured['rms_rel']:.1f}%. The emulated network's rate is not a cluster's: the "
+                "predictions below keep the assumed rates.", "",
+                f([{**c, "within_15pct": "yes" if c["within_15pct"] else "NO"} for c in measured["checks"]],
+                  ["source", "dispatcher", "hosts", "gpus_per_host", "tokens_per_rank", "hidden", "top_k",
+                   "capacity_factor", "quantity", "predicted", "measured", "ratio", "within_15pct"])]
+    out += [
+        "",
+        f"### Predictions, EP = 16 / 32 / 64 at {args['gpus_per_host']} GPUs per host ({cal.gpu} calibration)",
+        "",
+        f"v2lite_1b shapes (D={shape.dim}, H={shape.hidden}, K={shape.top_k}, T={shape.tokens_per_rank}), 4 experts per "
+        f"rank (E = 64 / 128 / 256), {args['steps']} simulated steps of {SAMPLE_TOKENS} sampled tokens per rank; Zipf(1.2) "
+        "on a random expert placement per layer, or 8 hot experts (0-7). `net_GB`: dispatch bytes to other hosts per "
+        "step per rank (fixed blocks); `net_GB_real`: rows with data; `clone_net_GB`: ECHO's clone weights and gradients "
+        "between hosts (mean rank); ms are per step (MoE terms summed over layers); `fsdp_ms`: the dense parameters' "
+        "exposed all-gathers / reduce-scatters at the network rate; `vs_flat`: flat padded step / this step (same "
+        "routing and ECHO).",
+        "",
+        f([{**r, "tok_s_per_gpu": f"{r['tok_s_per_gpu']:,.0f}", "vs_flat": f"{r['vs_flat']:.2f}x"} for r in pred],
+          ["EP", "hosts", "E", "routing", "dispatch", "ECHO", "load", "fill", "net_GB", "net_GB_real", "clone_net_GB",
+           "comm_ms", "gemm_ms", "echo_ms", "fsdp_ms", "step_ms", "tok_s_per_gpu", "vs_flat"]),
+        "",
+        host_summary(pred),
+    ]
+    return "\n".join(out)
+
+
+def host_summary(pred: list[dict]) -> str:
+    """One paragraph read off the prediction rows (Zipf(1.2), ECHO off): network bytes hierarchical / flat."""
+    parts = []
+    for ep in sorted({r["EP"] for r in pred}):
+        pick = {r["dispatch"]: r for r in pred if r["EP"] == ep and r["ECHO"] == "off" and r["routing"] == "Zipf(1.2)"}
+        if len(pick) == 2:
+            f, h = pick["flat padded"], pick["hierarchical"]
+            parts.append(f"EP={ep} ({h['hosts']}): {h['net_GB'] / f['net_GB']:.2f} of flat's fixed blocks, "
+                         f"{h['net_GB_real'] / f['net_GB']:.2f} in rows with data, step {h['vs_flat']:.2f}x")
+    return ("Hierarchical network bytes per step, Zipf(1.2), ECHO off: " + "; ".join(parts) + ". C1 = cf·T·K/H "
+            "reserves a row per choice; a token's K choices share hosts, so as H grows the C1 blocks fill less "
+            "(`net_GB_real` / `net_GB`) while the extra leg's fixed cost stays.")
+
+
+def run_hosts(cal: Calibration, shape: ModelShape, a) -> tuple[str, dict]:
+    """The host tables (markdown, JSON rows) from the CLI arguments."""
+    args = {"gpus_per_host": a.gpus_per_host, "nvlink_gbs": a.nvlink_gbs, "network_gbs": a.network_gbs,
+            "capacity_factor": a.capacity_factor, "collective_ms": a.collective_ms, "steps": a.host_steps}
+    ratios = network_ratios(shape, a.capacity_factor, a.host_steps)
+    measured = calibrate_hosts(read_host_rows(RESULTS), a.nvlink_gbs, cal, shape)
+    pred = predict_hosts(cal, shape, a.gpus_per_host, a.nvlink_gbs, a.network_gbs, a.capacity_factor, a.collective_ms,
+                         a.host_steps)
+    return hosts_report(cal, shape, pred, ratios, measured, args), {
+        "settings": args, "network_ratios": ratios, "emulated_calibration": measured, "predictions": pred}
+
+
 # ----------------------------------------------------------------------------- report
 
 def validation_summary(val: list[dict], ratios: list[dict]) -> str:
@@ -799,11 +1439,25 @@ def main():
     ap.add_argument("--steps", type=int, default=8,
                     help="simulated steps per configuration (3 MoE layers each; an even number)")
     ap.add_argument("--out", default=None)
+    ap.add_argument("--hosts-only", action="store_true", help="only the host tables (flat vs hierarchical dispatch)")
+    ap.add_argument("--gpus-per-host", type=int, default=8, help="host tables: GPUs per host (one NVLink domain)")
+    ap.add_argument("--nvlink-gbs", type=float, default=400.0, help="host tables: NVLink GB/s per GPU and direction")
+    ap.add_argument("--network-gbs", type=float, default=50.0, help="host tables: network GB/s per GPU and direction")
+    ap.add_argument("--capacity-factor", type=float, default=1.25, help="host tables: both dispatchers' factor")
+    ap.add_argument("--collective-ms", type=float, default=None,
+                    help="host tables: fixed ms per collective (default: half the one-host padded fit's intercept)")
+    ap.add_argument("--host-steps", type=int, default=2, help="host tables: simulated steps per configuration")
     a = ap.parse_args()
     torch.set_num_threads(1)  # small tensors: one thread is faster, more so on a busy machine
     shape = ModelShape()
     t0 = time.time()
     cal = calibrate(a.gpu, RESULTS, shape)
+    if a.hosts_only:
+        table, data = run_hosts(cal, shape, a)
+        env = {**environment(), "gpu": cal.gpu, "host": "cpu (model)"}
+        stem = write_results("step_sim_hosts", env, [data], table, a.out)
+        print(f"\n{table}\n\n({stem}.md, {time.time() - t0:.0f} s)")
+        return
     alts = gemm_alternatives(echo_sim_points(os.path.join(RESULTS, f"echo_sim_{a.gpu}.json")))
     print(f"calibrated in {time.time() - t0:.1f} s: GEMM {cal.gemm.intercept:.3f} + {cal.gemm.slope:.3e}·rows "
           f"(rms {cal.gemm.rms_rel:.3f}), non-MoE {cal.notes['nonmoe_1gpu_ms']:.1f} ms", flush=True)
@@ -824,9 +1478,11 @@ def main():
     cal_json = {**asdict(cal), "comm": {f"{b}_ep{e}": asdict(f) for (b, e), f in cal.comm.items()},
                 "planner_us": {f"ep{e}_s{s}": us for (e, s), us in cal.planner_us.items()}}
     table = report(cal, alts, checks, zipf_check, val, ratios, adjust, pred, shape, a.steps)
+    host_table, host_data = run_hosts(cal, shape, a)
+    table += "\n\n" + host_table
     stem = write_results("step_sim", env, [{"calibration": cal_json, "gemm_alternatives": alts, "cross_checks": checks,
                                              "zipf_check": zipf_check, "validation": val, "ratios": ratios,
-                                             "predictions": pred}], table, a.out)
+                                             "predictions": pred, "hosts": host_data}], table, a.out)
     print(f"\n{table}\n\n({stem}.md, {time.time() - t0:.0f} s)")
 
 

@@ -2,6 +2,7 @@
 traffic bookkeeping, ECHO never slower in GEMM than off, and the calibration fits reproducing
 their own points within the residuals they state."""
 
+import json
 import math
 import os
 
@@ -158,3 +159,156 @@ def test_measured_windows_are_quoted_from_their_files():
         with open(os.path.join(RESULTS, run.source)) as f:
             assert run.windows in f.read(), run.name
         assert 1e5 < run.tokens_per_s() < 1e6
+
+
+# ----------------------------------------------------------------------------- across hosts
+
+def test_dispatch_bytes_equal_hand_computation():
+    """H=2, L=2, T=64, K=6, cf=1.25, D=16 (bf16 rows of 32 B):
+    flat C = round_up(ceil(1.25·64·6/4), 8) = 120: (4 - 2)·120 rows over the network, 1·120 over NVLink;
+    C1 = min(64, round_up(240, 8)) = 64, C2 = round_up(ceil(1.25·384/2), 8) = 240."""
+    cl = sim.Cluster(2, 2, nvlink_gbs=400.0, network_gbs=50.0)
+    assert sim.hier_capacities(64, 6, 2, 2, 1.25) == (64, 240)
+    flat = sim.dispatch_legs("padded", cl, 64, 16, 6, 1.25)
+    assert [(l.network_bytes, l.nvlink_bytes) for l in flat["dispatch"]] == [(2 * 120 * 32, 120 * 32)]
+    assert [(l.network_bytes, l.nvlink_bytes) for l in flat["combine"]] == [(2 * 120 * 32, 120 * 32)]
+    hier = sim.dispatch_legs("hierarchical", cl, 64, 16, 6, 1.25)
+    # network leg: 64 rows of 32 B + 6 int32 ids + 6 fp32 weights each; NVLink leg: 240 rows of 32 B
+    assert [(l.network_bytes, l.nvlink_bytes) for l in hier["dispatch"]] == [(64 * (32 + 48), 0), (0, 240 * 32)]
+    assert [(l.network_bytes, l.nvlink_bytes) for l in hier["combine"]] == [(0, 240 * 32), (64 * 32, 0)]
+    assert sim.network_bytes(flat) == 15360 and sim.network_bytes(hier) == 7168
+    # time: fixed 0.1 ms per collective + the slower link class; legs in sequence
+    flat_ms = 2 * (0.1 + max(7680 / 50, 3840 / 400) / 1e6)
+    hier_ms = 4 * 0.1 + (5120 / 50 + 7680 / 400 + 7680 / 400 + 2048 / 50) / 1e6
+    assert sim.round_trip_ms(flat, cl, 0.1) == pytest.approx(flat_ms, rel=1e-12)
+    assert sim.round_trip_ms(hier, cl, 0.1) == pytest.approx(hier_ms, rel=1e-12)
+    # one host: no network leg; one GPU per host: no NVLink leg
+    assert [l.name for l in sim.dispatch_legs("hierarchical", sim.Cluster(1, 4), 64, 16, 6, 1.25)["dispatch"]] == ["nvlink"]
+    assert [l.name for l in sim.dispatch_legs("hierarchical", sim.Cluster(2, 1), 64, 16, 6, 1.25)["dispatch"]] == ["network"]
+
+
+@pytest.mark.parametrize("L", [1, 2, 8])
+@pytest.mark.parametrize("K", [2, 4, 6, 8])
+def test_hierarchical_sends_fewer_network_bytes_than_flat_at_two_hosts(L, K):
+    """Flat sends (H - 1)·L·C ≈ cf·T·K/2 rows to the other host, hierarchical at most T (+ 8·K bytes of
+    ids and weights per row): fewer bytes and less network time for K ≥ 2 at cf ≥ 1.1 and D ≥ 256."""
+    cl = sim.Cluster(2, L)
+    for T in (64, 1000, 16384):
+        for cf in (1.1, 1.25, 2.0):
+            for D in (256, 2048):
+                flat = sim.dispatch_legs("padded", cl, T, D, K, cf)
+                hier = sim.dispatch_legs("hierarchical", cl, T, D, K, cf)
+                assert sim.network_bytes(hier) < sim.network_bytes(flat), (T, cf, D)
+                net_ms = lambda legs: sum(l.network_bytes for l in legs["dispatch"] + legs["combine"]) / 50  # noqa: E731
+                assert net_ms(hier) < net_ms(flat)
+
+
+def test_routing_ids_are_the_count_models_draws():
+    ids = sim.routing_ids(4, 32, 6, "zipf1.2", 256, 5)
+    counts = torch.stack([torch.bincount(ids[r].flatten(), minlength=32) for r in range(4)])
+    assert torch.equal(counts, sim.zipf_counts(4, 32, 1.2, 256, 6, 5))
+    hot = sim.routing_ids(4, 32, 6, "hot8", 256, 3)
+    counts = torch.stack([torch.bincount(hot[r].flatten(), minlength=32) for r in range(4)])
+    assert torch.equal(counts, sim.hot_counts(4, 32, 8, 256, 6, 3))
+    assert all(len(set(t.tolist())) == 6 for t in ids[0])  # K distinct experts per token
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_echo_token_rewrite_reproduces_plan_traffic(seed):
+    """Applying the planner's quotas token by token sends exactly layer_load's rows per (source, destination)."""
+    R, E, S = 4, 16, 2
+    ids = sim.routing_ids(R, E, 4, "hot4" if seed == 0 else "zipf1.2", 300, seed)
+    counts = torch.stack([torch.bincount(ids[r].flatten(), minlength=E) for r in range(R)])
+    plan = plan_echo(counts, S)
+    load = sim.layer_load(counts, S, plan=plan)
+    assert int((plan.quota_RG > 0).sum()) > 0
+    for r in range(R):
+        dest = sim.echo_dest_TK(ids[r], ids[r] // (E // R), plan.quota_RG[r], plan.slot_expert_G, S)
+        assert torch.equal(torch.bincount(dest.flatten(), minlength=R), load.traffic_RR[r])
+
+
+def test_unique_host_rows_and_clone_bytes():
+    """Hierarchical real rows are unique (token, host) pairs: at most T per host and fewer than the flat
+    (token, expert) pairs at K ≥ 2; ECHO's clones of host 0's hot experts placed on host 1 cross the network."""
+    cl, E, K, T = sim.Cluster(2, 2), 16, 4, 512
+    shape = sim.ModelShape(experts=E, top_k=K, tokens_per_rank=T, moe_layers=1)
+    ids = sim.routing_ids(4, E, K, "zipf1.2", T, 0)
+    layer = sim.host_layer(ids, E, 0, cl)
+    assert (layer.unique_RH <= T).all() and (layer.unique_RH.sum(1) >= T).all()
+    host_TK = ids[0] // (E // 4) // 2
+    assert int(layer.unique_RH[0, 1]) == int((host_TK == 1).any(1).sum())
+    flat = sim.real_network_gb(layer, sim.HostRun(cl, "padded", E), shape)
+    hier = sim.real_network_gb(layer, sim.HostRun(cl, "hierarchical", E), shape)
+    assert 0 < hier < flat
+    hot_ids = sim.routing_ids(4, E, K, "hot4", T, 0)  # experts 0-3: rank 0, host 0
+    hot = sim.host_layer(hot_ids, E, 2, cl)
+    off = int((hot.clone_home_G // 2 != hot.clone_rank_G // 2).sum())
+    assert off > 0 and (hot.clone_home_G == 0).all()
+    cal = toy_calibration()
+    t = sim.host_layer_ms(hot, sim.HostRun(cl, "hierarchical", E, slots=2), cal, shape)
+    w = 3 * shape.dim * shape.hidden * 2
+    assert t["clone_network_gb"] == pytest.approx(2 * off * w / 4 / 1e9)
+    # every choice on rank 0 overflows its blocks without ECHO; the plan's rewrite spreads them to fit
+    run_off = sim.HostRun(cl, "hierarchical", E)
+    assert sim.host_fill(sim.host_layer(hot_ids, E, 0, cl), run_off, T, K) > 1.5 >= 1.0 >= t["fill"]
+    assert t["comm"] == pytest.approx(2 * sim.round_trip_ms(
+        sim.dispatch_legs("hierarchical", cl, T, shape.dim, K, 1.25), cl, sim.default_collective_ms(cal)))
+
+
+def synthetic_rows(network_gbs: float, collective_ms: float) -> list[dict]:
+    rows = []
+    for disp in ("padded", "hierarchical"):
+        for L in (1, 2):
+            for T in (2048, 8192):
+                r = {"dispatcher": disp, "hosts": 2, "gpus_per_host": L, "tokens_per_rank": T, "hidden": 2048,
+                     "top_k": 6, "experts": 64, "capacity_factor": 1.25}
+                r["dispatch_combine_ms"] = sim.predicted_round_trip_ms(r, network_gbs, collective_ms)
+                rows.append(r)
+    return rows
+
+
+@pytest.mark.parametrize("gbs,lat", [(3.0, 0.4), (20.0, 0.05), (150.0, 1.0)])
+def test_calibrate_hosts_recovers_the_generating_bandwidth(gbs, lat):
+    got = sim.calibrate_hosts(synthetic_rows(gbs, lat))
+    assert got["fit_rows"] == 8
+    assert got["network_gbs"] == pytest.approx(gbs, rel=0.01)
+    assert got["collective_ms"] == pytest.approx(lat, rel=0.01)
+    assert all(c["within_15pct"] for c in got["checks"]) and len(got["checks"]) == 8
+
+
+def test_calibrate_hosts_flags_a_row_off_by_30pct():
+    rows = synthetic_rows(3.0, 0.4)
+    rows[5]["dispatch_combine_ms"] *= 1.3
+    got = sim.calibrate_hosts(rows)
+    flags = {c["row"]: c["within_15pct"] for c in got["checks"]}
+    assert flags[5] is False
+    assert all(ok for i, ok in flags.items() if i != 5)
+    # a step time (outside the fit) 30% above the model's own prediction is flagged; the prediction itself passes
+    cal = toy_calibration()
+    step = {"dispatcher": "hierarchical", "hosts": 2, "gpus_per_host": 2, "tokens_per_rank": 1024, "hidden": 2048,
+            "top_k": 6, "experts": 64, "capacity_factor": 1.25, "step_ms": 100.0, "network_gbs": 3.0}
+    pred = [c for c in sim.calibrate_hosts(rows[:4] + [step], cal=cal, steps=1)["checks"] if c["quantity"] == "step_ms"]
+    p = pred[0]["predicted"]
+    assert p > 0
+    got = sim.calibrate_hosts(rows[:4] + [{**step, "step_ms": p}, {**step, "step_ms": 1.3 * p}], cal=cal, steps=1)
+    steps = [c for c in got["checks"] if c["quantity"] == "step_ms"]
+    assert [c["within_15pct"] for c in steps] == [True, False]
+    assert steps[1]["ratio"] == pytest.approx(1 / 1.3)
+
+
+def test_read_host_rows_skips_missing_files_and_incomplete_rows(tmp_path):
+    assert sim.read_host_rows(str(tmp_path)) == []
+    good = {"dispatcher": "padded", "hosts": 2, "gpus_per_host": 2, "tokens_per_rank": 4096, "hidden": 2048,
+            "top_k": 6, "experts": 64, "capacity_factor": 1.25, "dispatch_combine_ms": 12.5}
+    rows = [good, {**good, "hidden": None}, {**good, "dispatcher": "nccl"}, {**good, "dispatch_combine_ms": None},
+            {k: v for k, v in good.items() if k != "capacity_factor"}, "not a row",
+            {**good, "dispatcher": "alltoall", "capacity_factor": None, "network_gbs": "2.5",
+             "dispatch_combine_ms": None}]
+    (tmp_path / "dispatch_hosts_2x2.json").write_text(json.dumps({"env": {}, "rows": rows}))
+    (tmp_path / "e2e_hosts_2x2.json").write_text("{not json")
+    (tmp_path / "e2e_hosts_empty.json").write_text(json.dumps({"rows": "none"}))
+    (tmp_path / "dispatch_ep2_x.json").write_text(json.dumps({"rows": [good]}))  # not a host file
+    got = sim.read_host_rows(str(tmp_path))
+    assert [(r["dispatcher"], r["dispatch_combine_ms"], r["network_gbs"]) for r in got] == [
+        ("padded", 12.5, None), ("alltoall", None, 2.5)]
+    assert {r["source"] for r in got} == {"dispatch_hosts_2x2.json"}
