@@ -1087,7 +1087,7 @@ def _num(v) -> float | None:
 def host_row(row: dict) -> dict | None:
     """A measured row normalised (ints, floats), or None when it lacks what the model needs: dispatcher,
     hosts, gpus_per_host, tokens_per_rank, hidden, top_k (+ capacity_factor unless alltoall) and at least
-    one positive measurement."""
+    one positive measurement. Optional: experts, slots, routing, network_rows."""
     if not isinstance(row, dict) or row.get("dispatcher") not in DISPATCHERS:
         return None
     out = dict(row)
@@ -1103,6 +1103,8 @@ def host_row(row: dict) -> dict | None:
     for k in ("experts", "slots"):
         v = _num(row.get(k))
         out[k] = int(v) if v is not None else None
+    v = _num(row.get("network_rows"))
+    out["network_rows"] = v if v is not None and v >= 0 else None
     measured = 0
     for k in MEASURED_KEYS:
         v = _num(row.get(k))
@@ -1133,14 +1135,22 @@ def read_host_rows(results: str = RESULTS) -> list[dict]:
 
 
 def _row_legs(row: dict, nvlink_gbs: float) -> tuple[Cluster, dict[str, list[Leg]]]:
+    """A measured row's legs; alltoall with ``network_rows`` (the busiest rank's (token, choice) rows to
+    other hosts, one way) moves those, and on-host rows in the same proportion per peer."""
     cl = Cluster(row["hosts"], row["gpus_per_host"], nvlink_gbs)
     legs = dispatch_legs(row["dispatcher"], cl, row["tokens_per_rank"], row["hidden"], row["top_k"],
                          row["capacity_factor"] or 1.0)
+    off = row.get("network_rows")
+    if row["dispatcher"] == "alltoall" and off is not None and cl.hosts > 1:
+        L, R, b = cl.gpus_per_host, cl.ranks, row["hidden"] * BYTES
+        leg = Leg("all_to_all", off * b, off * (L - 1) / (R - L) * b)
+        legs = {"dispatch": [legs["dispatch"][0], leg], "combine": [leg]}
     return cl, legs
 
 
 def predicted_round_trip_ms(row: dict, network_gbs: float, collective_ms: float, nvlink_gbs: float = 400.0) -> float:
-    """Forward dispatch + combine ms of a measured row's configuration (balanced rows for alltoall)."""
+    """Forward dispatch + combine ms of a measured row's configuration (alltoall: its ``network_rows``,
+    else balanced rows)."""
     cl, legs = _row_legs(row, nvlink_gbs)
     return round_trip_ms(legs, replace(cl, network_gbs=network_gbs), collective_ms)
 

@@ -312,3 +312,7 @@ def test_read_host_rows_skips_missing_files_and_incomplete_rows(tmp_path):
     assert [(r["dispatcher"], r["dispatch_combine_ms"], r["network_gbs"]) for r in got] == [
         ("padded", 12.5, None), ("alltoall", None, 2.5)]
     assert {r["source"] for r in got} == {"dispatch_hosts_2x2.json"}
+    # alltoall moves its measured real rows when the row has them: 1000 rows across, 500 on NVLink (L - 1 = 1 of 2)
+    a2a = {**good, "dispatcher": "alltoall", "network_rows": 1000}
+    ms = sim.predicted_round_trip_ms(sim.host_row(a2a), 50.0, 0.1)
+    assert ms == pytest.approx(3 * 0.1 + 2 * max(1000 * 4096 / 50, 500 * 4096 / 400) / 1e6)
