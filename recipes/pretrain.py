@@ -7,7 +7,7 @@ Reads top to bottom: config and processes → tokenizer + data → model (EP-sha
 optimizer, lr schedule, step gate → resume → the step (forward, backward, clip, gated optimizer
 step, router-bias update) → the loop (components/train/loop.py: steps confirmed one step late,
 overflowed ones replayed exactly, non-finite ones skipped; logs, checkpoints, summary).
-Exit codes: 2 bad input, 3 too many non-finite steps, 4 a peer rank hung (components/train/entry.py).
+Exit codes: 2 bad input, 3 too many non-finite steps, 4 a peer rank hung or died (components/train/entry.py).
 """
 
 import sys

@@ -281,11 +281,18 @@ class TokenBatchLoader:
     def state_dict(self) -> dict[str, int]:
         return {"epoch": self.epoch, "position": self.position}
 
-    def load_state_dict(self, state_dict: dict[str, int]) -> None:
+    def load_state_dict(self, state_dict: dict[str, int], global_batch: int | None = None) -> None:
+        """Continue where ``state_dict`` stopped. ``global_batch``: the sequences per step of the loader that
+        saved it, when that differs from this one's ``batch_size * world_size`` (another rank count or batch
+        size): its position counts those batches, so this loader starts at its first batch that holds no window
+        read before in the epoch (fewer than one global batch of unread windows skipped)."""
         epoch, position = int(state_dict["epoch"]), int(state_dict["position"])
-        if epoch < 0 or not 0 <= position <= self.batches_per_epoch:
+        saved = global_batch or self.batch_size * self.world_size
+        if epoch < 0 or not 0 <= position * saved <= self.num_windows:
             raise UserError(
                 f"data loader state epoch={epoch} position={position} does not fit this dataset "
-                f"({self.batches_per_epoch} batches per epoch); was the data or batch size changed?"
+                f"({self.num_windows // saved} batches per epoch); was the data or batch size changed?"
             )
-        self.epoch, self.position = epoch, position
+        read = position * saved  # windows of the epoch's order already read
+        self.epoch = epoch
+        self.position = min(-(-read // (self.batch_size * self.world_size)), self.batches_per_epoch)

@@ -76,21 +76,30 @@ class LRSchedule:
 
 
 class TrainState:
-    """Step counter, data position and RNG state."""
+    """Step counter, data position (with the global batch it counts, so a run resumed at another rank count
+    or batch size reads on from there) and RNG state."""
 
     def __init__(self, loader: TokenBatchLoader):
         self.step = 0
         self.loader = loader
+        self.stored_global_batch = True  # False: the checkpoint being loaded predates that entry
 
     def state_dict(self):
         sd = {"step": self.step, "data": self.loader.state_dict(), "rng_cpu": torch.get_rng_state()}
+        if self.stored_global_batch:
+            sd["data_global_batch"] = torch.tensor(self.loader.batch_size * self.loader.world_size)
         if torch.cuda.is_available():
             sd["rng_cuda"] = torch.cuda.get_rng_state()
         return sd
 
+    def match_stored(self, tensor_keys: set[str]) -> None:
+        self.stored_global_batch = "data_global_batch" in tensor_keys
+
     def load_state_dict(self, sd):
         self.step = int(sd["step"])
-        self.loader.load_state_dict(sd["data"])
+        global_batch = int(sd["data_global_batch"]) if "data_global_batch" in sd else None
+        self.loader.load_state_dict(sd["data"], global_batch)
+        self.stored_global_batch = True
         torch.set_rng_state(sd["rng_cpu"])
         if torch.cuda.is_available() and "rng_cuda" in sd:
             torch.cuda.set_rng_state(sd["rng_cuda"])
