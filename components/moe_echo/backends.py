@@ -1,7 +1,10 @@
 """Pick and build a token dispatcher from ``[moe_echo] dispatcher`` (the factory sits above the
 backends, which import only the interface in dispatcher.py).
 
-    d = build_dispatcher(cfg, num_experts, ep_group, ep_size, on_cuda)
+    d = build_dispatcher(cfg, num_experts, ep_group, ep_size, on_cuda, hosts)
+
+``hosts`` (components.parallel.hosts.EPHosts, or anything with ``hosts``, ``host_rank``, ``net_group``,
+``host_group``): how the EP group spans hosts; ``hierarchical`` needs it.
 """
 
 import torch
@@ -10,14 +13,21 @@ from .config import MoEEchoConfig
 from .deepep_dispatch import DeepEPDispatcher
 from .dispatcher import Dispatcher, LocalDispatcher
 from .ep_dispatch import AllToAllDispatcher, PaddedDispatcher
+from .hierarchical_dispatch import HierarchicalDispatcher
 from .nvlink_dispatch import NVLinkDispatcher
 
 
-def resolve_backend(cfg: MoEEchoConfig, ep_size: int, on_cuda: bool = False) -> str:
-    """The backend ``cfg.dispatcher`` means at this EP degree (``auto``: local at EP=1, else nvlink
-    on CUDA and padded elsewhere)."""
+def resolve_backend(cfg: MoEEchoConfig, ep_size: int, on_cuda: bool = False, spans_hosts: bool = False) -> str:
+    """The backend ``cfg.dispatcher`` means at this EP degree (``auto``: local at EP=1, hierarchical where
+    the EP group spans hosts, else nvlink on the CUDA GPUs of one host and padded elsewhere)."""
     if cfg.dispatcher in ("auto", "fastest"):  # "fastest" is resolved by autotune before this
-        return "local" if ep_size == 1 else ("nvlink" if on_cuda else "padded")
+        if ep_size == 1:
+            return "local"
+        return "hierarchical" if spans_hosts else ("nvlink" if on_cuda else "padded")
+    if cfg.dispatcher == "hierarchical" and not spans_hosts:
+        raise ValueError(f"[moe_echo] dispatcher = 'hierarchical' needs the {ep_size} EP ranks to span several "
+                         "hosts (torchrun --nnodes > 1 and expert_parallel_degree > --nproc_per_node); use "
+                         "dispatcher = 'auto'")
     if (cfg.dispatcher == "local") != (ep_size == 1):
         need = "expert_parallel_degree = 1" if cfg.dispatcher == "local" else "expert_parallel_degree > 1"
         raise ValueError(f"[moe_echo] dispatcher = {cfg.dispatcher!r} needs {need} (got {ep_size}); "
@@ -26,10 +36,14 @@ def resolve_backend(cfg: MoEEchoConfig, ep_size: int, on_cuda: bool = False) -> 
 
 
 def build_dispatcher(cfg: MoEEchoConfig, num_experts: int, ep_group=None, ep_size: int = 1,
-                     on_cuda: bool = False) -> Dispatcher:
-    backend = resolve_backend(cfg, ep_size, on_cuda)
+                     on_cuda: bool = False, hosts=None) -> Dispatcher:
+    spans = hosts is not None and hosts.hosts > 1
+    backend = resolve_backend(cfg, ep_size, on_cuda, spans)
     if backend == "local":
         return LocalDispatcher(num_experts)
+    if backend == "hierarchical":
+        return HierarchicalDispatcher(num_experts, ep_group, ep_size, cfg.capacity_factor, hosts.hosts,
+                                      hosts.net_group, hosts.host_group, hosts.host_rank)
     if backend == "nvlink":
         return NVLinkDispatcher(num_experts, ep_group, ep_size, cfg.capacity_factor, cfg.nvlink_sms, copies=cfg.nvlink_copy)
     if backend == "deepep":

@@ -13,13 +13,16 @@ class MoEEchoConfig:
     enable: bool = True
     """Swap torchtitan's MoE modules for moe-echo's layer (False keeps torchtitan's own MoE)."""
 
-    dispatcher: Literal["auto", "fastest", "local", "alltoall", "padded", "nvlink", "deepep"] = "auto"
+    dispatcher: Literal["auto", "fastest", "local", "alltoall", "padded", "nvlink", "hierarchical", "deepep"] = "auto"
     """Token dispatcher backend. ``local``: all experts on this rank (EP=1). ``alltoall``: exact
     variable-size all_to_all, sizes read on the host (the baseline). ``padded``: fixed rows per
     peer over NCCL/gloo, no host read (sync-free). ``nvlink``: Triton kernels write tokens straight
     into the peers' symmetric-memory receive buffers (sync-free, CUDA GPUs of one host).
-    ``deepep``: DeepEP's intranode kernels (needs ``deep_ep`` installed). ``auto``: local at EP=1,
-    nvlink at EP>1 on CUDA, padded elsewhere. ``fastest``: time the EP backends once for this
+    ``hierarchical``: EP across hosts (sync-free): each token crosses the network once per destination
+    host, to the rank with the same local index there, which fans it out to its host's experts; partial
+    sums come back one row per (token, host). ``deepep``: DeepEP's intranode kernels (needs ``deep_ep``
+    installed). ``auto``: local at EP=1, hierarchical where the EP ranks span hosts, nvlink at EP>1 on
+    the CUDA GPUs of one host, padded elsewhere. ``fastest``: time the EP backends once for this
     run's shape on this machine and use the fastest (cached)."""
 
     expert_precision: Literal["bf16", "fp8"] = "bf16"

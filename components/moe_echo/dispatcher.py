@@ -34,6 +34,7 @@ class DispatchHandle:
 
     dropped: torch.Tensor | None = None  # int64: (token, choice) assignments not sent (fixed capacity)
     needed_factor: torch.Tensor | None = None  # fp32: the capacity_factor this dispatch needed
+    network_rows: torch.Tensor | None = None  # int64: token rows sent to other hosts (across-host backends)
 
 
 class Dispatcher(ABC):

@@ -86,10 +86,16 @@ class PaddedDispatcher(FixedCapacity, _AllToAllBase):
         FixedCapacity.__init__(self, capacity_factor)
 
     def dispatch(self, x_TD, ids_TK, w_TK):
+        return self.dispatch_rows(x_TD, ids_TK, w_TK, ids_TK.numel())
+
+    def dispatch_rows(self, x_TD, ids_TK, w_TK, assignments: int, masked: bool = False):
+        """``dispatch`` with the blocks sized for ``assignments`` (T·K of a plain dispatch) and, with
+        ``masked``, ids of -1 for slots that go nowhere (not sent, not counted as dropped)."""
         T, K = ids_TK.shape
-        R, C, dev = self.ep_size, padded_capacity(T, K, self.ep_size, self.capacity_factor), x_TD.device
-        lay = send_layout(ids_TK, self.num_experts, R)
-        sent_N = lay.pos_in_dest_N < C
+        R, dev = self.ep_size, x_TD.device
+        C = capacity_rows(self.capacity_factor, assignments, 8, R)
+        lay = send_layout(ids_TK, self.num_experts, R, masked)
+        sent_N = (lay.pos_in_dest_N < C) & (lay.dest_of_sorted_N < R)
         send_row_N = torch.where(sent_N, lay.dest_of_sorted_N * C + lay.pos_in_dest_N, -1)
         row_of_slot_TK = send_row_N.index_select(0, lay.sorted_of_slot_TK.reshape(-1)).view(T, K)
         # token of each send row (unused rows point at token 0; the receiver ignores them)
@@ -102,7 +108,7 @@ class PaddedDispatcher(FixedCapacity, _AllToAllBase):
         sent_Re = cum_Re - torch.nn.functional.pad(cum_Re[:, :-1], (1, 0))
         recv_counts_Re = exchange_counts(sent_Re, self.group)
         dropped = lay.counts_Re.sum() - sent_Re.sum()
-        needed = lay.counts_Re.sum(1).max().float() * R / (T * K)  # fullest block, as a capacity_factor
+        needed = lay.counts_Re.sum(1).max().float() * R / assignments  # fullest block, as a capacity_factor
 
         block_start_R = torch.arange(R, device=dev) * C
         block_of_row_N = torch.arange(R * C, device=dev) // C

@@ -5,7 +5,8 @@ R = EP ranks, E = global experts, e = E / R local experts per rank; expert x liv
 Sender (``send_layout``): the T·K (token, choice) slots sorted by global expert id (stable), which is
 rank-major then local-expert-major: ``token_of_sorted_N``, ``sorted_of_slot_TK``, ``counts_Re``
 (this rank's rows per destination rank and local expert) and ``pos_in_dest_N`` (row index inside
-its destination's block).
+its destination's block). With ``masked``, an id of -1 marks a slot that goes nowhere: it sorts last,
+its destination is R (no rank) and it is in no count.
 
 Receiver (``expert_major_order``): received rows arrive in blocks, one per source rank, each block
 local-expert-major. The grouped GEMM wants all rows of local expert 0 first (sources in order),
@@ -27,17 +28,22 @@ class SendLayout:
     pos_in_dest_N: torch.Tensor  # [T*K] index of the sorted slot inside its destination's block
 
 
-def send_layout(ids_TK: torch.Tensor, num_experts: int, ep_size: int) -> SendLayout:
+def send_layout(ids_TK: torch.Tensor, num_experts: int, ep_size: int, masked: bool = False) -> SendLayout:
     T, K = ids_TK.shape
     e = num_experts // ep_size
     flat_N = ids_TK.reshape(-1)
+    if masked:  # -1 → id E: sorts last, destination R
+        flat_N = torch.where(flat_N < 0, num_experts, flat_N)
     sorted_slot_N = torch.argsort(flat_N, stable=True)
     arange_N = torch.arange(T * K, device=ids_TK.device)
     sorted_of_slot = torch.empty_like(sorted_slot_N).scatter_(0, sorted_slot_N, arange_N)
-    counts_E = torch.zeros(num_experts, dtype=torch.int64, device=ids_TK.device)
+    counts_E = torch.zeros(num_experts + int(masked), dtype=torch.int64, device=ids_TK.device)
     counts_E.scatter_add_(0, flat_N, torch.ones_like(flat_N))
-    counts_Re = counts_E.view(ep_size, e)
-    dest_start_R = torch.cumsum(counts_Re.sum(1), 0) - counts_Re.sum(1)
+    counts_Re = counts_E[:num_experts].view(ep_size, e)
+    rows_R = counts_Re.sum(1)
+    dest_start_R = torch.cumsum(rows_R, 0) - rows_R
+    if masked:  # destination R (nowhere) starts after every rank's block
+        dest_start_R = torch.cat([dest_start_R, rows_R.sum().view(1)])
     dest_N = flat_N.index_select(0, sorted_slot_N) // e
     pos_N = arange_N - dest_start_R.index_select(0, dest_N)
     return SendLayout(sorted_slot_N // K, sorted_of_slot.view(T, K), counts_Re, dest_N, pos_N)

@@ -115,6 +115,8 @@ class MoELayer(nn.Module):
         # capacity_factor this step's dispatch needed (fixed-capacity backends; the gate grows to it)
         self.register_buffer("capacity_need", torch.zeros(()), persistent=False)
         self.register_buffer("echo_stats", torch.zeros(4), persistent=False)  # see echo.echo_stats
+        # token rows this step's dispatches sent to other hosts (across-host dispatchers; 0 elsewhere)
+        self.register_buffer("network_rows", torch.zeros((), dtype=torch.int64), persistent=False)
         self.ep_size = 1
         self.echo = None  # components.moe_echo.echo.Echo, set by parallelize() when [moe_echo] echo
         self.last_aux_loss: torch.Tensor | None = None
@@ -169,6 +171,8 @@ class MoELayer(nn.Module):
                 self.overflow_count.add_(handle.dropped)
             if handle.needed_factor is not None:
                 self.capacity_need.copy_(torch.maximum(self.capacity_need, handle.needed_factor))
+            if handle.network_rows is not None:
+                self.network_rows.add_(handle.network_rows)
 
     def _experts(self, *args, extend=None, apply=None):
         """The experts' forward, recomputed in backward where ECHO asks (``echo_recompute``)."""
@@ -244,6 +248,7 @@ class MoELayer(nn.Module):
         self.tokens_per_expert.zero_()
         self.overflow_count.zero_()
         self.capacity_need.zero_()
+        self.network_rows.zero_()
 
     def init_weights(self, init_std: float, buffer_device: torch.device | None = None) -> None:
         self.experts.init_weights(init_std)
@@ -256,5 +261,6 @@ class MoELayer(nn.Module):
             self.tokens_per_expert = torch.zeros(self.num_experts, dtype=torch.float32)
             self.overflow_count = torch.zeros((), dtype=torch.int64)
             self.capacity_need = torch.zeros(())
+            self.network_rows = torch.zeros((), dtype=torch.int64)
             if self.cfg.debug_hot_experts:  # benchmarking aid: a few strongly preferred experts
                 self.expert_bias[: self.cfg.debug_hot_experts] = 1.0

@@ -31,6 +31,7 @@ from components.moe_echo.layer import MoELayer
 from components.errors import UserError
 
 from .compile import compile_dense
+from .hosts import ep_hosts, require_spanning
 from .mesh import Meshes, ParallelDims
 
 
@@ -43,11 +44,18 @@ def apply_expert_parallel(moe: MoELayer, ep_mesh, cfg) -> None:
         setattr(moe.experts, name, nn.Parameter(DTensor.from_local(local, ep_mesh, [Shard(0)], run_check=False)))
     slots = cfg.echo_slots_per_rank if cfg.echo else 0
     # with ECHO the dispatcher routes over e + S "experts" per rank: home experts, then echo slots
-    on_one_host = peers_on_one_host(ep_mesh.device_type, ep)
+    hosts = ep_hosts(ep_mesh.get_group())
+    on_one_host = peers_on_one_host(ep_mesh.device_type, ep) and not hosts.spans_hosts
     if cfg.dispatcher == "nvlink" and not on_one_host:
         raise UserError(f"[moe_echo] dispatcher = 'nvlink' needs the {ep} EP ranks on the CUDA GPUs of one host "
-                        f"({torch.cuda.device_count()} here); use 'padded' or 'auto'")
-    moe.dispatcher = build_dispatcher(cfg, ep * (moe.num_experts // ep + slots), ep_mesh.get_group(), ep, on_one_host)
+                        f"(they span {hosts.hosts} hosts; {torch.cuda.device_count()} GPUs here); use 'hierarchical', "
+                        "'padded' or 'auto'")
+    if cfg.dispatcher == "hierarchical":
+        require_spanning(hosts, ep)
+    elif not hosts.regular:
+        hosts = None  # auto: flat padded where the ranks are not laid out host by host
+    moe.dispatcher = build_dispatcher(cfg, ep * (moe.num_experts // ep + slots), ep_mesh.get_group(), ep,
+                                      on_one_host, hosts)
     moe.ep_size = ep
     if cfg.echo:
         transport = build_transport(moe.dispatcher, ep_mesh.get_group(), ep, rank, slots, moe.num_experts // ep)

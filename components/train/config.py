@@ -298,7 +298,7 @@ def validate(cfg) -> None:
     if e.nvlink_copy != "kernel" and e.dispatcher not in ("auto", "fastest", "nvlink"):
         raise UserError(f"[moe_echo] nvlink_copy = {e.nvlink_copy!r} applies to the nvlink dispatcher only (dispatcher = "
                         f"{e.dispatcher!r}); set nvlink_copy = 'kernel' or dispatcher = 'nvlink'")
-    if e.dispatcher in ("alltoall", "padded", "nvlink", "deepep") and ep == 1:
+    if e.dispatcher in ("alltoall", "padded", "nvlink", "hierarchical", "deepep") and ep == 1:
         raise UserError(f"[moe_echo] dispatcher = {e.dispatcher!r} needs [parallelism] expert_parallel_degree > 1; "
                         "use 'local' or 'auto'")
     c = cfg.compile

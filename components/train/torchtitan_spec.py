@@ -64,7 +64,7 @@ from .optim import lr_factor
 from .tokenizer import build_tokenizer
 
 OUR_DATASETS = ("python_stdlib", "local")
-_FIXED_CAPACITY = ("padded", "nvlink", "fastest")
+_FIXED_CAPACITY = ("padded", "nvlink", "hierarchical", "fastest")
 
 
 # --- model -----------------------------------------------------------------------------------------
