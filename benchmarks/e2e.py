@@ -61,8 +61,9 @@ import tomllib
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+sys.path.insert(1, os.path.join(ROOT, "tests"))  # tests/emulated_hosts.py: one torchrun agent per emulated host
 
-from benchmarks.common import environment  # noqa: E402
+from benchmarks.common import environment, markdown_table  # noqa: E402
 
 RUNS = ("torchtitan", "torchtitan_compile", "ours_eager", "ours_graph", "ours_compile_graph")
 
@@ -275,8 +276,8 @@ def compare(group: list[dict]) -> None:
 
 
 def command(run: str, a, cfg_path: str, cfg: dict, dump: str, tok_dir: str, data: str, extra: str = "") -> list[str]:
-    launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(a.nproc),
-                "--master_port", str(29500 + os.getpid() % 1000)]
+    """The run's command line after ``torchrun``'s own arguments (``launch`` adds them)."""
+    launcher = []
     if run.startswith("torchtitan"):
         toml = titan_toml(cfg, a.steps, dump, tok_dir, os.path.dirname(data), run == "torchtitan_compile")
         return launcher + [os.path.join(ROOT, "benchmarks", "torchtitan_main.py"), "--job.config_file", toml,
@@ -293,17 +294,35 @@ def command(run: str, a, cfg_path: str, cfg: dict, dump: str, tok_dir: str, data
     return cmd + shlex.split(a.ours) + shlex.split(extra)
 
 
+def launch(script: list[str], a, cwd: str) -> tuple[str, int | str]:
+    """Run ``script`` under torchrun on ``a.nproc`` GPUs: one agent, or with ``a.hosts`` > 1 one agent per
+    emulated host (its GPUs and its own NCCL_HOSTID: NCCL's network transport between them). (log, exit code)."""
+    if getattr(a, "hosts", 1) > 1:
+        from emulated_hosts import start_hosts, wait_hosts
+
+        try:
+            results = wait_hosts(start_hosts(script, a.hosts, a.nproc // a.hosts, gpus=True, cwd=cwd), a.timeout)
+        except AssertionError as e:
+            return str(e), "timeout"
+        rc = next((r.returncode for r in results if r.returncode != 0), 0)
+        return "".join(r.stdout + r.stderr for r in results), rc
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(a.nproc),
+                "--master_port", str(29500 + os.getpid() % 1000)]
+    try:
+        p = subprocess.run(launcher + script, capture_output=True, text=True, cwd=cwd, timeout=a.timeout)
+        return p.stdout + p.stderr, p.returncode
+    except subprocess.TimeoutExpired as e:
+        return (e.stdout or b"").decode() + (e.stderr or b"").decode(), "timeout"
+
+
 def measure(run: str, a, cfg_path: str, cfg: dict, tok_dir: str, data: str, work: str, variant: str = "",
             extra: str = "") -> dict:
     name = os.path.basename(cfg_path).split(".")[0]
     tag = f"_{variant}" if variant else ""
     dump = tempfile.mkdtemp(prefix=f"{name}_{a.nproc}gpu{a.label}_{run}{tag}_", dir=work)  # always a fresh folder
     cmd = command(run, a, cfg_path, cfg, dump, tok_dir, data, extra)
-    try:
-        p = subprocess.run(cmd, capture_output=True, text=True, cwd=source_tree(extra)[0], timeout=a.timeout)
-        log, rc = p.stdout + p.stderr, p.returncode
-    except subprocess.TimeoutExpired as e:
-        log, rc = (e.stdout or b"").decode() + (e.stderr or b"").decode(), "timeout"
+    log, rc = launch(cmd, a, source_tree(extra)[0])
+    cmd = ["torchrun", *(["--nnodes", str(a.hosts)] if getattr(a, "hosts", 1) > 1 else []), *cmd]
     with open(os.path.join(dump, "run.log"), "w") as f:
         f.write(" ".join(map(shlex.quote, cmd)) + "\n" + log)
     if rc != 0:
@@ -344,7 +363,10 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--configs", default="debug_gpu,v2lite_1b_gpu,qwen3_30b_a3b_small_gpu",
                     help="train_configs/<name>.toml, comma-separated")
-    ap.add_argument("--nproc", type=int, default=1)
+    ap.add_argument("--nproc", type=int, default=1, help="GPUs in all")
+    ap.add_argument("--hosts", type=int, default=1,
+                    help="emulate this many hosts on this machine (our runs only): one torchrun agent per host, "
+                         "nproc / hosts GPUs each, each its own NCCL_HOSTID")
     ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--runs", default=",".join(RUNS))
     ap.add_argument("--ours", default="", help="extra recipe arguments")
@@ -385,6 +407,10 @@ def main():
     for run in a.runs.split(","):
         if run not in RUNS:
             ap.error(f"--runs: unknown run {run!r}; expected some of {','.join(RUNS)}")
+        if a.hosts > 1 and not run.startswith("ours"):
+            ap.error(f"--hosts {a.hosts}: emulated hosts run our recipe only; drop {run!r} from --runs")
+    if a.hosts < 1 or a.nproc % a.hosts:
+        ap.error(f"--hosts {a.hosts} must divide --nproc {a.nproc}")
     work = a.work or tempfile.mkdtemp(prefix="moe_echo_e2e_")
     os.makedirs(work, exist_ok=True)
     tok_dir, data = make_assets(os.path.join(work, "assets"))
@@ -409,6 +435,10 @@ def main():
         for run, (variant, extra) in plan:
             r = combine_repeats(repeats[(run, variant)])
             r.update({"config": name, "gpus": a.nproc, "label": a.label.lstrip("_")})
+            if a.hosts > 1:
+                r["hosts"] = a.hosts
+            if run.startswith("ours"):
+                r["args"] = f"{a.ours} {source_tree(extra)[1]}".strip()
             if variant:
                 r["variant"] = variant
             ran = with_overrides(cfg, a.titan if run.startswith("torchtitan") else f"{a.ours} {source_tree(extra)[1]}")
@@ -440,6 +470,63 @@ def write(rows: list[dict], env: dict, peak: float, out: str, stamp: bool = True
     with open(stem + ".json", "w") as f:
         json.dump({"env": env, "peak_tflops": peak / 1e12, "script": "benchmarks/e2e.py", "rows": merged}, f, indent=1)
     print(render(stem + ".json"), flush=True)
+    write_hosts(merged, env, out)
+
+
+def arg_value(args: str, key: str, default=None):
+    """The value ``--key value`` (or ``--key=value``) takes last in ``args``."""
+    words, value = shlex.split(args), default
+    for i, w in enumerate(words):
+        k, eq, v = w[2:].partition("=")
+        if w.startswith("--") and k == key:
+            value = v if eq else (words[i + 1] if i + 1 < len(words) else "")
+    return value
+
+
+def host_row(r: dict) -> dict:
+    """An emulated-hosts row in the step model's terms (benchmarks/step_sim.py calibrate_hosts): dispatcher,
+    hosts, GPUs per host, tokens per rank, the flavour's hidden size, top-k and experts, capacity, routing."""
+    from components.moe_echo.models import model_args_for
+
+    with open(os.path.join(ROOT, "train_configs", f"{r['config']}.toml"), "rb") as f:
+        cfg = with_overrides(tomllib.load(f), r["args"])
+    m = model_args_for(cfg["model"]["name"], cfg["model"]["flavor"])
+    me = cfg.get("moe_echo", {})
+    hot = int(arg_value(r["args"], "moe_echo.debug_hot_experts", me.get("debug_hot_experts", 0)))
+    echo = arg_value(r["args"], "moe_echo.echo", str(me.get("echo", False))).lower() == "true"
+    return {"dispatcher": arg_value(r["args"], "moe_echo.dispatcher", me.get("dispatcher", "auto")),
+            "echo": echo, "slots": int(arg_value(r["args"], "moe_echo.echo_slots_per_rank", 2)) if echo else 0,
+            "hosts": r["hosts"], "gpus_per_host": r["gpus"] // r["hosts"],
+            "tokens_per_rank": cfg["training"]["local_batch_size"] * cfg["training"]["seq_len"],
+            "hidden": m.dim, "top_k": m.moe_args.top_k, "experts": m.moe_args.num_experts,
+            "capacity_factor": float(arg_value(r["args"], "moe_echo.capacity_factor", me.get("capacity_factor", 1.25))),
+            "routing": f"hot{hot}" if hot else "natural", "step_ms": r["step_ms"],
+            "tokens_per_s_per_gpu": r["tokens_per_s_per_gpu"], "variant": r.get("variant", ""),
+            "label": r.get("label", ""), "rank_load": r.get("rank_load"), "replays": r.get("replays"),
+            "graph": r.get("graph", ""), "date": r.get("date")}
+
+
+def write_hosts(rows: list[dict], env: dict, out: str) -> None:
+    """The emulated-hosts rows (``--hosts`` > 1, with the arguments they ran with) also as
+    ``e2e_hosts_<N>x<GPU>.{json,md}``, in the step model's terms, one file per GPU count."""
+    done = [r for r in rows if r.get("hosts", 1) > 1 and r.get("args") is not None and r.get("step_ms")]
+    short = env["gpu"].replace("NVIDIA ", "").split()[0]
+    for gpus in sorted({r["gpus"] for r in done}):
+        hrows = [host_row(r) for r in done if r["gpus"] == gpus]
+        stem = os.path.join(out, f"e2e_hosts_{gpus}x{short}")
+        with open(stem + ".json", "w") as f:
+            json.dump({"env": env, "script": "benchmarks/e2e.py --hosts", "rows": hrows}, f, indent=1)
+        cols = ["variant", "dispatcher", "echo", "routing", "hosts", "gpus_per_host", "capacity_factor",
+                "tokens_per_s_per_gpu", "step_ms", "rank_load", "replays", "graph"]
+        with open(stem + ".md", "w") as f:
+            f.write(f"e2e on {gpus} {env['gpu']} as emulated hosts (benchmarks/e2e.py --hosts; one torchrun agent "
+                    f"per host, each its own NCCL_HOSTID)\n\n{markdown_table([shown(r) for r in hrows], cols)}\n")
+
+
+def shown(r: dict) -> dict:
+    """A row with its throughput and times as table cells (thousands separators, 1 decimal)."""
+    fmt = {"tokens_per_s_per_gpu": "{:,.0f}", "step_ms": "{:.1f}", "rank_load": "{:.2f}"}
+    return {k: fmt[k].format(v) if k in fmt and isinstance(v, (int, float)) else v for k, v in r.items()}
 
 
 def render(path: str) -> str:

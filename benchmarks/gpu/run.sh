@@ -65,6 +65,11 @@
 #                    compiled, and both trees' eager step profiles (PART=dispatch | e2e | profile; default all)
 #   ep8         8    not run yet (needs an 8-GPU host): PART=a dispatch EP=2/8; b v2lite_1b EP=8; c scaling
 #                    row + v2lite_6b graphed at EP=8
+#   hosts       2/4  two emulated hosts (one torchrun agent per host, GPUs split between them, each its own
+#                    NCCL_HOSTID): PART=a the hierarchical dispatcher's GPU tests (fp32 == alltoall, sync_debug) and
+#                    the padded / layer EP tests, then dispatch_hosts.py (hierarchical vs padded vs alltoall: network
+#                    bytes and time) -> dispatch_hosts_emulated_<N>x<GPU>.md; PART=b v2lite_1b graphed, hierarchical
+#                    vs flat padded, ECHO off/on, natural and 8 hot experts -> e2e_<GPU>.md (label hosts2)
 set -uo pipefail
 if [ "${1:-}" = quack_unpack ]; then  # call 1 of 2 for QuACK (carry build/quack only: with .whl it exceeds 64 MiB)
   xz -dc build/quack/ir.so.xz > /tmp/quack_ir.so && ls -la /tmp/quack_ir.so; exit; fi
@@ -476,6 +481,22 @@ print("ours      ", [round(ours[s], 5) for s in steps])
 print("max |diff|", max((abs(titan[s] - ours[s]) for s in steps), default=None), "over", len(steps), "steps")
 EOF
     ;;
+
+  hosts)
+    n=$(ngpus); L=$((n / 2))
+    if [ "${PART:-a}" = a ]; then
+      timeout ${TMO:-300} python3 -m pytest tests/test_hierarchical.py tests/test_gpu_ep.py -p no:warnings -q -rfEs \
+        --durations=10 2>&1 | tee "$OUT/hosts_tests.log" | tail -25
+      timeout 240 python3 benchmarks/dispatch_hosts.py --hosts 2 --gpus-per-host $L --label emulated --out "$OUT" \
+        2>&1 | noise | tail -30
+    else
+      a="--parallelism.expert_parallel_degree $n --moe_echo.capacity_factor 1.25 --moe_echo.grow_capacity_after 1"
+      hot="--moe_echo.debug_hot_experts 8 --moe_echo.bias_update_rate 0"
+      timeout 560 python3 benchmarks/e2e.py --configs v2lite_1b_gpu --nproc $n --hosts 2 --runs ours_graph \
+        --steps ${STEPS:-30} --label hosts2 --out "$OUT" --timeout 200 --ours "$a" --variants \
+        "${VARIANTS:-padded=--moe_echo.dispatcher padded --moe_echo.capacity_factor 2.0;hier=--moe_echo.dispatcher hierarchical;hier_hot=--moe_echo.dispatcher hierarchical $hot;hier_hot_echo=--moe_echo.dispatcher hierarchical --moe_echo.echo true $hot}" \
+        2>&1 | noise | tail -30
+    fi ;;
 
   *) echo "unknown suite $suite (see the header of benchmarks/gpu/run.sh)" >&2; exit 2 ;;
 esac
