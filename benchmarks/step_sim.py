@@ -42,7 +42,7 @@ classes per GPU and direction, NVLink inside a host (--nvlink-gbs, 400) and the 
 backward moves the same bytes again), bf16 rows of D:
 - flat ``padded``: one all_to_all of C = round_up(ceil(cf·T·K/R), 8) rows per (source, destination):
   (R - L)·C rows over the network and (L - 1)·C over NVLink, at once.
-- ``hierarchical``: a network leg of C1 = min(round_up(T, 8), round_up(ceil(cf·T·K/H), 8)) rows per
+- ``hierarchical``: a network leg of C1 = min(round_up(T, 8), round_up(ceil(cf·T·(1-(1-1/H)^K)), 8)) rows per
   (source, host) to the same local index there ((H - 1)·C1 rows, + K int32 ids and K fp32 weights per
   row on dispatch), then an NVLink leg of C2 = round_up(ceil(cf·T·K/L), 8) rows per (entry, owner)
   ((L - 1)·C2 rows); combine runs the NVLink leg back, then one partial sum per (token, host) crosses.
@@ -82,8 +82,8 @@ import torch
 
 from benchmarks.common import RESULTS, environment, markdown_table, write_results
 from benchmarks.planner import drifting_counts
-from components.moe_echo.dispatcher import capacity_rows
 from components.moe_echo.ep_dispatch import padded_capacity
+from components.moe_echo.hierarchical_dispatch import host_capacity
 from components.moe_echo.planner import RULES, plan_echo
 
 BYTES = 2  # bf16 activations and weights
@@ -757,10 +757,10 @@ class Leg:
 
 
 def hier_capacities(T: int, K: int, hosts: int, gpus_per_host: int, cf: float) -> tuple[int, int]:
-    """(C1, C2) rows of the hierarchical legs: C1 per (source rank, destination host) block,
-    min(round_up(T, 8), round_up(ceil(cf·T·K/H), 8)) (a token needs a host at most once); C2 per
-    (entry rank, owner rank) block of the NVLink fan-out, round_up(ceil(cf·T·K/L), 8)."""
-    c1 = min(-(-T // 8) * 8, capacity_rows(cf, T * K, 8, hosts))
+    """(C1, C2) rows of the hierarchical legs, as the dispatcher sizes them: C1 per (source rank, destination
+    host) block, min(round_up(T, 8), round_up(ceil(cf·T·(1 − (1 − 1/H)^K)), 8)) (hierarchical_dispatch.
+    host_capacity); C2 per (entry rank, owner rank) block of the NVLink fan-out, round_up(ceil(cf·T·K/L), 8)."""
+    c1 = host_capacity(T, K, hosts, cf)
     return c1, padded_capacity(T, K, gpus_per_host, cf)
 
 
@@ -1253,7 +1253,7 @@ def hosts_report(cal: Calibration, shape: ModelShape, pred: list[dict], ratios: 
         f"and direction; capacity factor {args['capacity_factor']:g}; {lat:.3f} ms fixed per collective "
         f"({'given' if args['collective_ms'] is not None else 'half the one-host padded fit intercept'}); legs "
         "sequential, no overlap. Flat padded: C = round_up(cf·T·K/R, 8) rows per (source, destination), (R - L)·C "
-        "over the network each way. Hierarchical: C1 = min(T, round_up(cf·T·K/H, 8)) rows per (source, host) over the "
+        "over the network each way. Hierarchical: C1 = min(T, round_up(cf·T·(1-(1-1/H)^K), 8)) rows per (source, host) over the "
         f"network (+{META_BYTES}·K bytes of ids and weights per row on dispatch), then C2 = round_up(cf·T·K/L, 8) rows "
         "per (entry, owner) over NVLink; combine reverses both. Backward moves the forward's bytes again.",
         "",
@@ -1312,9 +1312,9 @@ def host_summary(pred: list[dict]) -> str:
             f, h = pick["flat padded"], pick["hierarchical"]
             parts.append(f"EP={ep} ({h['hosts']}): {h['net_GB'] / f['net_GB']:.2f} of flat's fixed blocks, "
                          f"{h['net_GB_real'] / f['net_GB']:.2f} in rows with data, step {h['vs_flat']:.2f}x")
-    return ("Hierarchical network bytes per step, Zipf(1.2), ECHO off: " + "; ".join(parts) + ". C1 = cf·T·K/H "
-            "reserves a row per choice; a token's K choices share hosts, so as H grows the C1 blocks fill less "
-            "(`net_GB_real` / `net_GB`) while the extra leg's fixed cost stays.")
+    return ("Hierarchical network bytes per step, Zipf(1.2), ECHO off: " + "; ".join(parts) + ". C1 = cf·T·(1-(1-1/H)^K) "
+            "reserves a row per token that needs the host under even routing; skewed routing fills some blocks "
+            "more (`fill`), and the extra leg's fixed cost stays.")
 
 
 def run_hosts(cal: Calibration, shape: ModelShape, a) -> tuple[str, dict]:
