@@ -68,8 +68,8 @@ def finetune(argv: list[str]) -> None:
             stop_on_overflow(layers, tr.state.step, run.cfg.moe_echo.capacity_factor)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-        counts_LE, echo = balance_experts(layers, skip)
-        return allreduce_sum(loss.detach()) / run.world, grad_norm, counts_LE, echo
+        counts_LE, echo, net_L = balance_experts(layers, skip)
+        return allreduce_sum(loss.detach()) / run.world, grad_norm, counts_LE, echo, net_L
 
     fit(run, tr, model, loader, device_step, loss_fn, n_params, flops_per_token)
 

@@ -51,8 +51,8 @@ def train(argv: list[str]) -> None:
             stop_on_overflow(layers, tr.state.step, run.cfg.moe_echo.capacity_factor)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-        counts_LE, echo = balance_experts(layers, skip)  # aux-loss-free bias step from the global counts
-        return allreduce_sum(loss.detach()) / run.world, grad_norm, counts_LE, echo
+        counts_LE, echo, net_L = balance_experts(layers, skip)  # aux-loss-free bias step from the global counts
+        return allreduce_sum(loss.detach()) / run.world, grad_norm, counts_LE, echo, net_L
 
     fit(run, tr, model, loader, device_step, loss_fn, n_params, flops_per_token)
 

@@ -61,6 +61,11 @@ class CollectiveTransport:
         grad_G = grad_send * mine_G.unsqueeze(1).to(flat.dtype)
         return (x_G % e).clamp(min=0), grad_G.view(-1, *grad_SX.shape[1:])
 
+    def bytes_to_other_hosts(self, expert_bytes: int, ranks_per_host: int) -> int:
+        """Bytes this rank sends to ranks on other hosts per layer and step: one block of S experts to each of
+        the R − L ranks elsewhere, forward (weights) and backward (gradients), used or not (static shapes)."""
+        return 2 * (self.R - ranks_per_host) * self.S * expert_bytes
+
     def _my_rows(self, x_G: torch.Tensor):
         """Row h·S + s of the exchanged block for each of my slots s (h: its expert's home), and whether used."""
         my_x = x_G[self.rank * self.S:(self.rank + 1) * self.S]

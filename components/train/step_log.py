@@ -16,6 +16,7 @@ is logged twice.
 """
 
 import json
+import math
 import os
 import time
 
@@ -63,6 +64,22 @@ def peak_flops(device: torch.device) -> float:
     return float(get_peak_flops(torch.cuda.get_device_name(device)))
 
 
+
+def network_gb(layers, tokens_per_rank: int, itemsize: int) -> tuple[float, float]:
+    """GB one rank sends to other hosts per training step over the layers whose dispatcher spans hosts
+    (fixed blocks, padding included; token rows and weights of ``itemsize`` bytes): (token rows: dispatch +
+    combine, forward and backward; ECHO's clone weights forward and their gradients backward)."""
+    rows = clones = 0
+    for _, moe in layers:
+        d = moe.dispatcher
+        if getattr(d, "hosts", 1) > 1:
+            rows += 2 * d.network_bytes(tokens_per_rank, moe.router.top_k, moe.experts.w1.shape[-1], itemsize)
+            transport = getattr(moe.echo, "transport", None)
+            if hasattr(transport, "bytes_to_other_hosts"):
+                expert = sum(math.prod(w.shape[1:]) for w in (moe.experts.w1, moe.experts.w2, moe.experts.w3)) * itemsize
+                clones += transport.bytes_to_other_hosts(expert, d.ranks_per_host)
+    return rows / 1e9, clones / 1e9
+
 class StepLogger:
     def __init__(self, *, dump: str, cfg, layers, gate, world: int, device: torch.device, start_step: int,
                  flops_per_token: float, is_main: bool, purge_step: int | None, peer_bytes=lambda: 0):
@@ -70,6 +87,7 @@ class StepLogger:
         self.cfg, self.layers, self.gate, self.world, self.device = cfg, layers, gate, world, device
         self.is_main, self.total_steps, self.peer_bytes = is_main, t.steps, peer_bytes
         self.tokens_per_step = t.local_batch_size * t.seq_len * world
+        self.network_gb, self.clone_network_gb = network_gb(layers, t.local_batch_size * t.seq_len, 2 if device.type == "cuda" else 4)
         self.flops_per_token, self.peak = flops_per_token, peak_flops(device)
         self.path = os.path.join(dump, METRICS_FILE)
         tb_dir = os.path.join(dump, cfg.metrics.save_tb_folder)
@@ -85,7 +103,7 @@ class StepLogger:
 
     def log(self, c) -> dict:
         """Log one confirmed step (``overflow.Confirmed``); returns the values it logged."""
-        (loss, grad_norm, counts_LE, echo), lr = c.out.get()
+        (loss, grad_norm, counts_LE, echo, *net), lr = c.out.get()
         step, s = c.step, self.summary
         self.window_steps += 1
         s.tokens += self.tokens_per_step
@@ -116,6 +134,11 @@ class StepLogger:
                 values["moe/replayed_steps"] = float(s.replayed_steps)
                 values["moe/replayed"] = float(c.replayed)
         values.update(self._moe_values(step, counts_LE, echo))
+        if net and net[0] is not None:  # dispatchers across hosts: rows and (fixed-block) bytes between hosts
+            values["moe/network_rows"] = float(net[0].sum())
+            values["moe/network_gb_per_rank"] = self.network_gb
+            if self.clone_network_gb:
+                values["moe/echo_clone_network_gb_per_rank"] = self.clone_network_gb
         if not c.nonfinite:
             s.losses.append((step, loss_val))
         if self.is_main:
