@@ -8,7 +8,15 @@ owned by one of the ep ranks and FSDP-sharded over efsdp.
 Meshes: ``experts`` = ("dp_replicate", "efsdp", "ep") for expert params (their "ep" dim is a DTensor
 shard, "efsdp" (and "dp_replicate") is FSDP), and ``dense`` = ("dp_replicate", "dp_shard") for
 everything else (HSDP when dp_replicate > 1, else 1-D FSDP).
+
+Across hosts (torchrun's ``LOCAL_WORLD_SIZE`` = L ranks a host, fewer than the world): where the EP group
+stays inside a host (ep divides L) but the expert-FSDP group would span hosts, the experts are sharded
+over the L / ep ranks of their host that hold the same experts and replicated across hosts (HSDP: the
+experts mesh's "dp_replicate" grows by the factor taken from "efsdp"), so their all-gathers and
+reduce-scatters stay on NVLink and only a gradient all-reduce of each host's shard crosses the network.
 """
+
+import os
 
 from dataclasses import dataclass
 
@@ -23,10 +31,20 @@ class ParallelDims:
     dp_replicate: int
     dp_shard: int
     ep: int
+    ranks_per_host: int = 0  # L from the launcher (0: one host)
 
     @property
     def efsdp(self) -> int:
         return self.dp_shard // self.ep
+
+    @property
+    def expert_shard_in_host(self) -> int:
+        """Ranks each expert is FSDP-sharded over: efsdp, or with hosts where the expert-FSDP group would span
+        them (ep dividing L), the L / ep of one host (the rest become replicas across hosts)."""
+        L = self.ranks_per_host
+        if 0 < L < self.world and L % self.ep == 0 and self.efsdp > L // self.ep and self.efsdp % (L // self.ep) == 0:
+            return L // self.ep
+        return self.efsdp
 
     @property
     def fsdp(self) -> bool:
@@ -52,7 +70,13 @@ def parallel_dims(par_cfg, world: int, num_experts: int | None) -> ParallelDims:
         raise UserError(f"[parallelism] expert_parallel_degree = {ep} does not divide the model's {num_experts} experts")
     if num_experts is None and ep > 1:
         raise UserError(f"[parallelism] expert_parallel_degree = {ep} but the model has no MoE layers")
-    return ParallelDims(world, rep, shard, ep)
+    return ParallelDims(world, rep, shard, ep, ranks_per_host(world))
+
+
+def ranks_per_host(world: int) -> int:
+    """L: torchrun's ranks per node where it launched several nodes (``LOCAL_WORLD_SIZE`` < world), else 0."""
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", world) or world)
+    return local if 0 < local < world and world % local == 0 else 0
 
 
 @dataclass
@@ -73,7 +97,8 @@ class Meshes:
 def build_mesh(dims: ParallelDims, device_type: str) -> Meshes | None:
     if dims.world == 1:
         return None
-    experts = init_device_mesh(device_type, (dims.dp_replicate, dims.efsdp, dims.ep),
+    shard = dims.expert_shard_in_host  # efsdp, or its part inside one host (the rest replicates across hosts)
+    experts = init_device_mesh(device_type, (dims.dp_replicate * dims.efsdp // shard, shard, dims.ep),
                                mesh_dim_names=("dp_replicate", "efsdp", "ep"))
     if dims.dp_replicate > 1:
         dense = init_device_mesh(device_type, (dims.dp_replicate, dims.dp_shard),

@@ -119,7 +119,7 @@ def fit(run: Run, tr: Training, model, loader, device_step, loss_fn, n_params: i
 
 def stop_nonfinite(c, model, loss_fn, tr: Training, limit: int) -> None:
     """Re-run the step eagerly with hooks to name where it went non-finite, then stop (exit 3)."""
-    (loss, grad_norm, _, _), _ = c.out.get()
+    (loss, grad_norm, *_), _ = c.out.get()
     with tr.gate.exact_dispatch():
         where = first_nonfinite(model, lambda _model, inputs, labels: loss_fn(inputs, labels), *c.batch)
     weights = ("the optimizer skipped them, so the weights are finite" if params_finite(model)
@@ -154,7 +154,9 @@ def summary_extra(run: Run, tr: Training, model, n_params: int, step_graph, logs
     if "loss" in c.components:
         done += ["the loss" if compiles_loss(c, run.device) else "the loss: fused cross-entropy kernels (nothing to compile)"]
     extra = {"params": f"{n_params:,}", "model": f"{m.name}/{m.flavor} ({len(layers)} MoE layers)",
-             "ranks": f"{run.world} (dp_replicate {dims.dp_replicate} x dp_shard {dims.dp_shard}, ep {dims.ep})",
+             "ranks": f"{run.world} (dp_replicate {dims.dp_replicate} x dp_shard {dims.dp_shard}, ep {dims.ep})" + (
+                 f"; {dims.world // dims.ranks_per_host} hosts, experts sharded over {dims.expert_shard_in_host} "
+                 f"rank(s) of a host and replicated across hosts" if dims.expert_shard_in_host < dims.efsdp else ""),
              "dispatcher": type(layers[0][1].dispatcher).__name__ if layers else "-",
              "cuda graph": (f"on (captured {step_graph.captures}x)" if step_graph.captures
                             else f"off ({step_graph.reason})" if step_graph.reason
