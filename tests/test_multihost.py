@@ -125,9 +125,19 @@ def launches(request, tmp_path_factory):
     add(lost, "lost_host", _lose_host_and_resume)
     add("test_a_silent_host_ends_the_run_within_the_timeout", "silent_host",
         lambda d: _lose_host(d, signal.SIGSTOP))
-    add("test_two_hosts_train_as_one_host_of_the_same_size", "one_host", lambda d: _train(d, 1, 4))
+    add("test_two_hosts_train_as_one_host_of_the_same_size test_hierarchical_trains_as_padded_and_replays_exactly "
+        "test_experts_shard_within_a_host_and_replicate_across_hosts", "one_host", lambda d: _train(d, 1, 4))
+    hier = "test_hierarchical_trains_as_padded_and_replays_exactly"
+    add(hier, "hier", lambda d: _train(d, 2, 2, "--moe_echo.dispatcher", "hierarchical",
+                                       "--moe_echo.capacity_factor", "4.0", "--checkpoint.enable", "false"))
+    add(hier, "hier_overflow", lambda d: _train(d, 2, 2, "--moe_echo.dispatcher", "hierarchical", "--moe_echo.echo",
+                                                "true", "--moe_echo.capacity_factor", "1.0", "--checkpoint.enable",
+                                                "false"))
     add("test_checkpoint_from_one_host_resumes_on_two", "one_then_two",
         lambda d: _then_resumed(d, lambda d: _train(d, 1, 2), 2, 2))
+    hsdp = "test_experts_shard_within_a_host_and_replicate_across_hosts"
+    add(hsdp, "hsdp_two_hosts", lambda d: _train(d, 2, 2, "--parallelism.expert_parallel_degree", "2",
+                                                 "--checkpoint.enable", "false"))
     runs = Runs(jobs)
     yield runs
     runs.close()
@@ -296,3 +306,44 @@ def test_slurm_script_launches_one_agent_per_node(tmp_path):
         check_global_batch(cfg, 8 * nodes)
         dims = parallel_dims(cfg.parallelism, 8 * nodes, 64)  # v2lite_1b: 64 experts
         assert dims.ep == 8 * nodes
+
+
+def _metrics(dump) -> list[dict]:
+    import json
+
+    with open(os.path.join(dump, "metrics.jsonl")) as f:
+        return [json.loads(line) for line in f]
+
+
+def test_hierarchical_trains_as_padded_and_replays_exactly(launches):
+    """2 hosts x 2 ranks with the hierarchical dispatcher: the losses of one host's padded run (the per-host
+    partial sums change only the order of fp32 sums), rows between hosts logged every step; and with ECHO
+    on at a capacity that overflows, every overflowed step replayed on the exact path to the same losses,
+    the clones' bytes between hosts logged."""
+    agents, dump = launches["hier"]
+    assert "HierarchicalDispatcher" in agents[0].stdout, agents[0].stdout[-2000:]
+    hier, reference = losses(dump), losses(launches["one_host"][1])
+    for step in range(1, STEPS + 1):
+        assert _same(hier[step], reference[step], 1e-5), (step, hier[step], reference[step])
+    rows = [m for m in _metrics(dump) if "moe/network_rows" in m]
+    assert len(rows) == STEPS and all(m["moe/network_rows"] > 0 and m["moe/network_gb_per_rank"] > 0 for m in rows)
+    over_agents, over_dump = launches["hier_overflow"]
+    replayed = [m["step"] for m in _metrics(over_dump) if m.get("moe/replayed")]
+    assert replayed, over_agents[0].stdout[-2000:]  # a capacity of 1.0 overflows (C1 = 0.75 T at K=2)
+    assert all(m["moe/echo_clone_network_gb_per_rank"] > 0 for m in _metrics(over_dump) if "moe/network_rows" in m)
+    over = losses(over_dump)
+    for step in range(1, STEPS + 1):
+        assert _same(over[step], hier[step], 1e-5), (step, over[step], hier[step], replayed)
+
+
+def test_experts_shard_within_a_host_and_replicate_across_hosts(launches):
+    """EP = 2 inside each of 2 hosts x 2 ranks: each expert's two holders are on different hosts, so the experts
+    are replicated across hosts (HSDP: a gradient all-reduce between the hosts) instead of FSDP-sharded over
+    them, and the run trains as EP = 4 over one host's 4 ranks does (the same model and data)."""
+    agents, dump = launches["hsdp_two_hosts"]
+    assert "experts sharded over 1 rank(s) of a host and replicated across hosts" in agents[0].stdout, \
+        agents[0].stdout[-2000:]
+    two, one = losses(dump), losses(launches["one_host"][1])
+    assert list(two) == list(range(1, STEPS + 1))
+    for step in range(1, STEPS + 1):  # expert gradients all-reduced vs owned: fp32 sums in another order
+        assert _same(two[step], one[step], 1e-5), (step, two[step], one[step])

@@ -485,7 +485,7 @@ EOF
   hosts)
     n=$(ngpus); L=$((n / 2))
     if [ "${PART:-a}" = a ]; then
-      timeout ${TMO:-300} python3 -m pytest tests/test_hierarchical.py tests/test_gpu_ep.py -p no:warnings -q -rfEs \
+      timeout ${TMO:-420} python3 -m pytest tests/test_hierarchical.py tests/test_gpu_ep.py -p no:warnings -q -rfEs \
         --durations=10 2>&1 | tee "$OUT/hosts_tests.log" | tail -25
       timeout 240 python3 benchmarks/dispatch_hosts.py --hosts 2 --gpus-per-host $L --label emulated --out "$OUT" \
         2>&1 | noise | tail -30
