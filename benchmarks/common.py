@@ -12,6 +12,16 @@ import torch
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 
 
+def routing_ids(T: int, E: int, K: int, kind: str, gen: torch.Generator, dev) -> torch.Tensor:
+    """[T, K] expert ids: top-K of uniform scores (``uniform``) or of Zipf(1.2) popularity + Gumbel noise
+    (``skewed``)."""
+    scores = torch.rand(T, E, generator=gen, device=dev)
+    if kind == "skewed":
+        pop = torch.arange(1, E + 1, device=dev).float().pow(-1.2)
+        scores = pop.log() - torch.log(-torch.log(scores.clamp_min(1e-9)))
+    return scores.topk(K, dim=-1).indices
+
+
 def time_ms(fn, warmup: int = 5, iters: int = 20) -> float:
     """Median milliseconds of ``fn()`` measured with CUDA events (after ``warmup`` calls)."""
     for _ in range(warmup):

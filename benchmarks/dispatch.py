@@ -34,7 +34,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch
 import torch.distributed as dist
 
-from benchmarks.common import beside, environment, host_ms, markdown_table, slowest, time_ms, write_results
+from benchmarks.common import beside, environment, host_ms, markdown_table, routing_ids, slowest, time_ms, write_results
 from components.moe_echo.ep_dispatch import AllToAllDispatcher, PaddedDispatcher, padded_capacity
 from components.moe_echo.gathered_experts import _to_rows
 from components.moe_echo.nvlink_dispatch import NVLinkDispatcher, nvlink_capacity, owner_sums, send_tokens, sum_back
@@ -44,11 +44,7 @@ E, K = 64, 8
 
 
 def routing(T, kind, gen, dev):
-    scores = torch.rand(T, E, generator=gen, device=dev)
-    if kind == "skewed":  # Zipf(1.2) popularity + Gumbel noise
-        pop = torch.arange(1, E + 1, device=dev).float().pow(-1.2)
-        scores = pop.log() - torch.log(-torch.log(scores.clamp_min(1e-9)))
-    return scores.topk(K, dim=-1).indices
+    return routing_ids(T, E, K, kind, gen, dev)
 
 
 def peer_copy_ms(nbytes: int, rank: int, world: int) -> float:

@@ -36,14 +36,6 @@ E, K, CF = 64, 6, 1.25  # v2lite_1b's routed experts and top-k
 SHAPES = [(4096, 2048), (16384, 2048)]
 
 
-def routing(T, kind, gen, dev):
-    scores = torch.rand(T, E, generator=gen, device=dev)
-    if kind == "skewed":  # Zipf(1.2) popularity + Gumbel noise
-        pop = torch.arange(1, E + 1, device=dev).float().pow(-1.2)
-        scores = pop.log() - torch.log(-torch.log(scores.clamp_min(1e-9)))
-    return scores.topk(K, dim=-1).indices
-
-
 def net_gbs(hosts, dev, mb: int = 64) -> float:
     """all_to_all GB/s per peer over the net group (one rank per host), bytes to other hosts / time."""
     from benchmarks.common import slowest, time_ms
@@ -56,7 +48,7 @@ def net_gbs(hosts, dev, mb: int = 64) -> float:
 
 
 def worker(a):
-    from benchmarks.common import environment, graphed, markdown_table, slowest, time_ms, write_results
+    from benchmarks.common import environment, graphed, markdown_table, routing_ids, slowest, time_ms, write_results
     from components.moe_echo.ep_dispatch import AllToAllDispatcher, PaddedDispatcher, padded_capacity
     from components.moe_echo.hierarchical_dispatch import HierarchicalDispatcher
     from components.parallel.hosts import ep_hosts
@@ -73,7 +65,7 @@ def worker(a):
     for T, D in SHAPES:
         for kind in ("uniform", "skewed"):
             gen = torch.Generator(device=dev).manual_seed(1000 + rank)
-            ids = routing(T, kind, gen, dev)
+            ids = routing_ids(T, E, K, kind, gen, dev)
             w = torch.rand(T, K, device=dev)
             x = torch.randn(T, D, device=dev, dtype=torch.bfloat16)
             host_TK = ids // (E // H)
