@@ -135,6 +135,9 @@ def launches(request, tmp_path_factory):
                                                 "false"))
     add("test_checkpoint_from_one_host_resumes_on_two", "one_then_two",
         lambda d: _then_resumed(d, lambda d: _train(d, 1, 2), 2, 2))
+    add("test_fastest_across_hosts_times_hierarchical", "fastest", lambda d: wait_hosts(_start(
+        d, 2, 2, "--moe_echo.dispatcher", "fastest", "--training.steps", "2", "--checkpoint.enable", "false",
+        host_envs=[{"MOE_ECHO_CACHE": str(d / "cache.json")}] * 2), timeout=600))
     hsdp = "test_experts_shard_within_a_host_and_replicate_across_hosts"
     add(hsdp, "hsdp_two_hosts", lambda d: _train(d, 2, 2, "--parallelism.expert_parallel_degree", "2",
                                                  "--checkpoint.enable", "false"))
@@ -347,3 +350,15 @@ def test_experts_shard_within_a_host_and_replicate_across_hosts(launches):
     assert list(two) == list(range(1, STEPS + 1))
     for step in range(1, STEPS + 1):  # expert gradients all-reduced vs owned: fp32 sums in another order
         assert _same(two[step], one[step], 1e-5), (step, two[step], one[step])
+
+
+def test_fastest_across_hosts_times_hierarchical(launches):
+    """dispatcher = "fastest" on 2 hosts x 2 ranks times hierarchical beside the flat backends (never nvlink:
+    its peer memory does not reach across hosts) and trains with the one it reports."""
+    agents, _ = launches["fastest"]
+    check_ok(agents)
+    line = next(l for l in agents[0].stdout.splitlines() if l.startswith("dispatcher: fastest = "))
+    assert all(f"{name} " in line for name in ("hierarchical", "padded", "alltoall")) and "nvlink" not in line, line
+    chosen = line.split("= ")[1].split()[0]
+    names = {"hierarchical": "HierarchicalDispatcher", "padded": "PaddedDispatcher", "alltoall": "AllToAllDispatcher"}
+    assert names[chosen] in agents[0].stdout, agents[0].stdout[-2000:]

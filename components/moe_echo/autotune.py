@@ -18,9 +18,11 @@ import torch.distributed as dist
 from .config import MoEEchoConfig
 from .backends import build_dispatcher, peers_on_one_host
 
-def candidates(device: torch.device, ep: int) -> tuple[str, ...]:
+def candidates(device: torch.device, ep: int, spans_hosts: bool = False) -> tuple[str, ...]:
     names = ["padded", "alltoall"]
-    if peers_on_one_host(device.type, ep):
+    if spans_hosts:
+        names.insert(0, "hierarchical")
+    elif peers_on_one_host(device.type, ep):
         names.insert(0, "nvlink")
         try:
             import deep_ep  # noqa: F401
@@ -54,9 +56,13 @@ def _time_ms(fn, device, iters: int) -> float:
 
 
 def choose_backend(cfg: MoEEchoConfig, num_experts: int, top_k: int, dim: int, tokens: int, group, ep: int,
-                   device: torch.device, dtype: torch.dtype, iters: int = 5) -> tuple[str, dict[str, float], bool]:
-    """(backend, {backend: ms}, from_cache). Same answer on every rank (rank 0's decision is broadcast)."""
-    names = candidates(device, ep)
+                   device: torch.device, dtype: torch.dtype, iters: int = 5,
+                   hosts=None) -> tuple[str, dict[str, float], bool]:
+    """(backend, {backend: ms}, from_cache). Same answer on every rank (rank 0's decision is broadcast).
+    ``hosts`` (components.parallel.hosts.EPHosts): where the EP ranks span hosts, ``hierarchical`` is timed
+    and ``nvlink`` is not."""
+    spans = hosts is not None and hosts.hosts > 1 and hosts.regular
+    names = candidates(device, ep, spans)
     key = f"{_machine(device)}|ep{ep}|E{num_experts}|K{top_k}|D{dim}|T{tokens}|{dtype}|cf{cfg.capacity_factor}|" \
           + ",".join(names)
     path = _cache_path()
@@ -77,7 +83,8 @@ def choose_backend(cfg: MoEEchoConfig, num_experts: int, top_k: int, dim: int, t
         timings = {}
         for name in names:
             d = build_dispatcher(MoEEchoConfig(dispatcher=name, capacity_factor=max(cfg.capacity_factor, 2.0),
-                                               nvlink_sms=cfg.nvlink_sms, nvlink_copy=cfg.nvlink_copy), num_experts, group, ep)
+                                               nvlink_sms=cfg.nvlink_sms, nvlink_copy=cfg.nvlink_copy), num_experts, group, ep,
+                                 hosts=hosts if spans else None)
 
             def fn():
                 with torch.no_grad():

@@ -71,7 +71,8 @@ def _fastest_backend(model, mesh, dims, cfg, device) -> str:
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     tokens = cfg.training.local_batch_size * cfg.training.seq_len
     backend, timings, cached = choose_backend(cfg.moe_echo, E, args.moe_args.top_k, args.dim, tokens,
-                                              mesh.ep.get_group(), dims.ep, device, dtype)
+                                              mesh.ep.get_group(), dims.ep, device, dtype,
+                                              hosts=ep_hosts(mesh.ep.get_group()))
     if torch.distributed.get_rank() == 0:
         detail = ", ".join(f"{k} {v:.2f} ms" for k, v in timings.items())
         print(f"dispatcher: fastest = {backend} ({detail}{'; cached' if cached else ''})", flush=True)
