@@ -5,7 +5,10 @@
   the swapped model computes the same function (test: tests/test_models.py).
 - ``FLAVORS`` adds moe-echo's own flavours next to torchtitan's (tiny CPU model, ~1B one-GPU
   model, small Qwen3-30B-A3B-shaped model).
-- ``build_model`` builds (optionally on the meta device) and swaps.
+- ``SHAPE_KEYS``: the ``[model]`` keys that override a flavour's dimensions (layers, widths,
+  experts, top-k); ``model_args_for(name, flavor, overrides)`` applies them.
+- ``build_model`` builds (optionally on the meta device) and swaps; the model's ``model_shape``
+  records its name, flavour and dimensions (checkpoints save it, so a resume rebuilds that model).
 
 The TrainSpecs that run these models in torchtitan's own trainer (with our expert parallelism)
 live in components/train/torchtitan_spec.py: they need components/parallel, a floor above this one.
@@ -67,11 +70,55 @@ FLAVORS = {
 }
 
 
-def model_args_for(name: str, flavor: str):
-    """A private copy of the flavour's args (callers may edit it)."""
+# [model] key -> {model name: attribute path in its args}; torchtitan's names (Qwen3 calls its dense
+# FFN width hidden_dim). A key absent for a model does not apply to it.
+SHAPE_KEYS: dict[str, dict[str, str]] = {
+    "vocab_size": {"deepseek_v3": "vocab_size", "qwen3": "vocab_size"},
+    "dim": {"deepseek_v3": "dim", "qwen3": "dim"},
+    "n_layers": {"deepseek_v3": "n_layers", "qwen3": "n_layers"},
+    "n_dense_layers": {"deepseek_v3": "n_dense_layers"},
+    "n_heads": {"deepseek_v3": "n_heads", "qwen3": "n_heads"},
+    "n_kv_heads": {"qwen3": "n_kv_heads"},
+    "head_dim": {"qwen3": "head_dim"},
+    "inter_dim": {"deepseek_v3": "inter_dim", "qwen3": "hidden_dim"},
+    "moe_inter_dim": {"deepseek_v3": "moe_inter_dim", "qwen3": "moe_inter_dim"},
+    "num_experts": {"deepseek_v3": "moe_args.num_experts", "qwen3": "moe_args.num_experts"},
+    "num_shared_experts": {"deepseek_v3": "moe_args.num_shared_experts", "qwen3": "moe_args.num_shared_experts"},
+    "top_k": {"deepseek_v3": "moe_args.top_k", "qwen3": "moe_args.top_k"},
+}
+
+
+def shape_overrides(model_cfg) -> dict[str, int]:
+    """The shape keys a ``[model]`` config section sets (None: the flavour's value)."""
+    return {k: v for k in SHAPE_KEYS if (v := getattr(model_cfg, k, None)) is not None}
+
+
+def _get(args, path: str):
+    for part in path.split("."):
+        args = getattr(args, part)
+    return args
+
+
+def _set(args, path: str, value) -> None:
+    *parents, last = path.split(".")
+    for part in parents:
+        args = getattr(args, part)
+    setattr(args, last, value)
+
+
+def shape_of(name: str, args) -> dict[str, int]:
+    """Every shape key that applies to ``name``, with its value in ``args``."""
+    return {k: _get(args, paths[name]) for k, paths in SHAPE_KEYS.items() if name in paths}
+
+
+def model_args_for(name: str, flavor: str, overrides: dict | None = None):
+    """A private copy of the flavour's args (callers may edit it), with the ``SHAPE_KEYS`` in
+    ``overrides`` applied (a key that does not apply to ``name`` is a ``KeyError``)."""
     args = copy.deepcopy(FLAVORS[name][flavor])
     if isinstance(args, DeepSeekV3ModelArgs):
         args.moe_impl = "standard"  # torchtitan sets this in update_from_config
+    for key, value in (overrides or {}).items():
+        _set(args, SHAPE_KEYS[key][name], value)
     return args
 
 
@@ -106,9 +153,11 @@ def swap_moe(model: nn.Module, cfg: MoEEchoConfig | None = None) -> nn.Module:
 
 
 def build_model(name: str, flavor: str, cfg: MoEEchoConfig, seq_len: int | None = None,
-                device: torch.device | str = "cpu", seed: int | None = None) -> nn.Module:
-    """Build torchtitan's ``name``/``flavor`` with our MoE swapped in, initialised on ``device``."""
-    args = model_args_for(name, flavor)
+                device: torch.device | str = "cpu", seed: int | None = None,
+                overrides: dict | None = None) -> nn.Module:
+    """Build torchtitan's ``name``/``flavor`` (with the ``SHAPE_KEYS`` in ``overrides``) with our MoE
+    swapped in, initialised on ``device``; ``model.model_shape`` says which model it is."""
+    args = model_args_for(name, flavor, overrides)
     if seq_len is not None:
         args.max_seq_len = max(seq_len, getattr(args, "max_seq_len", seq_len))
     with torch.device("meta"):
@@ -120,4 +169,5 @@ def build_model(name: str, flavor: str, cfg: MoEEchoConfig, seq_len: int | None 
         torch.manual_seed(seed)
     with torch.no_grad():
         model.init_weights(buffer_device=torch.device(device))
+    model.model_shape = {"name": name, "flavor": flavor, **shape_of(name, args)}
     return model

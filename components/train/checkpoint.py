@@ -9,7 +9,10 @@ DCP wrote, so a file damaged after the save (disk, copy, filesystem) is caught b
 it is loaded; :func:`find_resumable` then falls back to the newest checkpoint that verifies.
 
 What is saved: any ``Stateful`` objects the caller passes (the recipe passes the model — with its
-router biases —, optimizer, lr scheduler and a train state with step, data position and RNG).
+router biases —, optimizer, lr scheduler and a train state with step, data position and RNG). The
+marker also records the model's shape (``model.model_shape``: name, flavour and dimensions, see
+components/moe_echo/models.py): loading into a model of another shape is refused with one line that
+names the differing ``[model]`` key, before any tensor is read.
 """
 
 import hashlib
@@ -122,8 +125,9 @@ def save(folder: str, step: int, states: dict, keep_latest_k: int = 0) -> str:
         os.kill(os.getpid(), signal.SIGKILL)
     files = _checksums(partial)
     if _rank() == 0:
+        shape = _model_shape(states)
         with open(os.path.join(partial, MARKER), "w") as f:
-            json.dump({"step": step, "files": files}, f, indent=0)
+            json.dump({"step": step, "files": files, **({"model": shape} if shape else {})}, f, indent=0)
             f.flush()
             os.fsync(f.fileno())
         if os.path.isdir(final):
@@ -215,6 +219,18 @@ def _newest_verified(folder: str, load_step: int, warn) -> tuple[int, str] | Non
     return None
 
 
+def verify_initial(path: str, key: str = "[checkpoint] initial_load_path") -> None:
+    """Check the weights a fine-tune starts from as a resume checks its own checkpoint: a ``step-N`` folder
+    with this recipe's ``COMPLETE`` marker must pass :func:`verify` (rank 0 hashes, every rank gets the
+    answer), else a one-line UserError naming the damaged file. A folder without a marker (another
+    trainer's DCP checkpoint) or with the older marker has no checksums to check."""
+    reason = verify(path) if _rank() == 0 and os.path.isfile(os.path.join(path, MARKER)) else None
+    reason = _from_rank0(reason)
+    if reason is not None:
+        raise UserError(f"{key} = {path!r} failed verification: {reason}; the checkpoint is damaged: copy it "
+                        "again, or point initial_load_path at another step-N folder")
+
+
 def _fsync_dir(path: str) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
@@ -254,12 +270,49 @@ def _match_stored(path: str, states: dict) -> None:
                          if k.startswith(name + ".") and isinstance(m, TensorStorageMetadata)})
 
 
+def _model_shape(states: dict) -> dict | None:
+    """``model_shape`` of the model a state in ``states`` holds (``.model``), if any."""
+    for st in states.values():
+        shape = getattr(getattr(st, "model", None), "model_shape", None)
+        if shape:
+            return dict(shape)
+    return None
+
+
+def saved_model_shape(path: str) -> dict | None:
+    """The model shape checkpoint ``path`` was saved with; None when its marker records none."""
+    try:
+        with open(os.path.join(path, MARKER)) as f:
+            shape = json.load(f).get("model")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return shape if isinstance(shape, dict) else None
+
+
+def check_model_shape(path: str, model, what: str, fix: str = "") -> None:
+    """One-line UserError when checkpoint ``path`` holds another model than ``model`` (by
+    ``model_shape``): ``what`` names the checkpoint in the message, ``fix`` is appended to it."""
+    saved, ours = saved_model_shape(path), getattr(model, "model_shape", None)
+    if not saved or not ours:
+        return
+    keys = ["name", "flavor", *[k for k in saved if k not in ("name", "flavor")]]
+    differ = [k for k in keys if k in saved and saved[k] != ours.get(k)]
+    if differ:
+        held = ", ".join(f"{k} = {saved[k]!r} (the config asks for {ours.get(k)!r})" for k in differ)
+        raise UserError(f"{what} holds a model with [model] {held}; set "
+                        f"{' '.join(f'--model.{k} {saved[k]}' for k in differ)}{fix}")
+
+
 def load(path: str, states: dict) -> None:
-    """Load ``states`` in place from checkpoint ``path``; any failure is a one-line UserError."""
+    """Load ``states`` in place from checkpoint ``path``; any failure is a one-line UserError (a model
+    of another shape than the one saved: naming the differing ``[model]`` key)."""
     if not os.path.isdir(path):
         raise UserError(f"checkpoint not found: {path!r} (expected a step-N folder written by this recipe)")
     if not os.path.isfile(os.path.join(path, MARKER)) and _STEP_DIR.match(os.path.basename(path.rstrip("/"))):
         raise UserError(f"checkpoint {path!r} is incomplete (no {MARKER} marker); move it aside or pick another")
+    model = next((st.model for st in states.values() if hasattr(st, "model")), None)
+    check_model_shape(path, model, f"checkpoint {path!r}",
+                      " to resume it, or give a new --job.dump_folder to start afresh")
     try:
         with warnings.catch_warnings(), _quiet_dcp_logs():
             warnings.simplefilter("ignore", UserWarning)

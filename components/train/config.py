@@ -26,7 +26,7 @@ from torchtitan.config.manager import ConfigManager
 from . import job_config as ours
 from components.errors import UserError
 
-from .supported_keys import HONOURED, check_supported
+from .supported_keys import check_supported, is_refused, refusal_reason
 
 
 def config_class() -> type:
@@ -104,8 +104,21 @@ def _fields(cls) -> dict[str, dataclasses.Field]:
 
 
 def _did_you_mean(key: str, known) -> str:
-    close = difflib.get_close_matches(key, list(known), n=1, cutoff=0.6)
-    return f"did you mean {close[0]!r}? " if close else ""
+    """'did you mean 'x'? ' for the closest of ``known`` (case and spaces ignored), else ''."""
+    known = [str(k) for k in known]
+    folded = {k.lower().replace(" ", ""): k for k in known}
+    close = difflib.get_close_matches(str(key).lower().replace(" ", ""), list(folded), n=1, cutoff=0.6)
+    return f"did you mean {folded[close[0]]!r}? " if close else ""
+
+
+def _choices(tp) -> list:
+    """The values a Literal type (or a union holding one) allows; [] for other types."""
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if origin is Literal:
+        return list(args)
+    if origin in (typing.Union, types.UnionType):
+        return [c for a in args for c in _choices(a)]
+    return []
 
 
 def _validate_table(cls, table: dict, where: str) -> None:
@@ -122,7 +135,8 @@ def _validate_table(cls, table: dict, where: str) -> None:
                 raise UserError(f"[{name}] must be a table (section), got {value!r}")
             _validate_table(tp, value, name)
         elif not _check(tp, value):
-            raise UserError(f"{_toml_key(name)} = {value!r} has the wrong type; expected {_describe(tp)}")
+            guess = _did_you_mean(value, _choices(tp)) if isinstance(value, str) else ""
+            raise UserError(f"{_toml_key(name)} = {value!r} has the wrong type; {guess}expected {_describe(tp)}")
 
 
 def _toml_key(dotted: str) -> str:
@@ -157,7 +171,8 @@ def _apply_override(cls, table: dict, dotted: str, text: str | None) -> None:
         else:
             value = _from_cli(tp, text)
             if value is None and not (text.lower() in ("none", "null") and _check(tp, None)):
-                raise UserError(f"--{dotted} {text!r} is not valid; expected {_describe(tp)}")
+                raise UserError(f"--{dotted} {text!r} is not valid; {_did_you_mean(text, _choices(tp))}"
+                                f"expected {_describe(tp)}")
         table[part] = value
 
 
@@ -169,11 +184,34 @@ def _build(cls, table: dict):
     return cls(**kwargs)
 
 
+def _known_values(dotted: str) -> list:
+    """The values option ``--dotted`` allows, where they are a short list ([] otherwise)."""
+    from components.moe_echo.models import FLAVORS
+
+    if dotted == "model.name":
+        return list(FLAVORS)
+    if dotted == "model.flavor":
+        return [f for flavors in FLAVORS.values() for f in flavors]
+    cls, tp = config_class(), None
+    for part in dotted.split("."):
+        known = _fields(cls) if dataclasses.is_dataclass(cls) else {}
+        if part not in known:
+            return []
+        cls = tp = known[part].type
+    return _choices(tp)
+
+
 def _split_cli(argv: list[str]) -> list[tuple[str, str | None]]:
     out, i = [], 0
     while i < len(argv):
         arg = argv[i]
         if not arg.startswith("--") or len(arg) == 2:
+            if out and out[-1][1] is not None and i > 0 and not argv[i - 1].startswith("--"):
+                key, value = out[-1]  # a value split by a space: "--model.flavor v2lite_1 b"
+                guess = _did_you_mean(value + arg, _known_values(key))
+                raise UserError(f"unexpected argument {arg!r} after --{key} {value}; an option takes one value "
+                                f"(quote one with spaces)" + (f"; {guess.replace('mean ', f'mean --{key} ')}"
+                                                              .rstrip() if guess else ""))
             raise UserError(f"unexpected argument {arg!r}; options look like --section.key VALUE")
         key = arg[2:].replace("-", "_")
         if "=" in key:
@@ -219,19 +257,73 @@ def _check_dump_folder(path: str) -> None:
         raise UserError(f"[job] dump_folder = {path!r} is an existing file, not a folder; pick another path")
 
 
-def validate(cfg) -> None:
-    from components.moe_echo.models import FLAVORS, model_args_for
+def check_model(m):
+    """[model] name, flavor and shape keys (one-line errors naming the key); returns the model args
+    they resolve to."""
+    from components.moe_echo.models import FLAVORS, SHAPE_KEYS, model_args_for, shape_of, shape_overrides
 
+    if m.name not in FLAVORS:
+        raise UserError(f"[model] name = {m.name!r} is not known; {_did_you_mean(m.name, FLAVORS)}"
+                        f"expected one of {', '.join(FLAVORS)}")
+    if m.flavor not in FLAVORS[m.name]:
+        other = [n for n, flavors in FLAVORS.items() if m.flavor in flavors]
+        if other:
+            raise UserError(f"[model] flavor = {m.flavor!r} is a {other[0]} flavour, not a {m.name} one; "
+                            f"set [model] name = {other[0]!r}")
+        raise UserError(f"[model] flavor = {m.flavor!r} is not a {m.name} flavour; "
+                        f"{_did_you_mean(m.flavor, FLAVORS[m.name])}expected one of {', '.join(FLAVORS[m.name])}")
+    over = shape_overrides(m)
+    for key in over:
+        if m.name not in SHAPE_KEYS[key]:
+            raise UserError(f"[model] {key} applies to {' and '.join(SHAPE_KEYS[key])} models only, not {m.name}; "
+                            "remove it")
+    args = model_args_for(m.name, m.flavor, over)
+    v = shape_of(m.name, args)
+
+    def blame(*keys) -> str:  # the first of ``keys`` the config sets (else the first): the one to change
+        return next((k for k in keys if k in over), keys[0])
+
+    def need(ok: bool, keys: tuple, expected: str) -> None:
+        if not ok:
+            key = blame(*keys)
+            origin = "" if key in over else f" (flavour {m.flavor!r})"
+            raise UserError(f"[model] {key} = {v[key]}{origin} is out of range; expected {expected}")
+
+    for key, value in over.items():
+        low = 0 if key in ("n_dense_layers", "num_shared_experts") else 1
+        need(value >= low, (key,), f">= {low}")
+        if key in ("dim", "inter_dim", "moe_inter_dim"):
+            need(value % 16 == 0, (key,), "a multiple of 16 (the GPU GEMMs need aligned rows)")
+    if "head_dim" in over:
+        need(v["head_dim"] % 2 == 0, ("head_dim",), "an even number (rotary embedding)")
+    moe = getattr(args, "moe_enabled", True)  # qwen3's dense flavours have no MoE layers
+    moe_keys = [k for k in ("moe_inter_dim", "num_experts", "num_shared_experts", "top_k") if k in over]
+    if not moe and moe_keys:
+        raise UserError(f"[model] {moe_keys[0]} sizes MoE layers; {m.name} flavour {m.flavor!r} has none "
+                        "(a dense model); pick a MoE flavour or remove the key")
+    if moe and m.name == "qwen3" and "inter_dim" in over:
+        raise UserError(f"[model] inter_dim sizes dense FFN layers; qwen3 flavour {m.flavor!r} has none (every "
+                        "layer is MoE); size the experts with moe_inter_dim or remove the key")
+    need(v["top_k"] <= v["num_experts"], ("top_k", "num_experts"),
+         f"top_k <= num_experts ({v['top_k']} > {v['num_experts']})")
+    groups = getattr(getattr(args, "moe_args", None), "num_expert_groups", None)
+    need(not groups or v["num_experts"] % groups == 0, ("num_experts",),
+         f"a multiple of the flavour's {groups} expert groups")
+    if "n_dense_layers" in v:
+        need(v["n_dense_layers"] < v["n_layers"], ("n_dense_layers", "n_layers"),
+             f"n_dense_layers < n_layers ({v['n_dense_layers']} >= {v['n_layers']}), so one MoE layer remains")
+    if "n_kv_heads" in v:
+        need(v["n_heads"] % v["n_kv_heads"] == 0, ("n_kv_heads", "n_heads"),
+             f"n_kv_heads dividing n_heads ({v['n_heads']} % {v['n_kv_heads']} != 0)")
+    return args
+
+
+def validate(cfg) -> None:
     _check_numbers(cfg)
     check_supported(cfg, ours.JobConfig)
     _check_dump_folder(cfg.job.dump_folder)
     t, o, s, m, e, p = cfg.training, cfg.optimizer, cfg.lr_scheduler, cfg.model, cfg.moe_echo, cfg.parallelism
-    if m.name not in FLAVORS:
-        raise UserError(f"[model] name = {m.name!r} is not known; expected one of {', '.join(FLAVORS)}")
-    if m.flavor not in FLAVORS[m.name]:
-        raise UserError(
-            f"[model] flavor = {m.flavor!r} is not a {m.name} flavour; expected one of {', '.join(FLAVORS[m.name])}"
-        )
+    model_args = check_model(m)
     _require(t.steps >= 1, "[training] steps", t.steps, ">= 1")
     _require(t.local_batch_size >= 1, "[training] local_batch_size", t.local_batch_size, ">= 1")
     _require(t.seq_len >= 2, "[training] seq_len", t.seq_len, ">= 2")
@@ -273,9 +365,9 @@ def validate(cfg) -> None:
     _require(e.aux_loss_coeff >= 0, "[moe_echo] aux_loss_coeff", e.aux_loss_coeff, ">= 0")
     _require(e.bias_update_rate >= 0, "[moe_echo] bias_update_rate", e.bias_update_rate, ">= 0")
     _require(e.load_heatmap_freq >= 0, "[moe_echo] load_heatmap_freq", e.load_heatmap_freq, ">= 0")
-    n_experts = getattr(getattr(model_args_for(m.name, m.flavor), "moe_args", None), "num_experts", 0)
+    n_experts = getattr(getattr(model_args, "moe_args", None), "num_experts", 0)
     _require(0 <= e.debug_hot_experts <= n_experts, "[moe_echo] debug_hot_experts", e.debug_hot_experts,
-             f"in [0, {n_experts}] (the flavour's experts)")
+             f"in [0, {n_experts}] (the model's experts)")
     _require(e.grow_capacity_after >= 0, "[moe_echo] grow_capacity_after", e.grow_capacity_after, ">= 0 (0: never)")
     ep = p.expert_parallel_degree
     if e.dispatcher == "local" and ep != 1:
@@ -311,9 +403,6 @@ def validate(cfg) -> None:
         from components.parallel.compile import compile_options
 
         compile_options(c.backend)  # a one-line error for an unknown backend, before any work
-    for key in ("tensor_parallel_degree", "pipeline_parallel_degree", "context_parallel_degree",
-                "expert_tensor_parallel_degree"):
-        _require(getattr(p, key) == 1, f"[parallelism] {key}", getattr(p, key), "1 (not supported yet)")
 
 
 def check_global_batch(cfg, world: int) -> None:
@@ -326,16 +415,17 @@ def check_global_batch(cfg, world: int) -> None:
                         f"{t.local_batch_size} it must be -1 or {t.local_batch_size * world}")
 
 
-TITAN_SECTIONS = {f.name for f in dataclasses.fields(TitanJobConfig)}
+# torchtitan keys its source leaves without a description
+_MORE_DOCS = {
+    "optimizer": {"beta1": "Exponential moving average coefficient of the gradient (Adam's first moment)."},
+    "compile": {"backend": 'torch.compile backend, e.g. "inductor" (default), "aot_eager" or "eager".'},
+}
+_WIDTH = 100  # --help wraps descriptions at this column
 
 
-def _ours(section: str, key: str) -> bool:
-    own = {f.name: f.type for f in dataclasses.fields(ours.JobConfig)}
-    return section in own and key in {f.name for f in dataclasses.fields(own[section])}
-
-
-def _field_docs(cls) -> dict[str, str]:
-    """First line of each field's attribute docstring (the string right after it in the source)."""
+def _field_docs(cls) -> dict[str, list[str]]:
+    """Each field's attribute docstring (the string right after it in the source), in full: its
+    paragraphs and list items ("- ...") as separate chunks of whitespace-normalised text."""
     import ast
     import inspect
     import textwrap
@@ -350,22 +440,59 @@ def _field_docs(cls) -> dict[str, str]:
         for node, nxt in zip(body, body[1:]):
             if (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name) and isinstance(nxt, ast.Expr)
                     and isinstance(nxt.value, ast.Constant) and isinstance(nxt.value.value, str)):
-                text = " ".join(nxt.value.value.strip().split("\n\n")[0].split())
-                docs[node.target.id] = text if len(text) <= 160 else text[:157].rsplit(" ", 1)[0] + " ..."
+                docs[node.target.id] = _chunks(nxt.value.value)
     return docs
 
 
+def _chunks(doc: str) -> list[str]:
+    chunks, current = [], []
+    for line in doc.strip().splitlines():
+        line = line.strip()
+        if not line or line.startswith(("- ", "* ")):
+            if current:
+                chunks.append(" ".join(current))
+            current = [line] if line else []
+        else:
+            current.append(line)
+    if current:
+        chunks.append(" ".join(current))
+    return chunks
+
+
+def _shape_note(cfg, key: str) -> str:
+    """For an unset [model] shape key: the value the flavour gives it."""
+    from components.moe_echo.models import FLAVORS, SHAPE_KEYS, model_args_for, shape_of
+
+    m = cfg.model if cfg is not None else ours.Model()
+    if key not in SHAPE_KEYS or getattr(m, key) is not None or m.name not in FLAVORS or m.flavor not in FLAVORS[m.name]:
+        return ""
+    if m.name not in SHAPE_KEYS[key]:
+        return f"; not for {m.name}"
+    return f"; flavour {m.flavor!r}: {shape_of(m.name, model_args_for(m.name, m.flavor))[key]}"
+
+
+def _flavour_list() -> str:
+    from components.moe_echo.models import FLAVORS
+
+    return "Flavours: " + "; ".join(f"{name}: {', '.join(flavors)}" for name, flavors in FLAVORS.items()) + "."
+
+
 def help_text(argv: list[str] | None = None) -> str:
-    """Every section and key with its one-line description and its value: the default, or what
-    ``--job.config_file`` (if given in ``argv``) and the other options set."""
+    """Every section and key with its value (the default, or what ``--job.config_file``, if given
+    in ``argv``, and the other options set), its type and its full description, wrapped; keys
+    this recipe refuses are marked ``[refused]`` with the reason."""
+    import textwrap
+
     cfg = None
     try:
         cfg = load_config([a for a in (argv or []) if a not in ("-h", "--help")])
     except UserError as err:
         cfg, note = None, f"(config not applied: {err})"
     lines = ["usage: recipe --job.config_file FILE.toml [--section.key VALUE ...]", "",
-             "keys: value (type) — description" + ("; values from the given config" if cfg is not None and argv
-                                                   else "; defaults")]
+             "Each key: name = value (type), then its description. Values "
+             + ("from the given config." if cfg is not None and argv else "are the defaults."),
+             "[refused]: a torchtitan key this recipe does not support; it must keep its default, and the "
+             "reason follows."]
     if cfg is None:
         lines.insert(1, note)
 
@@ -374,22 +501,34 @@ def help_text(argv: list[str] | None = None) -> str:
         for f in dataclasses.fields(whole):
             parts.setdefault(f.name, []).append(f.type)
 
+    def describe(chunks: list[str], indent: str) -> None:
+        for chunk in chunks:
+            lines.extend(textwrap.wrap(chunk, _WIDTH, initial_indent=indent, subsequent_indent=indent + "  "
+                                       if chunk.startswith(("- ", "* ")) else indent, break_on_hyphens=False))
+
     def walk(dc_type, value, prefix, depth):
+        section = prefix.rstrip(".")
         docs = _field_docs(dc_type)
-        for part in parts.get(prefix.rstrip("."), []) if depth == 1 else []:
+        for part in parts.get(section, []) if depth == 1 else []:
             docs.update(_field_docs(part))
+        docs.update({k: [d] for k, d in _MORE_DOCS.get(section, {}).items()})
         for f in dataclasses.fields(dc_type):
             v = getattr(value, f.name) if value is not None else (
                 f.default if f.default is not dataclasses.MISSING else f.default_factory())
+            pad = "  " * depth
             if dataclasses.is_dataclass(f.type):
-                lines.append(f"{'  ' * depth}[{prefix}{f.name}]")
+                lines.append(f"{pad}[{prefix}{f.name}]")
                 walk(f.type, v, f"{prefix}{f.name}.", depth + 1)
                 continue
-            doc = f" — {docs[f.name]}" if f.name in docs else ""
-            section = prefix.rstrip(".")
-            if section in TITAN_SECTIONS and f.name not in HONOURED.get(section, set()) and not _ours(section, f.name):
-                doc = " — [not supported by this recipe: keep the default]" + doc
-            lines.append(f"{'  ' * depth}{f.name} = {v!r} ({_describe(f.type)}){doc}")
+            refused = section and is_refused(section, f.name, ours.JobConfig)
+            note = _shape_note(cfg, f.name) if section == "model" else ""
+            lines.append(f"{pad}{f.name} = {v!r} ({_describe(f.type)}{note})" + (" [refused]" if refused else ""))
+            chunks = list(docs.get(f.name, []))
+            if section == "model" and f.name == "flavor":
+                chunks.append(_flavour_list())
+            if refused:
+                chunks.insert(0, f"Refused: {refusal_reason(section, f.name)}.")
+            describe(chunks or ["(no description)"], pad + "    ")
 
     walk(config_class(), cfg, "", 0)
     return "\n".join(lines)

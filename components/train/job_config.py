@@ -1,7 +1,8 @@
 """moe-echo's extension of torchtitan 0.2.2's JobConfig, merged the way torchtitan merges a
 ``custom_config_module``: new sections are added, same-named sections are merged field by field.
 
-Adds ``[moe_echo]`` (see components/moe_echo/config.py) and a few data keys to ``[training]``;
+Adds ``[moe_echo]`` (see components/moe_echo/config.py), the model's shape keys to ``[model]``
+(n_layers, dim, num_experts, top_k, ...) and a few data keys to ``[training]``;
 changes two defaults so the main job needs no files: the tokenizer (``[model] hf_assets_path =
 "bytes"``, a built-in byte tokenizer) and the dataset (``python_stdlib``, the standard library's
 own source text).
@@ -15,11 +16,45 @@ from components.moe_echo.config import MoEEchoConfig
 
 @dataclass
 class Model:
+    """The model: a family (``name``), one of its flavours, and optional shape keys that override
+    the flavour's dimensions (unset: the flavour's value; ``--help`` shows it). A checkpoint records
+    the shape it was saved with; resuming it, or fine-tuning from it, with another shape is refused
+    with one line naming the key to set."""
+
     name: str = "deepseek_v3"
+    """Model family: "deepseek_v3" (multi-head latent attention, dense first layers, shared experts)
+    or "qwen3" (grouped-query attention, every layer MoE)."""
     flavor: str = "tiny"
+    """Which preset of the family to build (components/moe_echo/models.py lists them); the shape keys
+    below change single dimensions of it."""
     hf_assets_path: str = "bytes"
     """Tokenizer (and HF weights) location: "bytes" (built-in byte tokenizer), a directory with
     tokenizer.json (and *.safetensors for finetune), or a tokenizer .json file."""
+    n_layers: int | None = None
+    """Transformer blocks (deepseek_v3: the first n_dense_layers are dense, the rest MoE)."""
+    dim: int | None = None
+    """Hidden size of the residual stream, a multiple of 16."""
+    n_heads: int | None = None
+    """Attention heads."""
+    n_kv_heads: int | None = None
+    """qwen3 only: key/value heads (grouped-query attention); divides n_heads."""
+    head_dim: int | None = None
+    """qwen3 only: size of one attention head, even (rotary embedding)."""
+    vocab_size: int | None = None
+    """Embedding rows and output logits; at least the tokenizer's ids."""
+    n_dense_layers: int | None = None
+    """deepseek_v3 only: leading blocks with a dense FFN instead of MoE; fewer than n_layers."""
+    inter_dim: int | None = None
+    """Hidden size of the dense FFN (deepseek_v3's dense blocks; qwen3's hidden_dim, used only by its
+    dense flavours), a multiple of 16."""
+    moe_inter_dim: int | None = None
+    """Hidden size of each routed expert (and of each shared expert), a multiple of 16."""
+    num_experts: int | None = None
+    """Routed experts per MoE layer; [parallelism] expert_parallel_degree must divide it."""
+    num_shared_experts: int | None = None
+    """Shared experts per MoE layer, which every token passes through (0: none)."""
+    top_k: int | None = None
+    """Routed experts each token is sent to, in [1, num_experts]."""
 
 
 @dataclass

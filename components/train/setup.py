@@ -22,7 +22,7 @@ from components.moe_echo.dispatcher import is_fixed_capacity
 from components.moe_echo.fp8_experts import check_fp8_supported
 from components.moe_echo.gathered_experts import check_gathered_supported
 from components.moe_echo.quack_experts import check_quack_supported
-from components.moe_echo.models import build_model, model_args_for, moe_layers
+from components.moe_echo.models import build_model, model_args_for, moe_layers, shape_overrides
 from components.parallel.cuda_graph import make_capturable
 from components.parallel.data_parallel import init_distributed
 from components.parallel.mesh import Meshes, ParallelDims, build_mesh, parallel_dims
@@ -85,7 +85,7 @@ def start(argv: list[str]) -> Run:
     """Parse the config, start the process group, build the device meshes."""
     cfg = load_config(argv)
     m = cfg.model
-    moe_args = getattr(model_args_for(m.name, m.flavor), "moe_args", None)
+    moe_args = getattr(model_args_for(m.name, m.flavor, shape_overrides(m)), "moe_args", None)
     rank, world, device = init_distributed(cfg.comm.init_timeout_seconds)
     if cfg.moe_echo.expert_precision == "fp8":
         check_fp8_supported(device)
@@ -120,12 +120,13 @@ def build_parallel_model(run: Run, tokenizer):
     """(model, n_params, flops_per_token): built whole on every rank (same seed), then EP-sharded
     and FSDP-wrapped (components/parallel/parallelize.py)."""
     cfg, m, t = run.cfg, run.cfg.model, run.cfg.training
-    model = build_model(m.name, m.flavor, cfg.moe_echo, seq_len=t.seq_len, device=run.device, seed=run.seed)
+    model = build_model(m.name, m.flavor, cfg.moe_echo, seq_len=t.seq_len, device=run.device, seed=run.seed,
+                        overrides=shape_overrides(m))
     vocab = model.model_args.vocab_size
     if tokenizer.get_vocab_size() > vocab:
         raise UserError(f"tokenizer at [model] hf_assets_path = {m.hf_assets_path!r} has "
-                        f"{tokenizer.get_vocab_size()} ids but flavour {m.flavor!r} has vocab_size {vocab}; "
-                        "pick a flavour with a larger vocabulary or a smaller tokenizer")
+                        f"{tokenizer.get_vocab_size()} ids but the model has vocab_size {vocab}; "
+                        f"set --model.vocab_size {tokenizer.get_vocab_size()} (or more) or use a smaller tokenizer")
     n_params, flops_per_token = model.model_args.get_nparams_and_flops(model, t.seq_len)
     model = parallelize(model, run.mesh, run.dims, cfg, run.device)
     if m.print_after_conversion:
@@ -187,6 +188,9 @@ def resume(run: Run, tr: Training, model: torch.nn.Module) -> bool:
     if found is not None:  # the run's own checkpoint always wins over initial_load_path
         checkpoint.load(found[1], tr.states)
     elif ckpt.initial_load_path:  # model weights only (DCP step-N folder or HF safetensors)
+        if not ckpt.initial_load_in_hf:  # the model the checkpoint was saved with, else one line naming the key
+            checkpoint.check_model_shape(ckpt.initial_load_path, model,
+                                         f"[checkpoint] initial_load_path {ckpt.initial_load_path!r}")
         with masters_in_model(tr.optimizer):  # into the fp32 masters, when the optimizer keeps them
             loaded = load_initial_weights(model, ckpt.initial_load_path, ckpt.initial_load_in_hf, cfg.model.name)
         if tr.master:
