@@ -128,3 +128,21 @@ def test_data_loader_yields_the_recipes_batches():
         inputs_ref, labels_ref = ref.next_batch()
         assert torch.equal(input_dict["input"], inputs_ref) and torch.equal(labels, labels_ref)
     assert loader.state_dict() == ref.state_dict()
+
+
+def test_model_size_keys_are_refused_by_torchtitans_trainer():
+    """torchtitan's trainer builds the flavour as registered: a [model] size key is a one-line error there,
+    not silently ignored."""
+    from types import SimpleNamespace
+
+    import pytest
+
+    from components.errors import UserError
+    from components.moe_echo.config import MoEEchoConfig
+    from components.train.torchtitan_spec import parallelize_fn
+
+    par = SimpleNamespace(tensor_parallel_degree=1, context_parallel_degree=1, pipeline_parallel_degree=1,
+                          expert_tensor_parallel_degree=1)
+    job = SimpleNamespace(parallelism=par, moe_echo=MoEEchoConfig(), model=SimpleNamespace(n_layers=3))
+    with pytest.raises(UserError, match=r"\[model\] n_layers = 3: torchtitan's trainer"):
+        parallelize_fn(None, None, job)

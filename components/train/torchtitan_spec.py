@@ -140,6 +140,13 @@ def parallelize_fn(model: nn.Module, tt_dims, job_config) -> nn.Module:
                         "(it adds the [moe_echo] section)")
     if not cfg.enable:
         raise UserError("[moe_echo] enable = false: use torchtitan's own spec (--model.name deepseek_v3 / qwen3)")
+    from components.moe_echo.models import shape_overrides
+
+    sizes = shape_overrides(job_config.model)
+    if sizes:  # torchtitan's trainer builds the flavour as registered: the keys would be ignored
+        first = next(iter(sizes))
+        raise UserError(f"[model] {first} = {sizes[first]}: torchtitan's trainer builds the flavour's shape; "
+                        "remove the [model] size keys here or train with recipes/pretrain.py, which applies them")
     moe_args = getattr(model.model_args, "moe_args", None)
     world = dist.get_world_size() if dist.is_initialized() else 1
     dims = parallel_dims(par, world, moe_args.num_experts if moe_layers(model) else None)
