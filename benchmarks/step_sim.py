@@ -53,11 +53,21 @@ after the other. Time uses the fixed (padded) sizes, which is what moves; the ro
 rewrite) are reported beside them, with the fullest block over its capacity (``fill`` > 1: an
 overflow, replayed in training, not modelled). ECHO plans as on one host; a clone's weights and its
 gradient cross the network when its home is on another host (counted apart: ``clone_net_GB``; time at
-the busiest rank). Non-MoE = the one-host model (token part ∝ T, FSDP traffic at the network rate).
-``calibrate_hosts`` fits the network GB/s and the collective's ms to measured dispatch + combine round
-trips on an emulated cluster (benchmarks/results/dispatch_hosts*.json, e2e_hosts*.json: {"rows": [...]})
-and checks every measured row (±15%). Not modelled across hosts: overlap of legs or of communication
-with compute, congestion and network topology (full bisection assumed), the NVLink leg's per-row ids,
+the busiest rank, on a shared network all ranks' clones at once). Non-MoE = the one-host model (token
+part ∝ T, FSDP traffic at the network rate).
+A cluster (the predictions): one NIC per GPU (``Cluster.shared_network`` off): a leg's network time is the
+busiest rank's bytes / the per-GPU rate, FSDP fully exposed. The emulated cluster (two torchrun agents on one
+machine, NCCL over NET/Socket between them; benchmarks/results/dispatch_hosts*.json, e2e_hosts*.json:
+{"rows": [...]}) is modelled as what it is: one socket path that every rank's network bytes share
+(``shared_network`` on: all ranks' bytes of a leg / one aggregate GB/s per machine, so a GPU at 2 × 2 gets
+half of its rate at 2 × 1); FSDP's ring crosses the hosts H times on that path, a fitted share
+(``fsdp_exposed``) of it on the critical path; non-network ms are the one-host model's, scaled to the row's
+GPU by the ratio of the one-GPU graphed steps (e2e_<GPU>.json). ``calibrate_hosts`` fits the dispatch +
+combine rows first (each machine's aggregate GB/s, the ms per collective), then the step rows for what those
+leave open (FSDP's exposed share, the aggregate of a machine without dispatch rows), checks every row (±15%)
+and names in its markdown the rows outside the band and the measured spread between rows the model cannot
+tell apart. Not modelled across hosts: overlap of legs or of communication
+with compute (but the emulated fit's FSDP share), congestion and network topology (full bisection assumed), the NVLink leg's per-row ids,
 the extra permutes of the hierarchical path beyond its collectives' fixed cost, overflow replays.
 
     python benchmarks/step_sim.py [--gpu NVIDIA_H200] [--steps 8] [--out DIR]     (~3 min on 2 CPU cores)
@@ -300,6 +310,12 @@ def layer_ms(load: LayerLoad, cfg: SimConfig, cal: Calibration, shape: ModelShap
             "echo": echo, "total": cal.router_ms + comm + gemm + echo}
 
 
+def fsdp_gb(shape: ModelShape) -> float:
+    """GB of FSDP2 traffic per step if one rank held all dense parameters: all-gather bf16 (forward: all;
+    backward: the resharded blocks) and reduce-scatter fp32 gradients; a rank of R sends (R - 1) / R of it."""
+    return ((2 * shape.dense_params - shape.root_params) * 2 + shape.dense_params * 4) / 1e9
+
+
 def nonmoe_ms(cfg: SimConfig, cal: Calibration, shape: ModelShape) -> dict:
     """Per-rank non-MoE milliseconds: token part, parameter part, exposed FSDP traffic."""
     R = cfg.ep
@@ -312,8 +328,7 @@ def nonmoe_ms(cfg: SimConfig, cal: Calibration, shape: ModelShape) -> dict:
         param = p1 * (1 - cal.optimizer_share) + p1 * cal.optimizer_share * params_R / params_1
     fsdp = 0.0
     if R > 1 and cfg.fsdp_exposed:
-        # all-gather bf16 (forward: all; backward: the resharded blocks), reduce-scatter fp32 grads
-        gb = ((2 * shape.dense_params - shape.root_params) * 2 + shape.dense_params * 4) * (R - 1) / R / 1e9
+        gb = fsdp_gb(shape) * (R - 1) / R
         host = cfg.gpus_per_host is not None and cfg.gpus_per_host < R
         fsdp = gb * (1e3 / cfg.inter_host_gbs if host else cal.comm_fit("padded", R).slope)
     return {"token": cal.token_ms, "param": param, "fsdp": fsdp}
@@ -718,15 +733,19 @@ HOST_ROUTINGS = {"Zipf(1.2)": "zipf1.2", "8 hot experts": "hot8"}
 
 @dataclass
 class Cluster:
-    """H hosts × L GPUs; EP rank r lives on host r // L. Link rates are per GPU and per direction
-    (GB/s): NVLink inside a host, the network (one NIC per GPU) between hosts. ``collective_ms``:
-    fixed ms of one data-moving collective (launch, layout, latency); None: half the one-host
-    padded fit's intercept (its round trip is two collectives)."""
+    """H hosts × L GPUs; EP rank r lives on host r // L. Rates in GB/s per direction: NVLink per GPU inside
+    a host; the network between hosts per GPU (``shared_network`` False: one NIC each, a cluster) or one
+    aggregate rate that all ranks' concurrent network bytes share (True: one machine's socket path, the
+    emulated hosts). ``collective_ms``: fixed ms of one data-moving collective (launch, layout, latency);
+    None: half the one-host padded fit's intercept (its round trip is two collectives). ``fsdp_exposed``:
+    share of FSDP's network time on the step's critical path (1: none of it overlapped)."""
     hosts: int
     gpus_per_host: int
     nvlink_gbs: float = 400.0
     network_gbs: float = 50.0
     collective_ms: float | None = None
+    shared_network: bool = False
+    fsdp_exposed: float = 1.0
 
     @property
     def ranks(self) -> int:
@@ -740,20 +759,24 @@ class Cluster:
 class HostRun:
     """One configuration on a cluster. dispatcher: "padded" (flat, C rows per (source, destination)),
     "hierarchical" (network leg then NVLink leg, fixed C1 / C2) or "alltoall" (flat, real rows, split
-    sizes read on the host). slots = 0: ECHO off."""
+    sizes read on the host). slots = 0: ECHO off. compute_scale: the calibration's non-network ms (GEMM,
+    router, planner, non-MoE) × this, for another GPU than the calibration's."""
     cluster: Cluster
     dispatcher: str = "padded"
     experts: int = 64
     slots: int = 0
     capacity_factor: float = 1.25
+    compute_scale: float = 1.0
 
 
 @dataclass
 class Leg:
-    """One collective of one direction: bytes each rank sends over each link class (receives the same)."""
+    """One collective of one direction: bytes the busiest rank sends over each link class (receives the
+    same), and network_total_bytes: what all ranks of the collective send over the network together."""
     name: str
     network_bytes: float
     nvlink_bytes: float
+    network_total_bytes: float = 0.0
 
 
 def hier_capacities(T: int, K: int, hosts: int, gpus_per_host: int, cf: float) -> tuple[int, int]:
@@ -772,35 +795,42 @@ def dispatch_legs(dispatcher: str, cluster: Cluster, T: int, D: int, K: int, cf:
     hierarchical: dispatch = network leg ((H - 1)·C1 rows + K ids and K weights per row) then NVLink
     leg ((L - 1)·C2 rows); combine = the NVLink leg back, then (H - 1)·C1 partial sums over the network.
     alltoall: real rows (the busiest rank's, from ``traffic_RR``; else T·K/R per pair, balanced) plus
-    a bytes-free split exchange on dispatch."""
+    a bytes-free split exchange on dispatch. Totals over ranks: R × the fixed blocks; alltoall the
+    off-host entries of ``traffic_RR``, else (R - L)·T·K rows."""
     H, L = cluster.hosts, cluster.gpus_per_host
     R, row = H * L, D * BYTES
     if dispatcher == "padded":
         C = padded_capacity(T, K, R, cf)
-        leg = Leg("all_to_all", (R - L) * C * row, (L - 1) * C * row)
+        leg = Leg("all_to_all", (R - L) * C * row, (L - 1) * C * row, R * (R - L) * C * row)
         return {"dispatch": [leg], "combine": [leg]}
     if dispatcher == "hierarchical":
         C1, C2 = hier_capacities(T, K, H, L, cf)
         net_out, net_back = [], []
         if H > 1:
-            net_out = [Leg("network", (H - 1) * C1 * (row + META_BYTES * K), 0.0)]
-            net_back = [Leg("network", (H - 1) * C1 * row, 0.0)]
+            out_b, back_b = (H - 1) * C1 * (row + META_BYTES * K), (H - 1) * C1 * row
+            net_out = [Leg("network", out_b, 0.0, R * out_b)]
+            net_back = [Leg("network", back_b, 0.0, R * back_b)]
         host = [Leg("nvlink", 0.0, (L - 1) * C2 * row)] if L > 1 else []
         return {"dispatch": net_out + host, "combine": host + net_back}
     if dispatcher == "alltoall":
         if traffic_RR is None:
             n = T * K / R
-            on, off = (L - 1) * n, (R - L) * n
+            on, off, total = (L - 1) * n, (R - L) * n, (R - L) * T * K
         else:
             on, off = bottleneck_rows(traffic_RR, L)
-        leg = Leg("all_to_all", off * row, on * row)
+            host_R = torch.arange(R) // L
+            total = float((traffic_RR * (host_R[:, None] != host_R[None, :])).sum())
+        leg = Leg("all_to_all", off * row, on * row, total * row)
         return {"dispatch": [Leg("splits", 0.0, 0.0), leg], "combine": [leg]}
     raise ValueError(f"unknown dispatcher {dispatcher!r}; expected one of {DISPATCHERS}")
 
 
 def leg_ms(leg: Leg, cluster: Cluster, collective_ms: float) -> float:
-    """Fixed cost + the slower link class (both classes move at once inside one collective)."""
-    return collective_ms + max(leg.network_bytes / cluster.network_gbs, leg.nvlink_bytes / cluster.nvlink_gbs) / 1e6
+    """Fixed cost + the slower link class (both classes move at once inside one collective); the network
+    moves the busiest rank's bytes at its per-GPU rate, or on a shared network all ranks' bytes at the
+    aggregate rate."""
+    net = leg.network_total_bytes if cluster.shared_network else leg.network_bytes
+    return collective_ms + max(net / cluster.network_gbs, leg.nvlink_bytes / cluster.nvlink_gbs) / 1e6
 
 
 def default_collective_ms(cal: Calibration) -> float:
@@ -814,9 +844,9 @@ def round_trip_ms(legs: dict[str, list[Leg]], cluster: Cluster, collective_ms: f
     return sum(leg_ms(l, cluster, collective_ms) for l in legs["dispatch"] + legs["combine"])
 
 
-def network_bytes(legs: dict[str, list[Leg]]) -> float:
-    """Bytes one rank sends to other hosts in one forward round trip."""
-    return sum(l.network_bytes for l in legs["dispatch"] + legs["combine"])
+def network_bytes(legs: dict[str, list[Leg]], total: bool = False) -> float:
+    """Bytes one rank (``total``: all ranks together) sends to other hosts in one forward round trip."""
+    return sum(l.network_total_bytes if total else l.network_bytes for l in legs["dispatch"] + legs["combine"])
 
 
 # routing with token identity: the hierarchical leg's rows are unique (token, host) pairs
@@ -945,7 +975,9 @@ def host_layer_ms(layer: HostLayer, run: HostRun, cal: Calibration, shape: Model
     """One MoE layer, fwd + bwd, on a cluster (ms, for the straggler) and its network bytes per rank
     (GB, fwd + bwd: the backward moves the forward's bytes again). network_gb: what moves (fixed blocks);
     network_gb_real: the rows with data (mean rank); clone_network_gb: ECHO's weights and gradients
-    between hosts (mean rank)."""
+    between hosts (mean rank); network_total_gb: what all ranks put on the network (fixed blocks and
+    clones). On a shared network the clones' bytes of all ranks share the aggregate rate; on per-GPU
+    links the busiest rank's set the time. Non-network ms × run.compute_scale."""
     cl = run.cluster
     R, host_R = cl.ranks, cl.host_R()
     T, D, K, Hx = shape.tokens_per_rank, shape.dim, shape.top_k, shape.hidden
@@ -953,26 +985,42 @@ def host_layer_ms(layer: HostLayer, run: HostRun, cal: Calibration, shape: Model
     legs = dispatch_legs(run.dispatcher, cl, T, D, K, run.capacity_factor,
                          layer.load.traffic_RR if run.dispatcher == "alltoall" else None)
     comm = 2 * round_trip_ms(legs, cl, lat)
-    gemm_R = cal.gemm_ms(layer.load.rows_R, Hx)
-    echo, clone_gb = 0.0, 0.0
+    gemm_R = cal.gemm_ms(layer.load.rows_R, Hx) * run.compute_scale
+    router = cal.router_ms * run.compute_scale
+    echo, clone_gb, clone_total_gb = 0.0, 0.0, 0.0
     if run.slots:
         w = 3 * D * Hx * BYTES  # one expert's w1, w2, w3
         off = host_R[layer.clone_home_G] != host_R[layer.clone_rank_G]
         busiest = lambda m: torch.maximum(torch.bincount(layer.clone_home_G[m], minlength=R),  # noqa: E731
                                           torch.bincount(layer.clone_rank_G[m], minlength=R)).double()
-        mc = float(torch.maximum(busiest(off) * w / cl.network_gbs, busiest(~off) * w / cl.nvlink_gbs).max()) / 1e6
-        echo = cal.planner(R, run.slots) / 1e3 + 2 * mc  # multicast forward, gradients back
+        net_R = (torch.full((R,), float(off.sum())) if cl.shared_network else busiest(off)) * w / cl.network_gbs
+        mc = float(torch.maximum(net_R, busiest(~off) * w / cl.nvlink_gbs).max()) / 1e6
+        echo = cal.planner(R, run.slots) / 1e3 * run.compute_scale + 2 * mc  # multicast forward, gradients back
         clone_gb = 2 * int(off.sum()) * w / R / 1e9
+        clone_total_gb = clone_gb * R
     gemm = float(gemm_R.max())
-    return {"router": cal.router_ms, "comm": comm, "gemm": gemm, "gemm_mean": float(gemm_R.mean()), "echo": echo,
-            "total": cal.router_ms + comm + gemm + echo, "network_gb": 2 * network_bytes(legs) / 1e9,
+    return {"router": router, "comm": comm, "gemm": gemm, "gemm_mean": float(gemm_R.mean()), "echo": echo,
+            "total": router + comm + gemm + echo, "network_gb": 2 * network_bytes(legs) / 1e9,
             "network_gb_real": real_network_gb(layer, run, shape), "clone_network_gb": clone_gb,
+            "network_total_gb": 2 * network_bytes(legs, total=True) / 1e9 + clone_total_gb,
             "fill": host_fill(layer, run, T, K)}
 
 
+def host_fsdp(cluster: Cluster, shape: ModelShape) -> tuple[float, float]:
+    """(ms on the critical path, GB all ranks send over the network) of one step's FSDP2 traffic once EP
+    spans hosts: a rank sends (R - 1) / R of fsdp_gb; per-GPU links: that at the per-GPU rate; a shared
+    network: the H host-crossing edges of NCCL's ring each carry that, at the aggregate rate. × fsdp_exposed."""
+    R, H = cluster.ranks, cluster.hosts
+    gb = fsdp_gb(shape) * (R - 1) / R
+    total = H * gb
+    on_link = total if cluster.shared_network else gb
+    return cluster.fsdp_exposed * on_link * 1e3 / cluster.network_gbs, total
+
+
 def host_step(layers: list[HostLayer], run: HostRun, cal: Calibration, shape: ModelShape) -> dict:
-    """One step on a cluster: the one-host model's non-MoE part (token part ∝ T; FSDP traffic at the
-    network rate once EP spans hosts) + Σ over the MoE layers of host_layer_ms."""
+    """One step on a cluster: the one-host model's non-MoE part (token part ∝ T; FSDP traffic over the
+    network once EP spans hosts: host_fsdp) + Σ over the MoE layers of host_layer_ms. network_total_gb:
+    what all ranks put on the network in the step (MoE legs, clones, FSDP)."""
     cl = run.cluster
     cfg = SimConfig(cl.ranks, experts=run.experts, slots=run.slots, backend="padded",
                     capacity_factor=run.capacity_factor, gpus_per_host=cl.gpus_per_host if cl.hosts > 1 else None,
@@ -980,10 +1028,16 @@ def host_step(layers: list[HostLayer], run: HostRun, cal: Calibration, shape: Mo
     nm = nonmoe_ms(cfg, cal, shape) if cl.ranks > 1 else {"token": cal.token_ms, "param": cal.param_ms_per_param * (
         shape.dense_params + shape.expert_params(run.experts)), "fsdp": 0.0}
     nm["token"] *= shape.tokens_per_rank / ModelShape().tokens_per_rank  # calibrated at 16384 tokens
+    nm["token"] *= run.compute_scale
+    nm["param"] *= run.compute_scale
+    fsdp_total_gb = 0.0
+    if cl.hosts > 1 and cl.ranks > 1:
+        nm["fsdp"], fsdp_total_gb = host_fsdp(cl, shape)
     per = [host_layer_ms(l, run, cal, shape) for l in layers]
     moe = {k: sum(p[k] for p in per) for k in per[0] if k != "fill"}
     step = sum(nm.values()) + moe["total"]
     return {"step_ms": step, "tokens_per_s_per_gpu": shape.tokens_per_rank / step * 1e3, "nonmoe": nm, "moe": moe,
+            "network_total_gb": moe["network_total_gb"] + fsdp_total_gb,
             "fill": max(p["fill"] for p in per),
             "load_before": statistics.mean(l.load.load_before for l in layers),
             "load_after": statistics.mean(l.load.load_after for l in layers)}
@@ -993,6 +1047,7 @@ def host_mean(steps: list[dict], shape: ModelShape) -> dict:
     """Mean of several simulated steps (tokens/s from the mean step; fill: the fullest)."""
     step = statistics.mean(s["step_ms"] for s in steps)
     return {"step_ms": step, "tokens_per_s_per_gpu": shape.tokens_per_rank / step * 1e3,
+            "network_total_gb": statistics.mean(s["network_total_gb"] for s in steps),
             "nonmoe": {k: statistics.mean(s["nonmoe"][k] for s in steps) for k in steps[0]["nonmoe"]},
             "moe": {k: statistics.mean(s["moe"][k] for s in steps) for k in steps[0]["moe"]},
             "fill": max(s["fill"] for s in steps),
@@ -1113,9 +1168,17 @@ def host_row(row: dict) -> dict | None:
     return out if measured else None
 
 
+def machine_of(name: str, env: dict) -> str:
+    """The machine a results file was measured on: its name's ``_<N>x<GPU>`` suffix (e.g. 2xH100), else its
+    env's gpu. Rows of one machine share its network."""
+    m = re.search(r"_(\d+x[A-Za-z0-9]+)\.json$", name)
+    return m.group(1) if m else str(env.get("gpu", ""))
+
+
 def read_host_rows(results: str = RESULTS) -> list[dict]:
     """The usable rows of ``dispatch_hosts*.json`` and ``e2e_hosts*.json`` ({"rows": [...]}), each tagged
-    with its file; missing or unreadable files and incomplete rows are skipped."""
+    with its file (``source``), its machine (``machine``: machine_of) and its GPU (``gpu``, the env's name);
+    missing or unreadable files and incomplete rows are skipped."""
     import glob
 
     rows = []
@@ -1127,117 +1190,296 @@ def read_host_rows(results: str = RESULTS) -> list[dict]:
                 data = json.load(f)
         except (OSError, ValueError):
             continue
-        for row in data.get("rows", []) if isinstance(data, dict) and isinstance(data.get("rows"), list) else []:
+        if not isinstance(data, dict) or not isinstance(data.get("rows"), list):
+            continue
+        env = data["env"] if isinstance(data.get("env"), dict) else {}
+        base = os.path.basename(path)
+        for row in data["rows"]:
             r = host_row(row)
             if r is not None:
-                rows.append({**r, "source": os.path.basename(path)})
+                rows.append({**r, "source": base, "machine": machine_of(base, env),
+                             "gpu": str(env.get("gpu_name") or env.get("gpu") or "")})
     return rows
+
+
+def one_gpu_step_ms(gpu: str, results: str = RESULTS) -> float | None:
+    """ms of the unlabelled one-GPU v2lite_1b ``ours_graph`` row of e2e_<GPU>.json (the graphed recipe, as
+    the e2e host rows ran), or None."""
+    try:
+        data = _load(f"e2e_{gpu.replace(' ', '_')}.json", results)
+    except (OSError, ValueError):
+        return None
+    for r in data.get("rows", []) if isinstance(data, dict) else []:
+        if (isinstance(r, dict) and r.get("config") == "v2lite_1b_gpu" and r.get("gpus") == 1
+                and r.get("run") == "ours_graph" and not r.get("label") and not r.get("variant")
+                and _num(r.get("step_ms"))):
+            return float(r["step_ms"])
+    return None
+
+
+def compute_scale(gpu: str, cal: Calibration, results: str = RESULTS) -> float:
+    """Non-network ms on ``gpu`` over the calibration GPU's: the ratio of their one-GPU steps
+    (one_gpu_step_ms); 1 on the calibration's GPU or where either is missing."""
+    if not gpu or gpu == cal.gpu:
+        return 1.0
+    a, b = one_gpu_step_ms(gpu, results), one_gpu_step_ms(cal.gpu, results)
+    return a / b if a and b else 1.0
 
 
 def _row_legs(row: dict, nvlink_gbs: float) -> tuple[Cluster, dict[str, list[Leg]]]:
     """A measured row's legs; alltoall with ``network_rows`` (the busiest rank's (token, choice) rows to
-    other hosts, one way) moves those, and on-host rows in the same proportion per peer."""
+    other hosts, one way) moves those, and on-host rows in the same proportion per peer; all ranks together
+    move (R - L)·T·K rows to other hosts whatever the skew (every rank routes from one distribution)."""
     cl = Cluster(row["hosts"], row["gpus_per_host"], nvlink_gbs)
     legs = dispatch_legs(row["dispatcher"], cl, row["tokens_per_rank"], row["hidden"], row["top_k"],
                          row["capacity_factor"] or 1.0)
     off = row.get("network_rows")
     if row["dispatcher"] == "alltoall" and off is not None and cl.hosts > 1:
         L, R, b = cl.gpus_per_host, cl.ranks, row["hidden"] * BYTES
-        leg = Leg("all_to_all", off * b, off * (L - 1) / (R - L) * b)
+        leg = Leg("all_to_all", off * b, off * (L - 1) / (R - L) * b, legs["combine"][0].network_total_bytes)
         legs = {"dispatch": [legs["dispatch"][0], leg], "combine": [leg]}
     return cl, legs
 
 
-def predicted_round_trip_ms(row: dict, network_gbs: float, collective_ms: float, nvlink_gbs: float = 400.0) -> float:
+def predicted_round_trip_ms(row: dict, network_gbs: float, collective_ms: float, nvlink_gbs: float = 400.0,
+                            shared_network: bool = False) -> float:
     """Forward dispatch + combine ms of a measured row's configuration (alltoall: its ``network_rows``,
-    else balanced rows)."""
+    else balanced rows); ``network_gbs`` per GPU, or the aggregate with ``shared_network``."""
     cl, legs = _row_legs(row, nvlink_gbs)
-    return round_trip_ms(legs, replace(cl, network_gbs=network_gbs), collective_ms)
+    return round_trip_ms(legs, replace(cl, network_gbs=network_gbs, shared_network=shared_network), collective_ms)
 
 
-def _fit_network(rows: list[dict], nvlink_gbs: float, collective_ms: float | None,
-                 iters: int = 50) -> tuple[float, float, str]:
-    """(ms per network byte, ms per collective, form) minimising the relative error of the round trips.
-    A leg costs c + max(network bytes · s, NVLink bytes / nvlink_gbs): fixed-point over which class is
-    the slower one per leg (start: the network), linear least squares inside. Fewer than two independent
-    rows (or a given ``collective_ms``): s alone, c fixed (0 when not given)."""
-    y = np.array([r["dispatch_combine_ms"] for r in rows])
-    all_legs = [[l for ls in _row_legs(r, nvlink_gbs)[1].values() for l in ls] for r in rows]
-    nvl = [[l.nvlink_bytes / nvlink_gbs / 1e6 for l in legs] for legs in all_legs]
-    n_legs = np.array([len(legs) for legs in all_legs], dtype=float)
-    s, c = None, collective_ms
+@dataclass
+class RowModel:
+    """One measured time as the model predicts it: ms(collective_ms, network_gbs, fsdp_exposed) -> ms, and
+    network_gb: what all ranks put on the network in that time (GB)."""
+    row: int
+    quantity: str  # "dispatch_combine_ms" | "step_ms"
+    measured: float
+    machine: str
+    ms: object
+    network_gb: float
+
+
+def _row_models(rows: list[dict], nvlink_gbs: float, shared: bool, cal: Calibration | None, shape: ModelShape,
+                steps: int, layers_cache: dict, results: str = RESULTS) -> list[RowModel]:
+    """RowModels of every measured time in ``rows``: dispatch_combine_ms (round_trip_ms of the row's legs)
+    and step_ms (host_step over ``steps`` sampled steps; needs experts; routing "natural" = "zipf1.2",
+    "zipf<s>", "hot<N>", default "uniform"; non-network ms scaled to the row's GPU by compute_scale). The
+    sampled layers are kept in ``layers_cache`` (by row) for the next call."""
+    out = []
+    for i, r in enumerate(rows):
+        if r["dispatch_combine_ms"] is not None:
+            cl, legs = _row_legs(r, nvlink_gbs)
+            f = (lambda c, g, phi, r=r: predicted_round_trip_ms(r, g, c, nvlink_gbs, shared))  # noqa: E731
+            out.append(RowModel(i, "dispatch_combine_ms", r["dispatch_combine_ms"], r.get("machine") or "",
+                                f, network_bytes(legs, total=True) / 1e9))
+        if r["step_ms"] is not None and r["experts"]:
+            sh = replace(shape, dim=r["hidden"], top_k=r["top_k"], experts=r["experts"],
+                         tokens_per_rank=r["tokens_per_rank"])
+            run = HostRun(Cluster(r["hosts"], r["gpus_per_host"], nvlink_gbs, 1.0, 0.0, shared), r["dispatcher"],
+                          r["experts"], r["slots"] or 0, r["capacity_factor"] or 1.0,
+                          compute_scale(r.get("gpu", ""), cal, results))
+            if i not in layers_cache:
+                routing = r.get("routing") or "uniform"
+                routing = "zipf1.2" if routing == "natural" else routing
+                tokens = min(SAMPLE_TOKENS, r["tokens_per_rank"])
+                layers_cache[i] = host_layers(run.cluster, r["experts"], routing, [run.slots], steps, sh,
+                                              tokens=tokens)[run.slots]
+            layers = layers_cache[i]
+
+            def step(c, g, phi, run=run, sh=sh, layers=layers):
+                at = replace(run, cluster=replace(run.cluster, network_gbs=g, collective_ms=c, fsdp_exposed=phi))
+                return host_mean([host_step(ls, at, cal, sh) for ls in layers], sh)
+
+            out.append(RowModel(i, "step_ms", r["step_ms"], r.get("machine") or "",
+                                lambda c, g, phi, step=step: step(c, g, phi)["step_ms"],
+                                step(1.0, 1.0, 1.0)["network_total_gb"]))
+    return out
+
+
+def _solve(models: list[RowModel], c: float, gbs: dict, phi: float, free_c: bool, free: set, free_phi: bool,
+           iters: int = 30) -> tuple[float, dict, float]:
+    """Least squares in relative error of the free parameters among c (ms per collective), 1 / gbs[machine]
+    for the machines in ``free`` and phi (FSDP's exposed share, on a grid of [0, 1] in steps of 0.001). A
+    prediction is piecewise linear in (c, 1 / gbs, phi / gbs) (c + the slower link class per leg), so:
+    linearise at the current point (finite differences, exact inside a piece), solve, repeat until the point
+    stops moving. A free machine without network bytes in its rows keeps gbs None; too few rows for a
+    free c: c stays."""
+    s = {m: 1.0 / g for m, g in gbs.items() if g}
     for _ in range(iters):
-        net_x, const = np.zeros(len(rows)), np.zeros(len(rows))
-        for i, legs in enumerate(all_legs):
-            for leg, t_nvl in zip(legs, nvl[i]):
-                if s is None or leg.network_bytes * s >= t_nvl:
-                    net_x[i] += leg.network_bytes
+        k, n, g0, f1 = (np.zeros(len(models)) for _ in range(4))
+        for j, m in enumerate(models):
+            sm = s[m.machine]
+            e0 = m.ms(c, 1 / sm, phi)
+            n[j] = m.ms(c + 1.0, 1 / sm, phi) - e0
+            d = 1e-3 * sm
+            G = (m.ms(c, 1 / (sm + d), phi) - e0) / d
+            f1[j] = (m.ms(c, 1 / sm, phi + 1.0) - e0) / sm
+            k[j], g0[j] = e0 - c * n[j] - sm * G, G - phi * f1[j]
+        y = np.array([m.measured for m in models])
+        mach = np.array([m.machine for m in models])
+        live = sorted(mm for mm in free if np.any(np.abs((g0 + f1)[mach == mm]) > 0))
+        grid = np.linspace(0, 1, 1001) if free_phi and np.any(np.abs(f1) > 0) else np.array([phi])
+        best = None
+        for use_c in ([True, False] if free_c else [False]):
+            for ph in grid:
+                gx = g0 + ph * f1
+                rhs = y - k - (0.0 if use_c else c * n)
+                rhs = rhs - sum(s[mm] * gx * (mach == mm) for mm in s if mm not in live)
+                cols = ([n] if use_c else []) + [gx * (mach == mm) for mm in live]
+                if not cols:
+                    theta = np.zeros(0)
                 else:
-                    const[i] += t_nvl
-        A = np.stack([n_legs, net_x], 1)
-        if collective_ms is None and np.linalg.matrix_rank(A / y[:, None]) == 2:
-            c_new, s_new = np.linalg.lstsq(A / y[:, None], (y - const) / y, rcond=None)[0]
-            form = "network GB/s and ms per collective"
-        else:
-            c_new = collective_ms or 0.0
-            z = net_x / y
-            s_new = float(z @ ((y - const - c_new * n_legs) / y) / (z @ z))
-            form = f"network GB/s (ms per collective fixed at {c_new:.3f})"
-        done = s is not None and np.isclose(s_new, s, rtol=1e-12, atol=0) and np.isclose(c_new, c, rtol=1e-12, atol=0)
-        s, c = float(s_new), float(c_new)
+                    A = np.stack(cols, 1) / y[:, None]
+                    if np.linalg.matrix_rank(A) < A.shape[1]:
+                        continue
+                    theta = np.linalg.lstsq(A, rhs / y, rcond=None)[0]
+                    if np.any(theta[int(use_c):] <= 0):
+                        continue
+                pred = y - rhs + (np.stack(cols, 1) @ theta if cols else 0.0)
+                rms = float(np.sqrt(np.mean((pred / y - 1) ** 2)))
+                if best is None or rms < best[0] - 1e-15:
+                    best = (rms, use_c, float(ph), theta)
+            if best is not None:
+                break
+        if best is None:
+            raise ValueError("emulated-cluster fit: no positive network rate fits these rows")
+        _, use_c, ph, theta = best
+        c_new = float(theta[0]) if use_c else c
+        s_new = {**s, **{mm: float(t) for mm, t in zip(live, theta[int(use_c):])}}
+        done = (np.isclose(c_new, c, rtol=1e-10, atol=1e-12) and ph == phi
+                and all(np.isclose(s_new[mm], s.get(mm, 0.0), rtol=1e-10, atol=0) for mm in s_new))
+        c, s, phi = c_new, s_new, ph
         if done:
             break
-    return s, c, form
+    return c, {m: (1 / s[m] if m in s else None) for m in set(gbs) | set(s)}, phi
+
+
+def _fit_form(models: list[RowModel], per_machine: bool, collective_ms: float | None,
+              fsdp_exposed: float | None) -> dict:
+    """The network fitted in two stages: the dispatch + combine rows fix GB/s (per machine, or one for all)
+    and the ms per collective (unless given); the step rows then fix only what those cannot: FSDP's exposed
+    share (unless given) and the GB/s of a machine without dispatch rows. Returns the parameters and, per
+    model, its prediction at them."""
+    key = (lambda m: m.machine) if per_machine else (lambda m: "all")  # noqa: E731
+    ms = [replace(m, machine=key(m)) for m in models]
+    disp = [m for m in ms if m.quantity == "dispatch_combine_ms"]
+    step = [m for m in ms if m.quantity == "step_ms"]
+    machines = sorted({m.machine for m in ms})
+    c, phi = collective_ms if collective_ms is not None else 0.5, fsdp_exposed if fsdp_exposed is not None else 1.0
+    gbs = {m: 1.0 for m in machines}
+    if disp:
+        c, got, _ = _solve(disp, c, gbs, phi, collective_ms is None, {m.machine for m in disp}, False)
+        gbs.update({m: g for m, g in got.items() if g})
+    fixed = {m.machine for m in disp}
+    if step:
+        c, got, phi = _solve(step, c, gbs, phi, collective_ms is None and not disp,
+                             {m.machine for m in step} - fixed, fsdp_exposed is None)
+        gbs.update({m: g for m, g in got.items() if g})
+    pred = [m.ms(c, gbs[m.machine], phi) for m in ms]
+    rel = np.array([p / m.measured - 1 for p, m in zip(pred, ms)])
+    rms = lambda sel: float(np.sqrt(np.mean(rel[sel] ** 2))) if np.any(sel) else None  # noqa: E731
+    q = np.array([m.quantity for m in ms])
+    return {"network_gbs": gbs, "collective_ms": c, "fsdp_exposed": phi, "predicted": pred,
+            "rms_rel": rms(np.ones(len(ms), dtype=bool)), "rms_rel_dispatch": rms(q == "dispatch_combine_ms"),
+            "rms_rel_step": rms(q == "step_ms"), "max_rel": float(np.abs(rel).max()),
+            "outside_15pct": int((np.abs(rel) > TOLERANCE).sum()),
+            "rows_per_machine": {mm: {"dispatch": sum(m.machine == mm for m in disp),
+                                      "step": sum(m.machine == mm for m in step)} for mm in machines}}
+
+
+# forms compared with the adopted one (shared network, GB/s per machine, FSDP's exposed share fitted)
+HOST_FORMS = [("per-GPU network, one GB/s, FSDP exposed", False, False, 1.0),
+              ("per-GPU network, GB/s per machine, FSDP share fitted", False, True, None),
+              ("shared network, one GB/s for both machines, FSDP share fitted", True, False, None),
+              ("shared network, GB/s per machine, FSDP exposed", True, True, 1.0),
+              ("shared network, GB/s per machine, FSDP hidden", True, True, 0.0)]
 
 
 def calibrate_hosts(measured: list[dict], nvlink_gbs: float = 400.0, cal: Calibration | None = None,
-                    shape: ModelShape | None = None, collective_ms: float | None = None, steps: int = 2) -> dict:
-    """Fit the effective network GB/s (and ms per collective) to the rows with ``dispatch_combine_ms``,
-    then predicted vs measured for every usable row and quantity: dispatch_combine_ms (the fitted round
-    trip), step_ms (host_step with the fitted network: needs experts; optional row keys slots (ECHO) and
-    routing ("natural" = "zipf1.2", "zipf<s>", "hot<N>", default "uniform"); ``cal`` made from the default
-    GPU's results when not given), network_gbs (the fitted rate against the measured per-peer all_to_all).
-    Returns {"network_gbs", "collective_ms", "form", "fit_rows", "rms_rel", "checks": [...]}; each check has
-    predicted, measured, ratio and within_15pct."""
+                    shape: ModelShape | None = None, collective_ms: float | None = None, steps: int = 2,
+                    shared_network: bool = True, per_machine: bool = True, fsdp_exposed: float | None = None,
+                    alternatives: bool = False, results: str = RESULTS) -> dict:
+    """Fit the emulated cluster's network to the measured rows (_fit_form: the dispatch + combine rows fix
+    GB/s and ms per collective, the step rows FSDP's exposed share and the GB/s of machines without dispatch
+    rows), then predicted vs measured for every usable row and quantity: dispatch_combine_ms, step_ms (needs
+    experts; ``cal`` made from the default GPU's results when not given) and network_gbs (the measured
+    all_to_all rate per peer: shared, the aggregate / (R·(H - 1)), each rank sending to its H - 1 peers at
+    once; per-GPU, the rate itself). ``shared_network``: one aggregate GB/s per machine (all ranks' network
+    bytes share it), else per GPU; ``per_machine``: one rate per machine (row key ``machine``), else one for
+    all. Returns {"shared_network", "network_gbs": {machine: GB/s}, "collective_ms", "fsdp_exposed", "form",
+    "fit_rows", "rms_rel" (every fitted row), "rms_rel_dispatch", "rms_rel_step", "checks": [...],
+    "spread": [...] (rows the model cannot tell apart: same machine, quantity and prediction),
+    "alternatives": [...] (with ``alternatives``: HOST_FORMS, same rows)}; each check has predicted, measured,
+    ratio and within_15pct."""
     rows = [r for r in (host_row(m) for m in measured) if r is not None]
-    fit_rows = [r for r in rows if r["dispatch_combine_ms"] is not None]
-    out = {"network_gbs": None, "collective_ms": None, "nvlink_gbs": nvlink_gbs, "form": "no dispatch rows",
-           "fit_rows": len(fit_rows), "rms_rel": None, "checks": []}
-    if not fit_rows:
+    shape = shape or ModelShape()
+    out = {"shared_network": shared_network, "network_gbs": {}, "collective_ms": None, "fsdp_exposed": None,
+           "nvlink_gbs": nvlink_gbs, "form": "no measured times", "fit_rows": 0, "rms_rel": None,
+           "rms_rel_dispatch": None, "rms_rel_step": None, "checks": [], "spread": [], "alternatives": []}
+    if cal is None and any(r["step_ms"] is not None and r["experts"] for r in rows):
+        cal = calibrate()
+    cache = {}
+    models = {sh: _row_models(rows, nvlink_gbs, sh, cal, shape, steps, cache, results)
+              for sh in ({shared_network, False, True} if alternatives else {shared_network})}
+    if not models[shared_network]:
         return out
-    s, c, form = _fit_network(fit_rows, nvlink_gbs, collective_ms)
-    gbs = 1 / (s * 1e6)
-    out.update(network_gbs=gbs, collective_ms=c, form=form)
-    rel = []
+    fit = _fit_form(models[shared_network], per_machine, collective_ms, fsdp_exposed)
+    link = "shared network: aggregate" if shared_network else "per-GPU network:"
+    out.update({k: fit[k] for k in ("network_gbs", "collective_ms", "fsdp_exposed", "rms_rel", "rms_rel_dispatch",
+                                    "rms_rel_step", "rows_per_machine")},
+               compute_scale={r.get("gpu") or "": compute_scale(r.get("gpu") or "", cal, results)
+                              for r in rows if r["step_ms"] is not None and r["experts"]},
+               form=f"{link} {'GB/s per machine' if per_machine else 'GB/s for all'}; ms per collective "
+                    f"{'given' if collective_ms is not None else 'fitted'}; FSDP's exposed share "
+                    f"{'given' if fsdp_exposed is not None else 'fitted'}",
+               fit_rows=len(models[shared_network]))
+    by_row, rate_seen = {}, set()
+    for m, p in zip(models[shared_network], fit["predicted"]):
+        by_row.setdefault(m.row, []).append((m, p))
     for i, r in enumerate(rows):
         label = {k: r[k] for k in ("dispatcher", "hosts", "gpus_per_host", "tokens_per_rank", "hidden", "top_k",
-                                   "capacity_factor")}
-        label["source"] = r.get("source", "")
-        checks = []
-        if r["dispatch_combine_ms"] is not None:
-            checks.append(("dispatch_combine_ms", predicted_round_trip_ms(r, gbs, c, nvlink_gbs),
-                           r["dispatch_combine_ms"]))
-            rel.append(checks[-1][1] / checks[-1][2] - 1)
-        if r["network_gbs"] is not None:
-            checks.append(("network_gbs", gbs, r["network_gbs"]))
-        if r["step_ms"] is not None and r["experts"]:
-            if cal is None:
-                cal = calibrate()
-            sh = replace(shape or ModelShape(), dim=r["hidden"], top_k=r["top_k"], experts=r["experts"],
-                         tokens_per_rank=r["tokens_per_rank"])
-            run = HostRun(Cluster(r["hosts"], r["gpus_per_host"], nvlink_gbs, gbs, c), r["dispatcher"], r["experts"],
-                          r["slots"] or 0, r["capacity_factor"] or 1.0)
-            routing = r.get("routing") or "uniform"
-            routing = "zipf1.2" if routing == "natural" else routing
-            tokens = min(SAMPLE_TOKENS, r["tokens_per_rank"])
-            layers = host_layers(run.cluster, r["experts"], routing, [run.slots], steps, sh, tokens=tokens)[run.slots]
-            checks.append(("step_ms", host_mean([host_step(ls, run, cal, sh) for ls in layers], sh)["step_ms"],
-                           r["step_ms"]))
-        for q, pred, meas in checks:
+                                   "capacity_factor", "slots")}
+        label.update(source=r.get("source", ""), machine=r.get("machine") or "", routing=r.get("routing") or "uniform")
+        checks = [(m.quantity, p, m.measured, m.network_gb) for m, p in by_row.get(i, [])]
+        if r["network_gbs"] is not None and (r.get("source"), r["network_gbs"]) not in rate_seen:
+            rate_seen.add((r.get("source"), r["network_gbs"]))
+            g = fit["network_gbs"].get((r.get("machine") or "") if per_machine else "all")
+            if g:
+                H, R = r["hosts"], r["hosts"] * r["gpus_per_host"]
+                checks.append(("network_gbs", g / (R * (H - 1)) if shared_network else g, r["network_gbs"], None))
+        for q, pred, meas, gb in checks:
             ratio = pred / meas
-            out["checks"].append({"row": i, **label, "quantity": q, "predicted": pred, "measured": meas,
-                                  "ratio": ratio, "within_15pct": abs(ratio - 1) <= TOLERANCE})
-    out["rms_rel"] = float(np.sqrt(np.mean(np.square(rel))))
+            out["checks"].append({"row": i, **label, "quantity": q, "network_GB": gb, "predicted": pred,
+                                  "measured": meas, "ratio": ratio, "within_15pct": abs(ratio - 1) <= TOLERANCE})
+    groups = {}
+    for m, p in zip(models[shared_network], fit["predicted"]):
+        groups.setdefault((m.machine, m.quantity, round(p, 9)), []).append(m)
+    for (mach, q, p), ms in groups.items():
+        if len(ms) > 1:
+            lo, hi = min(ms, key=lambda m: m.measured), max(ms, key=lambda m: m.measured)
+            out["spread"].append({"machine": mach, "quantity": q, "predicted": p, "rows": [m.row for m in ms],
+                                  "measured_min": lo.measured, "measured_max": hi.measured,
+                                  "max_over_min": hi.measured / lo.measured,
+                                  "label": ", ".join(f"{rows[m.row]['dispatcher']} {rows[m.row].get('routing')} "
+                                                     f"T={rows[m.row]['tokens_per_rank']}" for m in (hi, lo))})
+    if alternatives:
+        for name, sh, pm, phi in HOST_FORMS:
+            try:
+                alt = _fit_form(models[sh], pm, collective_ms, phi)
+            except ValueError as e:
+                out["alternatives"].append({"form": name, "worst": str(e)})
+                continue
+            rel = [p / m.measured - 1 for p, m in zip(alt["predicted"], models[sh])]
+            worst = int(np.argmax(np.abs(rel)))
+            w = rows[models[sh][worst].row]
+            out["alternatives"].append({
+                "form": name, "network_gbs": ", ".join(f"{k} {v:.3g}" for k, v in sorted(alt["network_gbs"].items())),
+                "collective_ms": alt["collective_ms"], "fsdp_exposed": alt["fsdp_exposed"], "rms_rel": alt["rms_rel"],
+                "max_rel": alt["max_rel"], "outside_15pct": alt["outside_15pct"],
+                "worst": f"{w['dispatcher']} {w['hosts']}x{w['gpus_per_host']} {models[sh][worst].quantity} "
+                         f"{1 + rel[worst]:.2f}"})
     return out
 
 
@@ -1269,19 +1511,10 @@ def hosts_report(cal: Calibration, shape: ModelShape, pred: list[dict], ratios: 
                    "hier_real_GB", "hier_real_over_flat_real", "hier_real_over_flat_padded", "flat_fill", "hier_fill",
                    "target_45pct"]),
         "",
-        "### Calibration against the emulated two-host cluster",
+        "### Calibration against the emulated cluster",
         "",
     ]
-    if not measured["checks"]:
-        out.append("No usable rows in benchmarks/results/dispatch_hosts*.json or e2e_hosts*.json: nothing fitted.")
-    else:
-        out += [f"Fitted to {measured['fit_rows']} dispatch + combine rows ({measured['form']}): network "
-                f"{measured['network_gbs']:.2f} GB/s per GPU, {measured['collective_ms']:.3f} ms per collective, "
-                f"relative rms {100 * measured['rms_rel']:.1f}%. The emulated network's rate is not a cluster's: the "
-                "predictions below keep the assumed rates.", "",
-                f([{**c, "within_15pct": "yes" if c["within_15pct"] else "NO"} for c in measured["checks"]],
-                  ["source", "dispatcher", "hosts", "gpus_per_host", "tokens_per_rank", "hidden", "top_k",
-                   "capacity_factor", "quantity", "predicted", "measured", "ratio", "within_15pct"])]
+    out += emulated_report(measured)
     out += [
         "",
         f"### Predictions, EP = 16 / 32 / 64 at {args['gpus_per_host']} GPUs per host ({cal.gpu} calibration)",
@@ -1303,6 +1536,79 @@ def hosts_report(cal: Calibration, shape: ModelShape, pred: list[dict], ratios: 
     return "\n".join(out)
 
 
+def emulated_report(m: dict) -> list[str]:
+    """Markdown lines of calibrate_hosts' result: the model, the fitted parameters, every row, the spread
+    between rows the model cannot tell apart, what stays outside 15%, other forms on the same rows."""
+    if not m["checks"]:
+        return ["No usable rows in benchmarks/results/dispatch_hosts*.json or e2e_hosts*.json: nothing fitted."]
+    pct = lambda x: "-" if x is None else f"{100 * x:.1f}%"  # noqa: E731
+    rates = ", ".join(f"{k or 'all'} {v:.3g} GB/s" for k, v in sorted(m["network_gbs"].items()) if v)
+    per = m.get("rows_per_machine", {})
+    own = [k for k, v in per.items() if v["dispatch"] == 0 and v["step"] > 0]
+    scales = ", ".join(f"{g} × {x:.3f}" for g, x in sorted(m.get("compute_scale", {}).items()) if x != 1.0)
+    fit = [c for c in m["checks"] if c["quantity"] != "network_gbs"]
+    ok = sum(c["within_15pct"] for c in fit)
+    lines = [
+        "Emulated hosts are GPUs of one machine whose NCCL traffic between hosts goes over NET/Socket on that "
+        "machine, so every rank's network bytes share one socket path. Modelled so (`Cluster(shared_network=True)`): "
+        "a leg's network time is the bytes all ranks send to other hosts together over one aggregate GB/s of the "
+        "machine (flat padded at 2 × 2: 4 ranks × (R - L)·C; hierarchical: the 2 pairs of its network leg, 4 ranks "
+        "× (H - 1)·C1; alltoall: (R - L)·T·K rows whatever the skew), + a fixed ms per collective; FSDP2's "
+        "all-gathers and reduce-scatters cross the hosts on the H edges of NCCL's ring, each carrying (R - 1)/R of "
+        "the dense traffic, on the same path, of which the share `fsdp_exposed` adds to the step (the rest runs "
+        "beside the dispatch's all_to_alls: FSDP2 issues them on its own streams and communicator). Non-network "
+        "ms: the one-host model (its GPU's calibration)"
+        + (f", scaled for other GPUs by the ratio of the one-GPU graphed v2lite_1b steps in e2e_<GPU>.json "
+           f"({scales})" if scales else "") + ".",
+        "",
+        f"Fitted ({m['form']}) in two stages: the {sum(v['dispatch'] for v in per.values())} dispatch + combine rows "
+        f"(eager) fix each machine's aggregate and the ms per collective (rms {pct(m['rms_rel_dispatch'])}); the "
+        f"{sum(v['step'] for v in per.values())} step rows (graphed) then fix only what those cannot, FSDP's "
+        f"exposed share" + (f" and the aggregate of {', '.join(own)} (no dispatch rows there: its "
+                            f"{', '.join(str(per[k]['step']) for k in own)} step rows carry that one parameter, so "
+                            "they test the flat / hierarchical ratio, not the rate)" if own else "")
+        + f" (rms {pct(m['rms_rel_step'])}). Result: {rates}; {m['collective_ms']:.3f} ms per collective; FSDP "
+        f"exposed share {m['fsdp_exposed']:.3f}; rms over every fitted row {pct(m['rms_rel'])}, {ok} of {len(fit)} "
+        "within 15%. `network_GB`: what all ranks put on the network in the measured time (a forward round trip; "
+        "a step: MoE legs, clones, FSDP). `network_gbs` rows: NCCL's all_to_all rate per peer between the hosts "
+        "against the aggregate / (R·(H - 1)) (each rank sending to its H - 1 peers at once).",
+        "",
+        markdown_table([{**c, "within_15pct": "yes" if c["within_15pct"] else "NO",
+                         "network_GB": "" if c["network_GB"] is None else c["network_GB"],
+                         "slots": c["slots"] or ""} for c in m["checks"]],
+                       ["source", "dispatcher", "routing", "hosts", "gpus_per_host", "tokens_per_rank",
+                        "capacity_factor", "slots", "quantity", "network_GB", "predicted", "measured", "ratio",
+                        "within_15pct"]),
+        "",
+    ]
+    spread = [x for x in m["spread"] if x["max_over_min"] > 1.05]
+    if spread:
+        lines += ["Rows the model cannot tell apart (same machine, same bytes on the shared path) measured apart: "
+                  + "; ".join(f"{x['label']}: {x['measured_max']:.1f} vs {x['measured_min']:.1f} ms "
+                              f"({x['max_over_min']:.2f}x)" for x in spread)
+                  + ". No model of bytes predicts such a pair closer than ±(ratio − 1)/2 around its mean: that "
+                  "spread bounds the fit.", ""]
+    off = [c for c in m["checks"] if not c["within_15pct"]]
+    if off:
+        lines += ["Outside 15%: " + "; ".join(f"{c['source']} {c['dispatcher']} {c['routing']} "
+                                              f"T={c['tokens_per_rank']} {c['quantity']} (ratio {c['ratio']:.2f})"
+                                              for c in off) + ".", ""]
+    else:
+        one = [a for a in m["alternatives"] if a["form"] == HOST_FORMS[2][0] and "rms_rel" in a]
+        lines += ["Every row within 15%"
+                  + (f"; the aggregate of {', '.join(own)} rests on its own step rows" if own else "")
+                  + (f" (with one aggregate for every machine, the third form below: {one[0]['outside_15pct']} rows "
+                     f"outside, worst {one[0]['worst']})" if own and one else "") + ".", ""]
+    if m["alternatives"]:
+        lines += ["Other forms, same rows and stages:", "",
+                  markdown_table([{**a, "fsdp_exposed": a.get("fsdp_exposed", "")} for a in m["alternatives"]],
+                                 ["form", "network_gbs", "collective_ms", "fsdp_exposed", "rms_rel", "max_rel",
+                                  "outside_15pct", "worst"]), ""]
+    lines.append("These rates are the emulated machines', not a cluster's: the predictions below keep one NIC per GPU "
+                 "(`shared_network` off) at the assumed rate, and FSDP fully exposed.")
+    return lines
+
+
 def host_summary(pred: list[dict]) -> str:
     """One paragraph read off the prediction rows (Zipf(1.2), ECHO off): network bytes hierarchical / flat."""
     parts = []
@@ -1322,7 +1628,7 @@ def run_hosts(cal: Calibration, shape: ModelShape, a) -> tuple[str, dict]:
     args = {"gpus_per_host": a.gpus_per_host, "nvlink_gbs": a.nvlink_gbs, "network_gbs": a.network_gbs,
             "capacity_factor": a.capacity_factor, "collective_ms": a.collective_ms, "steps": a.host_steps}
     ratios = network_ratios(shape, a.capacity_factor, a.host_steps)
-    measured = calibrate_hosts(read_host_rows(RESULTS), a.nvlink_gbs, cal, shape)
+    measured = calibrate_hosts(read_host_rows(RESULTS), a.nvlink_gbs, cal, shape, alternatives=True)
     pred = predict_hosts(cal, shape, a.gpus_per_host, a.nvlink_gbs, a.network_gbs, a.capacity_factor, a.collective_ms,
                          a.host_steps)
     return hosts_report(cal, shape, pred, ratios, measured, args), {
