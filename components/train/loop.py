@@ -8,10 +8,15 @@ training step: the batch is copied to the device without waiting, the step runs 
 logs, the watchdog, the profiler, garbage collection every ``gc_freq`` steps, checkpoints (never of
 non-finite weights) and, at the end, the HF export and the run summary. ``loss_fn(inputs, labels)``
 re-runs the forward eagerly to name the first non-finite module when the run stops for it (exit 3).
+SIGINT / SIGTERM stop the loop where it is (entry.py): a checkpoint being written is finished first,
+the logs are closed, and the step reached and the last checkpoint are what rank 0's one line reports.
+A one-process CPU run whose default thread pool shares the cores with other busy processes is told,
+once, to set OMP_NUM_THREADS=1 (``OtherLoad``).
 """
 
 import gc
 import os
+import time
 
 import torch
 
@@ -23,6 +28,7 @@ from components.parallel.data_parallel import set_timeout
 from components.parallel.host_copy import HostCopy, to_device_async
 
 from . import checkpoint, faults
+from .entry import stop
 from .hf_weights import export_hf
 from .loss import compiles_loss
 from .master_adamw import masters_in_model
@@ -38,6 +44,7 @@ from .watchdog import StepWatchdog
 def fit(run: Run, tr: Training, model, loader, device_step, loss_fn, n_params: int, flops_per_token: float) -> None:
     cfg, t, ckpt, device = run.cfg, run.cfg.training, run.cfg.checkpoint, run.device
     state, scheduler, dump = tr.state, tr.scheduler, cfg.job.dump_folder
+    stop.track(state.step, tr.ckpt_dir if ckpt.enable else None)  # what a Ctrl-C reports
     step_graph = StepGraph(device_step, device, t.cuda_graph_warmup, t.cuda_graph, why_not_graph(run, tr),
                            log=print if run.is_main else (lambda *_: None))
 
@@ -49,8 +56,11 @@ def fit(run: Run, tr: Training, model, loader, device_step, loss_fn, n_params: i
         with sync_check(t.sync_debug and device.type == "cuda" and not exact and not compiling[0]):
             out = device_step(*batch) if exact else step_graph(*batch)
         compiling[0] = False
+        lr = scheduler.base_lrs[0] * scheduler.lr_lambdas[0](scheduler.last_epoch)  # the lr this step used
         scheduler.step()  # fills the optimizer's lr tensor in place when graphed
-        return HostCopy((out, scheduler.base_lrs[0] * scheduler.lr_lambdas[0](scheduler.last_epoch)))
+        copy = HostCopy((out, lr))
+        copy.made_at = time.perf_counter()  # without CUDA the step ran as it was launched: its end, for tokens/s
+        return copy
 
     def on_replay(first, n, grown):
         logs.summary.replayed_steps += n
@@ -78,6 +88,8 @@ def fit(run: Run, tr: Training, model, loader, device_step, loss_fn, n_params: i
         logs.write("the first step compiles the Triton kernels and sets up buffers (peer memory, optimizer "
                    "state): minutes on a machine whose Triton cache is cold")
     first_confirmed = True
+    other = (OtherLoad() if run.world == 1 and device.type == "cpu" and torch.get_num_threads() > 1
+             and "OMP_NUM_THREADS" not in os.environ else None)
     try:
         while state.step < t.steps:
             state.step += 1
@@ -88,6 +100,7 @@ def fit(run: Run, tr: Training, model, loader, device_step, loss_fn, n_params: i
                 step % ckpt.interval == 0 or step == t.steps or (step == 1 and ckpt.enable_first_step_checkpoint))
             for c in pipeline.submit(step, batch, settle=save_now or step == t.steps):
                 logs.log(c)
+                stop.step = c.step
                 watchdog.beat(c.step)
                 if c.nonfinite and c.streak >= t.max_nonfinite_steps:
                     logs.close()  # the progress bar ends before the error line
@@ -96,12 +109,19 @@ def fit(run: Run, tr: Training, model, loader, device_step, loss_fn, n_params: i
                     set_timeout(cfg.comm.train_timeout_seconds)
                     watchdog.limit(0.75 * cfg.comm.train_timeout_seconds)
                     first_confirmed = False
+            if other is not None and (busy := other.cores()) is not None:
+                other = None
+                if busy >= max(1.0, 0.5 * (os.cpu_count() or 1)):
+                    logs.write(f"warning: other processes kept {busy:.1f} of this machine's {os.cpu_count()} cores busy "
+                               f"while this run's {torch.get_num_threads()} threads trained; set OMP_NUM_THREADS=1 "
+                               "(PyTorch's thread pool runs several times slower on busy cores)")
             profiler.step()
             if step % t.gc_freq == 0:
                 gc.collect(1)
             if save_now:
                 if params_finite(model):
-                    logs.write(f"checkpoint: {checkpoint.save(tr.ckpt_dir, step, tr.states, ckpt.keep_latest_k)}")
+                    with stop.deferred():  # a Ctrl-C waits for the checkpoint to be complete
+                        logs.write(f"checkpoint: {checkpoint.save(tr.ckpt_dir, step, tr.states, ckpt.keep_latest_k)}")
                 else:
                     logs.write(f"step {step}: checkpoint not saved: the weights are not finite")
                 watchdog.beat(step)  # a long save is not a hang
@@ -172,6 +192,28 @@ def summary_extra(run: Run, tr: Training, model, n_params: int, step_graph, logs
     if cfg.checkpoint.enable:
         extra["checkpoints"] = os.path.join(dump, cfg.checkpoint.folder)
     return extra
+
+
+class OtherLoad:
+    """How many cores other processes kept busy since this object was made (Linux's /proc/stat minus this
+    process's CPU time); ``cores()`` is None before ``min_s`` seconds or without /proc/stat."""
+
+    def __init__(self, min_s: float = 10.0):
+        self.t0, self.min_s, self.start = time.monotonic(), min_s, self._others_cpu_s()
+
+    @staticmethod
+    def _others_cpu_s() -> float | None:
+        try:
+            with open("/proc/stat") as f:  # cpu  user nice system idle iowait irq softirq steal (ticks)
+                ticks = [int(x) for x in f.readline().split()[1:9]]
+        except (OSError, ValueError):
+            return None
+        own = os.times()
+        return (sum(ticks) - ticks[3] - ticks[4]) / os.sysconf("SC_CLK_TCK") - own.user - own.system
+
+    def cores(self) -> float | None:
+        wall, now = time.monotonic() - self.t0, self._others_cpu_s()
+        return None if self.start is None or now is None or wall < self.min_s else (now - self.start) / wall
 
 
 class sync_check:

@@ -317,6 +317,8 @@ class RunSummary:
     def __init__(self):
         self.t0 = time.perf_counter()
         self.losses: list[tuple[int, float]] = []
+        self.first_step: int | None = None  # the steps this run trained (a resumed run starts after its checkpoint)
+        self.last_step: int | None = None
         self.tokens = 0
         self.imbalance: list[float] = []
         self.rank_imbalance: list[tuple[float, float]] = []  # (without ECHO, with ECHO)
@@ -326,14 +328,22 @@ class RunSummary:
         self.peak_mem_gib = 0.0
         self.peer_mem_gib = 0.0  # symmetric-memory buffers (nvlink), outside torch's allocator count
 
+    def count_step(self, step: int, tokens: int) -> None:
+        """A step this run trained (confirmed once, replayed or not) and its tokens."""
+        self.first_step = step if self.first_step is None else self.first_step
+        self.last_step = step
+        self.tokens += tokens
+
     def text(self, extra: dict[str, str]) -> str:
         wall = time.perf_counter() - self.t0
         lines = ["", "=== run summary ==="]
+        if self.first_step is not None:
+            resumed = f" (resumed after step {self.first_step - 1})" if self.first_step > 1 else ""
+            lines.append(f"steps          {self.first_step}..{self.last_step}{resumed}")
         if self.losses:
             n = max(1, len(self.losses) // 10)
             first = sum(l for _, l in self.losses[:n]) / n
             last = sum(l for _, l in self.losses[-n:]) / n
-            lines.append(f"steps          {self.losses[0][0]}..{self.losses[-1][0]}")
             lines.append(f"loss           {first:.4f} -> {last:.4f} (means of the first and last {n} logged steps)")
         lines.append(f"wall time      {wall:.1f} s")
         lines.append(f"tokens         {self.tokens:,}  ({self.tokens / max(wall, 1e-9):,.0f} tok/s)")

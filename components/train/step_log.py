@@ -5,9 +5,11 @@
 
 A step's device outputs ``(loss, grad_norm, counts_LE, echo)`` and its learning rate arrive as a
 HostCopy. Throughput windows are timed on the GPU timeline (events after each step's outputs),
-so the last window is not cut short by the host finishing its final launch early; host time
-without CUDA. A replayed step logged right after another one (``timed = False``) adds its time to
-the next timed step's window (otherwise its tokens/s would divide by ~0 s).
+so the last window is not cut short by the host finishing its final launch early; without CUDA,
+host time between the steps' outputs (``made_at``: a CPU step has run when its launch returns, so a
+step confirmed right after the next one ran is not timed as ~0 s). A replayed step logged right
+after another one (``timed = False``) adds its time to the next timed step's window (otherwise its
+tokens/s would divide by ~0 s).
 
 ``prepare_logs`` keeps one run per log: a fresh run moves an earlier ``metrics.jsonl`` and
 TensorBoard folder aside (``<name>.prev-<k>``, never deleted); a resumed run drops the rows after
@@ -106,7 +108,7 @@ class StepLogger:
         (loss, grad_norm, counts_LE, echo, *net), lr = c.out.get()
         step, s = c.step, self.summary
         self.window_steps += 1
-        s.tokens += self.tokens_per_step
+        s.count_step(step, self.tokens_per_step)
         self.nonfinite_steps += c.nonfinite
         if not (step % self.cfg.metrics.log_freq == 0 or step == self.total_steps or step == 1 or c.nonfinite):
             self.progress.update({})
@@ -114,8 +116,10 @@ class StepLogger:
         loss_val = float(loss)
         values = {"loss": loss_val, "lr": lr, "grad_norm": float(grad_norm)}
         if c.timed:
-            gpu_elapsed = c.out.seconds_since(self.window_copy)
-            elapsed = gpu_elapsed if gpu_elapsed is not None else time.perf_counter() - self.window_t0
+            elapsed = c.out.seconds_since(self.window_copy)
+            if elapsed is None:
+                elapsed = (getattr(c.out, "made_at", None) or time.perf_counter()) - getattr(
+                    self.window_copy, "made_at", self.window_t0)
             values["tokens_per_s"] = self.tokens_per_step * self.window_steps / max(elapsed, 1e-9)
             self.window_t0, self.window_steps, self.window_copy = time.perf_counter(), 0, c.out
             if self.peak:
