@@ -32,7 +32,6 @@ line ``stopped at step N; ...`` and exit code 130 (components/train/entry.py).
 """
 
 import math
-import os
 import sys
 from pathlib import Path
 
@@ -41,13 +40,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 from components.errors import UserError
 from components.parallel.data_parallel import allreduce_sum
 from components.parallel.grad_norm import clip_grad_norm_
-from components.train import checkpoint
 from components.train.entry import run_recipe
 from components.train.loop import fit
 from components.train.loss import build_loss
 from components.train.moe_balance import balance_experts
 from components.train.overflow import stop_on_overflow
-from components.train.setup import build_data, build_parallel_model, build_training, resume, start
+from components.train.setup import (build_data, build_parallel_model, build_training, resume, start,
+                                    verify_initial_weights)
 
 LR_FACTOR = 0.1  # fine-tuning lr = LR_FACTOR x the config's [optimizer] lr, unless --optimizer.lr is given
 WARMUP_SHARE = 0.05  # fine-tuning warm-up = this share of [training] steps, unless --lr_scheduler.warmup_steps is given
@@ -86,9 +85,7 @@ def finetune(argv: list[str]) -> None:
             raise UserError("finetune needs --checkpoint.initial_load_path PATH: a step-N folder written by "
                             "recipes/pretrain.py, or a HF safetensors directory with --checkpoint.initial_load_in_hf true")
         ckpt.initial_load_path = m.hf_assets_path
-    own = os.path.join(run.cfg.job.dump_folder, ckpt.folder)
-    if not ckpt.initial_load_in_hf and not (ckpt.enable and checkpoint.complete_checkpoints(own)):
-        checkpoint.verify_initial(ckpt.initial_load_path)  # what a resume of the run's own checkpoint checks
+    verify_initial_weights(run)  # what a resume of the run's own checkpoint checks
     schedule = finetune_schedule(run.cfg, argv)
     tokenizer, loader = build_data(run)
     model, n_params, flops_per_token = build_parallel_model(run, tokenizer)

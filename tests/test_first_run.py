@@ -169,14 +169,15 @@ def test_finetune_from_a_damaged_checkpoint_is_one_line_naming_the_file(tmp_path
     data = sorted(f for f in os.listdir(step_dir) if f.endswith(".distcp"))
     with open(os.path.join(step_dir, data[0]), "r+b") as f:  # the tail: the optimizer state, not the weights
         f.truncate(os.path.getsize(os.path.join(step_dir, data[0])) - 64)
-    p = subprocess.run([sys.executable, FINETUNE, "--job.config_file", CONFIG, "--job.dump_folder",
-                        str(tmp_path / "ft"), *SMALL, "--training.steps", "2", "--checkpoint.initial_load_path",
-                        step_dir], capture_output=True, text=True, env=ENV, timeout=600)
-    lines = [l for l in p.stderr.splitlines() if l.strip()]
-    assert p.returncode == 2 and len(lines) == 1, p.stderr[-3000:]
-    assert lines[0].startswith("error: [checkpoint] initial_load_path") and data[0] in lines[0], lines[0]
-    assert "failed verification" in lines[0] and "copy it again" in lines[0]
-    assert not os.path.exists(tmp_path / "ft" / "metrics.jsonl")  # stopped before any step
+    for recipe, name in ((FINETUNE, "ft"), (RECIPE, "pt")):  # pretrain's initial_load_path is checked alike
+        p = subprocess.run([sys.executable, recipe, "--job.config_file", CONFIG, "--job.dump_folder",
+                            str(tmp_path / name), *SMALL, "--training.steps", "2", "--checkpoint.initial_load_path",
+                            step_dir], capture_output=True, text=True, env=ENV, timeout=600)
+        lines = [l for l in p.stderr.splitlines() if l.strip()]
+        assert p.returncode == 2 and len(lines) == 1, p.stderr[-3000:]
+        assert lines[0].startswith("error: [checkpoint] initial_load_path") and data[0] in lines[0], lines[0]
+        assert "failed verification" in lines[0] and "copy it again" in lines[0]
+        assert not os.path.exists(tmp_path / name / "metrics.jsonl")  # stopped before any step
 
 
 def test_other_load_measures_the_cores_other_processes_keep_busy():

@@ -180,6 +180,16 @@ def use_copies(run: Run, model: torch.nn.Module) -> bool:
     return bool(owned) and t.master_weights and o.name == "AdamW" and o.implementation == "fused"
 
 
+def verify_initial_weights(run: Run) -> None:
+    """Before anything is built: a ``step-N`` folder in ``[checkpoint] initial_load_path`` is checked as a
+    resume checks its own checkpoint (a damaged file is one line, exit 2), unless the run's own checkpoint
+    will be resumed instead."""
+    ckpt = run.cfg.checkpoint
+    own = os.path.join(run.cfg.job.dump_folder, ckpt.folder)
+    if ckpt.initial_load_path and not ckpt.initial_load_in_hf and not (ckpt.enable and checkpoint.complete_checkpoints(own)):
+        checkpoint.verify_initial(ckpt.initial_load_path)
+
+
 def resume(run: Run, tr: Training, model: torch.nn.Module) -> bool:
     """Load the run's own newest verified checkpoint, or on a fresh run the initial weights
     (``[checkpoint] initial_load_path``: weights only). False: nothing left to do."""
