@@ -21,6 +21,7 @@ import time
 import torch
 
 from components.errors import NonFiniteError
+from components.moe_echo.models import shape_overrides
 from components.moe_echo.symmetric import peer_memory_bytes
 from components.parallel.compile import is_compiled
 from components.parallel.cuda_graph import StepGraph
@@ -173,7 +174,8 @@ def summary_extra(run: Run, tr: Training, model, n_params: int, step_graph, logs
             "experts; routed MoE eager)"] if "model" in c.components else []
     if "loss" in c.components:
         done += ["the loss" if compiles_loss(c, run.device) else "the loss: fused cross-entropy kernels (nothing to compile)"]
-    extra = {"params": f"{n_params:,}", "model": f"{m.name}/{m.flavor} ({len(layers)} MoE layers)",
+    sizes = "".join(f", {k} {v}" for k, v in shape_overrides(m).items())  # [model] keys over the flavour's
+    extra = {"params": f"{n_params:,}", "model": f"{m.name}/{m.flavor}{sizes} ({len(layers)} MoE layers)",
              "ranks": f"{run.world} (dp_replicate {dims.dp_replicate} x dp_shard {dims.dp_shard}, ep {dims.ep})" + (
                  f"; {dims.world // dims.ranks_per_host} hosts, experts sharded over {dims.expert_shard_in_host} "
                  f"rank(s) of a host and replicated across hosts" if dims.expert_shard_in_host < dims.efsdp else ""),
