@@ -4,7 +4,9 @@ import datetime
 import json
 import os
 import platform
+import re
 import statistics
+import sys
 import time
 
 import torch
@@ -109,13 +111,53 @@ def markdown_table(rows: list[dict], columns: list[str]) -> str:
     return "\n".join(lines)
 
 
-def write_results(name: str, env: dict, rows: list[dict], table: str, out_dir: str | None = None) -> str:
+NAME = re.compile(r"^(?P<stem>[a-z0-9][A-Za-z0-9_.]*?)_(?P<machine>(?P<gpus>\d+)x(?P<gpu>[A-Z][A-Za-z0-9]*)|cpu)"
+                  r"\.(?P<ext>json|md)$")
+"""A results file's name: ``<benchmark>[_<label>]_<N>x<GPU>.{json,md}`` (N GPUs of one kind, e.g. 2xH200) or
+``<benchmark>[_<label>]_cpu.{json,md}`` for what ran on CPU alone."""
+
+
+def gpu_short(name: str) -> str:
+    """A GPU's name as results files spell it: ``NVIDIA H100 80GB HBM3`` / ``NVIDIA_H100_80GB_HBM3`` -> ``H100``,
+    ``NVIDIA H200`` -> ``H200``; ``cpu`` stays ``cpu``."""
+    words = [w for w in re.split(r"[\s_]+", name.strip()) if w]
+    words = [w for w in words if w.upper() not in ("NVIDIA", "GEFORCE", "TESLA", "AMD", "INSTINCT")]
+    if not words or words[0].lower() == "cpu":
+        return "cpu"
+    m = re.match(r"[A-Za-z0-9]+", words[0])
+    return m.group(0) if m else "gpu"
+
+
+def machine(gpu: str, gpus: int = 1) -> str:
+    """The name's machine part: ``<N>x<GPU>`` (``2xH200``) for ``gpus`` GPUs of kind ``gpu``, ``cpu`` for CPU."""
+    short = gpu_short(gpu)
+    return "cpu" if short == "cpu" else f"{gpus}x{short}"
+
+
+def results_stem(name: str, gpu: str, gpus: int = 1) -> str:
+    """``<name>_<N>x<GPU>`` (or ``<name>_cpu``): a results file's name without its extension."""
+    return f"{name}_{machine(gpu, gpus)}"
+
+
+def script_name() -> str:
+    """The running script's path from the repository root (``benchmarks/dispatch.py``), as results files record it."""
+    path = os.path.abspath(sys.argv[0]) if sys.argv and sys.argv[0] else ""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    return os.path.relpath(path, root) if path.startswith(root + os.sep) else os.path.basename(path)
+
+
+def write_results(name: str, env: dict, rows: list[dict], table: str, out_dir: str | None = None, gpus: int = 1,
+                  script: str | None = None) -> str:
+    """Write ``<out_dir>/<name>_<N>x<GPU>.json`` ({env, script, rows}) and ``.md`` (a header line and ``table``);
+    ``gpus`` is N, the GPUs the figures ran on (``cpu`` replaces ``<N>x<GPU>`` where env's gpu is cpu). Returns
+    the path without its extension."""
     out_dir = out_dir or RESULTS
     os.makedirs(out_dir, exist_ok=True)
-    gpu = env["gpu"].replace(" ", "_")
-    stem = os.path.join(out_dir, f"{name}_{gpu}")
+    env = env if gpu_short(env["gpu"]) == "cpu" else {**env, "gpus": gpus}
+    stem = os.path.join(out_dir, results_stem(name, env["gpu"], gpus))
     with open(stem + ".json", "w") as f:
-        json.dump({"env": env, "rows": rows}, f, indent=1)
+        json.dump({"env": env, "script": script or script_name(), "rows": rows}, f, indent=1)
+    where = env["gpu"] if gpu_short(env["gpu"]) == "cpu" else f"{gpus}× {env['gpu']}"
     with open(stem + ".md", "w") as f:
-        f.write(f"{name} on {env['gpu']} (torch {env['torch']}, {env['date']})\n\n{table}\n")
+        f.write(f"{name} on {where} (torch {env['torch']}, {env['date']})\n\n{table}\n")
     return stem

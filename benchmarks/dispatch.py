@@ -442,7 +442,7 @@ def main():
             table += (f"\n\nnvlink forward + backward at {a.profile} (balanced, eager, rank 0's kernels, ms per "
                       "call; barriers include waiting for the peer):\n\n"
                       + markdown_table(kernels, ["phase", "kernel", "ms", "calls"]))
-        stem = write_results(f"dispatch_ep{world}", env, rows, table, a.out)
+        stem = write_results(f"dispatch_ep{world}", env, rows, table, a.out, gpus=world)
         print(f"\ndispatch+combine, EP={world}, {env['gpu']}, torch {env['torch']} ({stem}.json); "
               f"all_to_all_vdev: {env['vdev']}\n{table}")
     dist.destroy_process_group()

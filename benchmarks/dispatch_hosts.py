@@ -117,9 +117,8 @@ def worker(a):
                 "network_rows", "dropped", "dispatch_combine_ms", "graph_ms", "speedup_vs_padded",
                 "graph_speedup_vs_padded"]
         table = markdown_table(rows, cols) + f"\n\nNCCL all_to_all between the hosts: {bw:.2f} GB/s per peer"
-        short = env["gpu"].replace("NVIDIA ", "").split()[0]  # results are named <benchmark>_<label>_<N>x<GPU>
-        stem = write_results(f"dispatch_hosts{a.label}", {**env, "gpu": f"{H * L}x{short}", "gpu_name": env["gpu"]},
-                             rows, table, a.out)
+        stem = write_results(f"dispatch_hosts{a.label}", {**env, "gpu_name": env["gpu"]}, rows, table, a.out,
+                             gpus=H * L)  # dispatch_hosts_<label>_<N>x<GPU>: all hosts' GPUs
         print(table, flush=True)
         print(json.dumps({"results": stem}), flush=True)
     dist.destroy_process_group()

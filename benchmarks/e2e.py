@@ -42,10 +42,15 @@ windows the median is over. MFU uses one formula for every run, torchtitan's:
 ``spread_pct`` = 100 · (max − min) / median: one run of a baseline varies by up to ~15% between calls, so a ratio
 resting on one run of each carries that.
 
-Writes ``e2e_<gpu>.json`` / ``.md`` (rows {config, gpus, run, tokens_per_s_per_gpu, step_ms, mfu_pct,
-vs_torchtitan_best, graph_vs_eager, compile_vs_graph, variant, rank_load: the busiest EP rank's load over the
-mean in the steady window}); a file already there gets the new rows merged
-in (same config/gpus/label/run replaced), so several calls build one table.
+Writes ``e2e_<N>x<GPU>.json`` / ``.md``, one table per GPU count N (``--nproc``) and GPU kind (rows {config,
+gpus, run, tokens_per_s_per_gpu, step_ms, mfu_pct, vs_torchtitan_best, graph_vs_eager, compile_vs_graph, variant,
+rank_load: the busiest EP rank's load over the mean in the steady window}); a file already there gets the new rows
+merged in (same config/gpus/label/run/variant replaced), so several calls build one table. ``--table NAME`` writes
+``e2e_<NAME>_<N>x<GPU>`` instead. ``--merge FILE`` merges the rows of another call's file (e.g. copied back from
+the GPU machine that ran it), ``--labels`` / ``--runs`` picking which:
+
+    python benchmarks/e2e.py --merge gpu_out/e2e_2xH200.json                  # into benchmarks/results/e2e_2xH200
+    python benchmarks/e2e.py --merge OLD.json --labels=-,ep2_rows --runs ours_compile_graph,torchtitan_compile
 """
 
 import argparse
@@ -63,7 +68,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(1, os.path.join(ROOT, "tests"))  # tests/emulated_hosts.py: one torchrun agent per emulated host
 
-from benchmarks.common import environment, markdown_table  # noqa: E402
+from benchmarks.common import environment, markdown_table, results_stem  # noqa: E402
 
 RUNS = ("torchtitan", "torchtitan_compile", "ours_eager", "ours_graph", "ours_compile_graph")
 
@@ -368,7 +373,7 @@ def main():
                     help="emulate this many hosts on this machine (our runs only): one torchrun agent per host, "
                          "nproc / hosts GPUs each, each its own NCCL_HOSTID")
     ap.add_argument("--steps", type=int, default=40)
-    ap.add_argument("--runs", default=",".join(RUNS))
+    ap.add_argument("--runs", default=None, help=f"comma-separated, some of {','.join(RUNS)} (default: all)")
     ap.add_argument("--ours", default="", help="extra recipe arguments")
     ap.add_argument("--titan", default="", help="extra torchtitan arguments")
     ap.add_argument("--variants", default="", help='our runs once per "NAME=ARGS;NAME=ARGS" (after --ours)')
@@ -381,7 +386,12 @@ def main():
     ap.add_argument("--render", default=None, metavar="JSON", help="only rewrite the markdown table of this file")
     ap.add_argument("--merge", default=None, metavar="JSON",
                     help="merge the rows of another call's e2e JSON (e.g. copied back from the GPU host that ran "
-                         "it) into --out's file of that GPU, as if this call had measured them, and rewrite its table")
+                         "it) into --out's e2e_<N>x<GPU> files, as if this call had measured them, and rewrite their "
+                         "tables (--labels and --runs pick the rows)")
+    ap.add_argument("--labels", default=None,
+                    help="--merge: only rows with these labels, comma-separated; - for unlabelled rows (--labels=-,ep2)")
+    ap.add_argument("--table", default="", metavar="NAME",
+                    help="write e2e_<NAME>_<N>x<GPU> instead of e2e_<N>x<GPU> (a table of its own)")
     a = ap.parse_args()
     if a.repeats < 1:
         ap.error(f"--repeats {a.repeats}: give 1 or more")
@@ -394,9 +404,16 @@ def main():
                 src = json.load(f)
             rows, env, peak = src["rows"], src["env"], src["peak_tflops"] * 1e12
         except (OSError, ValueError, KeyError) as e:
-            ap.error(f"--merge {a.merge}: not an e2e results file ({type(e).__name__}: {e}); pass e2e_<gpu>.json")
-        write(rows, env, peak, a.out, stamp=False)
+            ap.error(f"--merge {a.merge}: not an e2e results file ({type(e).__name__}: {e}); pass e2e_<N>x<GPU>.json")
+        runs = None if a.runs is None else set(a.runs.split(","))
+        labels = None if a.labels is None else {"" if w.strip() == "-" else w.strip() for w in a.labels.split(",")}
+        rows = [r for r in rows if (runs is None or r.get("run") in runs)
+                and (labels is None or r.get("label", "") in labels)]
+        if not rows:
+            ap.error(f"--merge {a.merge}: no row with those --labels and --runs")
+        write(rows, env, peak, a.out, stamp=False, table=a.table)
         return
+    a.runs = a.runs or ",".join(RUNS)
     try:
         variants = parse_variants(a.variants)
         for _, extra in variants:
@@ -450,27 +467,38 @@ def main():
             print(json.dumps(r), flush=True)
         compare(group)
         rows += group
-    write(rows, env, peak, a.out)
+    write(rows, env, peak, a.out, table=a.table)
 
 
-def write(rows: list[dict], env: dict, peak: float, out: str, stamp: bool = True) -> None:
-    """Merge ``rows`` into ``<out>/e2e_<gpu>.json`` (a row replaces the one of the same config, gpus, label, run
-    and variant) and rewrite its markdown table. ``stamp``: give the rows this call's date and torch (rows
-    merged from another call's file keep theirs)."""
+def table_stem(out: str, gpu: str, gpus: int, table: str = "") -> str:
+    """``<out>/e2e[_<table>]_<N>x<GPU>``: the file of the rows measured on ``gpus`` GPUs of kind ``gpu``."""
+    return os.path.join(out, results_stem("e2e" + (f"_{table}" if table else ""), gpu, gpus))
+
+
+def write(rows: list[dict], env: dict, peak: float, out: str, stamp: bool = True, table: str = "") -> None:
+    """Merge ``rows`` into ``<out>/e2e[_<table>]_<N>x<GPU>.json``, one file per GPU count N of the rows (a row
+    replaces the one of the same config, gpus, label, run and variant), and rewrite each markdown table.
+    ``stamp``: give the rows this call's date and torch (rows merged from another call's file keep theirs); a
+    file's env carries its newest row's date."""
     os.makedirs(out, exist_ok=True)
-    stem = os.path.join(out, "e2e_" + env["gpu"].replace(" ", "_"))
-    old = []
-    if os.path.exists(stem + ".json"):
-        with open(stem + ".json") as f:
-            old = json.load(f)["rows"]
     key = lambda r: (r["config"], r["gpus"], r.get("label", ""), r["run"], r.get("variant", ""))  # noqa: E731
-    new = {key(r) for r in rows}
     fresh = [dict(r, date=env["date"], torch=env["torch"]) if stamp else r for r in rows]
-    merged = [r for r in old if key(r) not in new] + fresh
-    with open(stem + ".json", "w") as f:
-        json.dump({"env": env, "peak_tflops": peak / 1e12, "script": "benchmarks/e2e.py", "rows": merged}, f, indent=1)
-    print(render(stem + ".json"), flush=True)
-    write_hosts(merged, env, out)
+    for gpus in sorted({r["gpus"] for r in fresh}):
+        stem = table_stem(out, env["gpu"], gpus, table)
+        old = []
+        if os.path.exists(stem + ".json"):
+            with open(stem + ".json") as f:
+                old = json.load(f)["rows"]
+        mine = [r for r in fresh if r["gpus"] == gpus]
+        new = {key(r) for r in mine}
+        merged = [r for r in old if key(r) not in new] + mine
+        dates = [r["date"] for r in merged if r.get("date")]
+        file_env = {**env, "gpus": gpus, **({"date": max(dates)} if dates else {})}
+        with open(stem + ".json", "w") as f:
+            json.dump({"env": file_env, "peak_tflops": peak / 1e12, "script": "benchmarks/e2e.py", "rows": merged}, f,
+                      indent=1)
+        print(render(stem + ".json"), flush=True)
+        write_hosts(merged, env, out)
 
 
 def arg_value(args: str, key: str, default=None):
@@ -510,10 +538,9 @@ def write_hosts(rows: list[dict], env: dict, out: str) -> None:
     """The emulated-hosts rows (``--hosts`` > 1, with the arguments they ran with) also as
     ``e2e_hosts_<N>x<GPU>.{json,md}``, in the step model's terms, one file per GPU count."""
     done = [r for r in rows if r.get("hosts", 1) > 1 and r.get("args") is not None and r.get("step_ms")]
-    short = env["gpu"].replace("NVIDIA ", "").split()[0]
     for gpus in sorted({r["gpus"] for r in done}):
         hrows = [host_row(r) for r in done if r["gpus"] == gpus]
-        stem = os.path.join(out, f"e2e_hosts_{gpus}x{short}")
+        stem = os.path.join(out, results_stem("e2e_hosts", env["gpu"], gpus))
         with open(stem + ".json", "w") as f:
             json.dump({"env": env, "script": "benchmarks/e2e.py --hosts", "rows": hrows}, f, indent=1)
         cols = ["variant", "dispatcher", "echo", "routing", "hosts", "gpus_per_host", "capacity_factor",
@@ -549,10 +576,12 @@ def render(path: str) -> str:
             "error"]
     lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     lines += ["| " + " | ".join(cell(r, c) for c in cols) + " |" for r in d["rows"]]
-    text = (f"End-to-end training throughput on {d['env']['gpu']} (benchmarks/e2e.py; torch {d['env']['torch']}; "
-            f"MFU against {d['peak_tflops']:.0f} TFLOP/s dense bf16; steady-state median of each run over its "
-            "``windows`` of 5 steps in the second half; from the ``nvlink_copy`` rows on, our windows that replayed "
-            "an overflowed step and the window after each are left out)\n\n"
+    gpus = sorted({r.get("gpus") for r in d["rows"] if r.get("gpus")})
+    where = f"{'/'.join(map(str, gpus))}× {d['env']['gpu']}" if gpus else d["env"]["gpu"]
+    text = (f"End-to-end training throughput on {where} (benchmarks/e2e.py; torch {d['env']['torch']}; "
+            f"MFU against {d['peak_tflops']:.0f} TFLOP/s dense bf16; tokens/s per GPU: the median of a run's "
+            "``windows`` of 5 steps in its second half, leaving out our windows that replayed an overflowed step and "
+            "the window after each)\n\n"
             + "\n".join(lines) + "\n")
     with open(path[: -len(".json")] + ".md", "w") as f:
         f.write(text)

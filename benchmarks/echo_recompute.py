@@ -68,7 +68,7 @@ def main():
     if rank == 0:
         env = environment()
         table = markdown_table(rows, list(rows[0]))
-        stem = write_results("echo_recompute", env, rows, table, a.out)
+        stem = write_results("echo_recompute", env, rows, table, a.out, gpus=dist.get_world_size())
         print(f"\nECHO layer fwd+bwd at EP=2 on {env['gpu']} ({stem}.json)\n{table}")
     dist.destroy_process_group()
 

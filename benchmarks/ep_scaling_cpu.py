@@ -65,7 +65,7 @@ def main():
             r["max_loss_diff_vs_off"] = max(abs(x - y) for x, y in zip(r["losses"], off["losses"]))
     table = markdown_table(rows, ["ep", "run", "loss_first", "loss_last", "rank_load_before", "rank_load_after",
                                   "overflowed", "replayed", "max_loss_diff_vs_off", "error"])
-    env = environment()
+    env = {**environment(), "gpu": "cpu"}  # gloo ranks on CPU whatever the machine has
     env["machine"] = f"CPU, {os.cpu_count()} cores, gloo"
     stem = write_results("ep_scaling_cpu_gloo", env, rows, table, a.out)
     print(f"\nEP over gloo on CPU ({stem}.json)\n{table}")

@@ -1,7 +1,7 @@
 """The router's forward + backward on one GPU: the gate as one bf16 GEMM writing fp32 (``gate_logits``) and the
 fused kernels after it (kernels/router.py), each against the torch path (fp32 gate GEMM of upcast operands).
 
-    python benchmarks/router.py [--out DIR]     -> router_<GPU>.md / .json
+    python benchmarks/router.py [--out DIR]     -> router_1x<GPU>.md / .json
 
 Each shape is a config's router with bf16 parameters (as training runs it): T bf16 tokens of dim D, E experts,
 top-K, score function, renormalised or not, with the aux-loss-free bias. Every variant times the same TopKRouter

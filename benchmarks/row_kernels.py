@@ -154,7 +154,7 @@ def main():
         env["tokens_per_rank"] = T
         table = markdown_table(rows, ["kernel", "D", "K", "E", "ranks", "block_t", "programs", "ms", "MB", "GBs",
                                       "of_copy"])
-        stem = write_results(f"row_kernels_ep{R}", env, rows, table, a.out)
+        stem = write_results(f"row_kernels_ep{R}", env, rows, table, a.out, gpus=world)
         print(f"\nrow kernels, {env['gpu']}, torch {env['torch']} ({stem}.json)\n{table}")
     if world > 1:
         dist.destroy_process_group()

@@ -1,6 +1,9 @@
 """Where a training step's GPU time goes, from a torch.profiler Chrome trace.
 
-    python benchmarks/step_breakdown.py TRACE.json [--label before] [--out DIR]
+    python benchmarks/step_breakdown.py [LABEL=]TRACE.json ... [--name NAME] [--out DIR]
+                                        -> step_breakdown_<NAME>_<N>x<GPU>.{json,md}
+
+N and GPU come from the traces (the profiled run's world size, its device name); ``--gpus`` / ``--gpu`` set them.
 
 The recipe writes the traces with ``[profiling] enable_profiling``. A CUDA-graphed step shows as one
 graph launch: its kernels have no launching op and are classified by name, and the steps are counted
@@ -183,11 +186,24 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def trace_machine(trace_path: str) -> tuple[str, int]:
+    """(GPU name, world size) a profiler trace records (``deviceProperties``, ``distributedInfo``); ("", 1)
+    where it does not say."""
+    with open(trace_path) as f:
+        data = json.load(f)
+    devices = data.get("deviceProperties") or [{}]
+    world = (data.get("distributedInfo") or {}).get("world_size", 1)
+    return str(devices[0].get("name", "")), int(world or 1)
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("traces", nargs="+", help="Chrome trace JSON files (label=path to name a column)")
-    ap.add_argument("--out", default=None, help="write step_breakdown_<name>.md/.json here")
+    ap.add_argument("--out", default=None, help="write step_breakdown_<name>_<N>x<GPU>.md/.json here")
     ap.add_argument("--name", default="v2lite_1b")
+    ap.add_argument("--gpu", default=None, help="the GPU the traces ran on (default: the traces' device name)")
+    ap.add_argument("--gpus", type=int, default=None,
+                    help="GPUs the profiled runs used (default: the largest world size among the traces)")
     ap.add_argument("--detail", action="append", default=[], choices=CATEGORIES, metavar="CATEGORY",
                     help="also list this category's largest kernels by op (repeatable), e.g. --detail echo")
     a = ap.parse_args()
@@ -209,12 +225,19 @@ def main():
             text += "\n".join(f"| {t['ms']:.2f} | {t['ops']} | {t['kernel'][:70]} |" for t in r["by_category"][cat])
     print(text)
     if a.out:
+        from benchmarks.common import environment, results_stem
+
+        seen = [trace_machine(r["trace"]) for r in rows]
+        gpu = a.gpu or next((g for g, _ in seen if g), "") or environment()["gpu"]
+        gpus = a.gpus or max(w for _, w in seen)
+        env = {**environment(), "gpu": gpu, "gpus": gpus}
         os.makedirs(a.out, exist_ok=True)
-        stem = os.path.join(a.out, f"step_breakdown_{a.name}")
+        stem = os.path.join(a.out, results_stem(f"step_breakdown_{a.name}", gpu, gpus))
         with open(stem + ".json", "w") as f:
-            json.dump(rows, f, indent=1)
+            json.dump({"env": env, "script": "benchmarks/step_breakdown.py", "rows": rows}, f, indent=1)
         with open(stem + ".md", "w") as f:
-            f.write(f"GPU time per training step by category (benchmarks/step_breakdown.py)\n\n{text}\n")
+            f.write(f"GPU time per training step by category (benchmarks/step_breakdown.py; {gpus}× {gpu}, "
+                    f"torch {env['torch']}, {env['date']})\n\n{text}\n")
 
 
 if __name__ == "__main__":

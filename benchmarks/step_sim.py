@@ -9,19 +9,19 @@ where max_r is the straggler: every layer ends in the combine, which waits for t
 Terms and where each constant comes from (benchmarks/results/, nothing else):
 
 - GEMM_r: grouped SwiGLU fwd+bwd of rank r's rows (home experts minus what moved, plus echo
-  slots): ms = a + b · rows · H / H_cal, (a, b) fitted to echo_sim_<GPU>.json (every simulated
+  slots): ms = a + b · rows · H / H_cal, (a, b) fitted to echo_sim_1x<GPU>.json (every simulated
   rank's time at H_cal = 1408, the straggler before/after ECHO and the mean rank; the rows are
   rebuilt exactly from its seeds and its planner rule). Per-group terms did not improve the fit
   (reported as alternatives); hidden H scales b by FLOPs.
-- dispatch + combine: ms = t0 + GB / (GB/s) per backend and EP, fitted to dispatch_ep{2,4}_<GPU>.json
+- dispatch + combine: ms = t0 + GB / (GB/s) per backend and EP, fitted to dispatch_ep{2,4}_{2,4}x<GPU>.json
   (eager columns). GB = rows the bottleneck rank moves there and back × D × 2 B: padded moves its
   fixed blocks ((R - 1) · C rows, C from the capacity factor); nvlink moves real rows, and the
   bottleneck is the rank that sends or receives the most. Backward = forward (an assumption).
-- ECHO: planner (planner_time_<GPU>.json, CUDA-graph µs) + clone weight multicast forward and the
+- ECHO: planner (planner_time_1x<GPU>.json, CUDA-graph µs) + clone weight multicast forward and the
   clones' gradient return backward, bytes / the backend's fitted GB/s (padded: every (home, slot)
   block of R·S per weight; nvlink: only the clones).
-- non-MoE: the 1-GPU step (scaling_<GPU>.md, EP=1) minus its modelled MoE layers; split by the
-  1-GPU profile (step_breakdown_v2lite_1b_gpu_*.json) into a per-token part (same on every rank)
+- non-MoE: the 1-GPU step (scaling_4x<GPU>.md, EP=1 row) minus its modelled MoE layers; split by the
+  1-GPU profile (step_breakdown_v2lite_1b_gpu_*_1xH100.json) into a per-token part (same on every rank)
   and a per-parameter part (optimizer, weight casts, clipping: FSDP2/EP shard them, so ∝ the
   rank's parameters). FSDP2's all-gathers and reduce-scatters of the dense parameters are added
   as exposed (no overlap), at the NCCL rate of the padded fit.
@@ -62,7 +62,7 @@ machine, NCCL over NET/Socket between them; benchmarks/results/dispatch_hosts*.j
 (``shared_network`` on: all ranks' bytes of a leg / one aggregate GB/s per machine, so a GPU at 2 × 2 gets
 half of its rate at 2 × 1); FSDP's ring crosses the hosts H times on that path, a fitted share
 (``fsdp_exposed``) of it on the critical path; non-network ms are the one-host model's, scaled to the row's
-GPU by the ratio of the one-GPU graphed steps (e2e_<GPU>.json). ``calibrate_hosts`` fits the dispatch +
+GPU by the ratio of the one-GPU graphed steps (e2e_1x<GPU>.json). ``calibrate_hosts`` fits the dispatch +
 combine rows first (each machine's aggregate GB/s, the ms per collective), then the step rows for what those
 leave open (FSDP's exposed share, the aggregate of a machine without dispatch rows), checks every row (±15%)
 and names in its markdown the rows outside the band and the measured spread between rows the model cannot
@@ -70,7 +70,8 @@ tell apart. Not modelled across hosts: overlap of legs or of communication
 with compute (but the emulated fit's FSDP share), congestion and network topology (full bisection assumed), the NVLink leg's per-row ids,
 the extra permutes of the hierarchical path beyond its collectives' fixed cost, overflow replays.
 
-    python benchmarks/step_sim.py [--gpu NVIDIA_H200] [--steps 8] [--out DIR]     (~3 min on 2 CPU cores)
+    python benchmarks/step_sim.py [--gpu H200] [--steps 8] [--out DIR]     (~3 min on 2 CPU cores)
+        -> step_sim_<GPU>_cpu.{json,md} (a CPU run; <GPU>: the calibration's)
     python benchmarks/step_sim.py --hosts-only [--gpus-per-host 8] [--nvlink-gbs 400] [--network-gbs 50]
         [--capacity-factor 1.25] [--collective-ms MS] [--host-steps 2]          (~30 s: the host tables only)
 """
@@ -90,7 +91,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import numpy as np
 import torch
 
-from benchmarks.common import RESULTS, environment, markdown_table, write_results
+from benchmarks.common import RESULTS, environment, gpu_short, markdown_table, results_stem, write_results
 from benchmarks.planner import drifting_counts
 from components.moe_echo.ep_dispatch import padded_capacity
 from components.moe_echo.hierarchical_dispatch import host_capacity
@@ -370,6 +371,17 @@ def _load(name: str, results: str) -> object:
         return json.load(f)
 
 
+def result_name(benchmark: str, gpu: str, gpus: int = 1, ext: str = "json") -> str:
+    """The results file of ``benchmark`` measured on ``gpus`` GPUs of kind ``gpu`` (any spelling: ``H200``,
+    ``NVIDIA H200``): ``<benchmark>_<N>x<GPU>.<ext>``."""
+    return f"{results_stem(benchmark, gpu, gpus)}.{ext}"
+
+
+def _rows(data) -> list:
+    """A results file's rows: ``{"rows": [...]}``, or the bare list older step_breakdown files hold."""
+    return data["rows"] if isinstance(data, dict) else data
+
+
 def echo_sim_points(path: str) -> list[tuple[str, list[torch.Tensor], float]]:
     """(kind, rows per rank [e or e + S groups each], ms) of every echo_sim measurement: the
     straggler ("max") before and after ECHO and the mean rank before. The counts are rebuilt from
@@ -462,25 +474,26 @@ def scaling_step_ms(path: str, gpus: int) -> float:
     raise ValueError(f"{path}: no row for {gpus} GPU(s)")
 
 
-def calibrate(gpu: str = "NVIDIA_H200", results: str = RESULTS, shape: ModelShape | None = None,
-              profile_gpu: str = "NVIDIA_H100") -> Calibration:
+def calibrate(gpu: str = "H200", results: str = RESULTS, shape: ModelShape | None = None,
+              profile_gpu: str = "H100") -> Calibration:
     """Every constant from its measurement; none from the EP=2 / EP=4 training runs."""
     from benchmarks.echo_sim import H as gemm_hidden
 
     shape = shape or ModelShape()
-    pts = echo_sim_points(os.path.join(results, f"echo_sim_{gpu}.json"))
+    gpu = gpu_short(gpu)
+    pts = echo_sim_points(os.path.join(results, result_name("echo_sim", gpu)))
     theta, rel = fit_gemm(pts)
     gemm = LinearFit(float(theta[0]), float(theta[1]), float(np.sqrt(np.mean(rel ** 2))), float(np.abs(rel).max()),
                      [{"kind": k, "rows_max": int(max(int(r.sum()) for r in rs)), "ms": ms, "rel_err": float(e)}
                       for (k, rs, ms), e in zip(pts, rel)])
     comm = {}
     for ep in (2, 4):
-        comm.update(fit_dispatch(os.path.join(results, f"dispatch_ep{ep}_{gpu}.json")))
-    planner_us = {(r["EP"], r["S"]): r["graph_us"] for r in _load(f"planner_time_{gpu}.json", results)["rows"]
+        comm.update(fit_dispatch(os.path.join(results, result_name(f"dispatch_ep{ep}", gpu, ep))))
+    planner_us = {(r["EP"], r["S"]): r["graph_us"] for r in _load(result_name("planner_time", gpu), results)["rows"]
                   if r.get("rule", "fill") == "fill"}  # files without a rule column timed the only rule then
-    step1 = scaling_step_ms(os.path.join(results, f"scaling_{gpu.split('_')[-1]}.md"), 1)
-    before = _load(f"step_breakdown_v2lite_1b_gpu_autocast_{profile_gpu}.json", results)[0]
-    after = _load(f"step_breakdown_v2lite_1b_gpu_master_weights_{profile_gpu}.json", results)[0]
+    step1 = scaling_step_ms(os.path.join(results, result_name("scaling", gpu, 4, "md")), 1)
+    before = _rows(_load(result_name("step_breakdown_v2lite_1b_gpu_autocast", profile_gpu), results))[0]
+    after = _rows(_load(result_name("step_breakdown_v2lite_1b_gpu_master_weights", profile_gpu), results))[0]
     ms = before["ms"]
     to_gpu = step1 / before["kernel_ms"]  # the profile's shares, on this GPU's measured 1-GPU step
     router = ms["router"] / shape.moe_layers * to_gpu
@@ -495,7 +508,7 @@ def calibrate(gpu: str = "NVIDIA_H200", results: str = RESULTS, shape: ModelShap
     nonmoe_kernel = before["kernel_ms"] - ms["routed experts"] - ms["dispatch"] - ms["router"]
     param_ms = nonmoe * param_kernel / nonmoe_kernel
     return Calibration(
-        gpu=gpu.replace("_", " "), gemm=gemm, gemm_hidden=gemm_hidden, comm=comm, planner_us=planner_us, step_1gpu_ms=step1,
+        gpu=gpu, gemm=gemm, gemm_hidden=gemm_hidden, comm=comm, planner_us=planner_us, step_1gpu_ms=step1,
         router_ms=router, local_permute_ms=permute, token_ms=nonmoe - param_ms,
         param_ms_per_param=param_ms / (shape.dense_params + shape.expert_params()), optimizer_share=opt / param_kernel,
         notes={"moe_1gpu_ms": moe_1gpu, "nonmoe_1gpu_ms": nonmoe, "param_1gpu_ms": param_ms,
@@ -547,7 +560,7 @@ def measured_runs() -> list[MeasuredRun]:
                     SimConfig(2, slots=4, backend=P, capacity_factor=2.0), "hot8", 2.0),
         MeasuredRun("EP=2, 8 hot, padded cf 1.25, ECHO on (4 slots)", "echo_e2e_2xH200.md", "260,687 / 246,806 / 242,642",
                     SimConfig(2, slots=4, backend=P, capacity_factor=1.25), "hot8", 2.0),
-        MeasuredRun("EP=2, natural, padded cf 1.5, ECHO on (2 slots)", "scaling_H200.md", "260,632",
+        MeasuredRun("EP=2, natural, padded cf 1.5, ECHO on (2 slots)", "scaling_4xH200.md", "260,632",
                     SimConfig(2, slots=2, backend=P, capacity_factor=1.5), "natural", 1.18),
         MeasuredRun("EP=4, natural, padded cf 1.5, ECHO on (2 slots)", "ep4_training_4xH200.md",
                     "530,346 / 529,060 / 527,487 / 583,238", SimConfig(4, slots=2, backend=P, capacity_factor=1.5),
@@ -698,18 +711,18 @@ def residual_offsets(val: list[dict]) -> dict:
 
 
 def cross_checks(cal: Calibration, shape: ModelShape, results: str,
-                 other_gpu: str = "NVIDIA_H100_80GB_HBM3") -> list[dict]:
+                 other_gpu: str = "H100") -> list[dict]:
     """The calibrated terms against 1-GPU measurements they were not fitted to."""
     out = []
     rows_1gpu = shape.tokens_per_rank * shape.top_k
-    prof = _load("step_breakdown_v2lite_1b_gpu_autocast_NVIDIA_H100.json", results)[0]["ms"]
-    theta, rel = fit_gemm(echo_sim_points(os.path.join(results, f"echo_sim_{other_gpu}.json")))
+    prof = _rows(_load(result_name("step_breakdown_v2lite_1b_gpu_autocast", "H100"), results))[0]["ms"]
+    theta, rel = fit_gemm(echo_sim_points(os.path.join(results, result_name("echo_sim", other_gpu))))
     model = theta[0] + theta[1] * rows_1gpu * shape.hidden / cal.gemm_hidden
     rms = np.sqrt(np.mean(rel ** 2))
     out.append({"check": f"GEMM fit on {other_gpu} echo_sim (a={theta[0]:.3f}, b={theta[1]:.3e}, rms {rms:.3f}) at "
                          f"H={shape.hidden}, {rows_1gpu} rows / 64 experts vs the H100 profile's routed experts per layer",
                 "model_ms": float(model), "measured_ms": prof["routed experts"] / shape.moe_layers})
-    for r in _load(f"moe_layer_{cal.gpu.replace(' ', '_')}.json", results)["rows"]:
+    for r in _load(result_name("moe_layer", cal.gpu), results)["rows"]:
         if r["routing"] != "balanced":
             continue
         n = r["T"] * r["K"]
@@ -1203,10 +1216,10 @@ def read_host_rows(results: str = RESULTS) -> list[dict]:
 
 
 def one_gpu_step_ms(gpu: str, results: str = RESULTS) -> float | None:
-    """ms of the unlabelled one-GPU v2lite_1b ``ours_graph`` row of e2e_<GPU>.json (the graphed recipe, as
+    """ms of the unlabelled one-GPU v2lite_1b ``ours_graph`` row of e2e_1x<GPU>.json (the graphed recipe, as
     the e2e host rows ran), or None."""
     try:
-        data = _load(f"e2e_{gpu.replace(' ', '_')}.json", results)
+        data = _load(result_name("e2e", gpu), results)
     except (OSError, ValueError):
         return None
     for r in data.get("rows", []) if isinstance(data, dict) else []:
@@ -1220,7 +1233,7 @@ def one_gpu_step_ms(gpu: str, results: str = RESULTS) -> float | None:
 def compute_scale(gpu: str, cal: Calibration, results: str = RESULTS) -> float:
     """Non-network ms on ``gpu`` over the calibration GPU's: the ratio of their one-GPU steps
     (one_gpu_step_ms); 1 on the calibration's GPU or where either is missing."""
-    if not gpu or gpu == cal.gpu:
+    if not gpu or gpu_short(gpu) == gpu_short(cal.gpu):
         return 1.0
     a, b = one_gpu_step_ms(gpu, results), one_gpu_step_ms(cal.gpu, results)
     return a / b if a and b else 1.0
@@ -1558,7 +1571,7 @@ def emulated_report(m: dict) -> list[str]:
         "the dense traffic, on the same path, of which the share `fsdp_exposed` adds to the step (the rest runs "
         "beside the dispatch's all_to_alls: FSDP2 issues them on its own streams and communicator). Non-network "
         "ms: the one-host model (its GPU's calibration)"
-        + (f", scaled for other GPUs by the ratio of the one-GPU graphed v2lite_1b steps in e2e_<GPU>.json "
+        + (f", scaled for other GPUs by the ratio of the one-GPU graphed v2lite_1b steps in e2e_1x<GPU>.json "
            f"({scales})" if scales else "") + ".",
         "",
         f"Fitted ({m['form']}) in two stages: the {sum(v['dispatch'] for v in per.values())} dispatch + combine rows "
@@ -1751,7 +1764,7 @@ def report(cal: Calibration, alts: list[dict], checks: list[dict], zipf_check: l
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--gpu", default="NVIDIA_H200", help="calibration source: results files of this GPU")
+    ap.add_argument("--gpu", default="H200", help="calibration source: results files of this GPU (H200, H100)")
     ap.add_argument("--steps", type=int, default=8,
                     help="simulated steps per configuration (3 MoE layers each; an even number)")
     ap.add_argument("--out", default=None)
@@ -1770,11 +1783,11 @@ def main():
     cal = calibrate(a.gpu, RESULTS, shape)
     if a.hosts_only:
         table, data = run_hosts(cal, shape, a)
-        env = {**environment(), "gpu": cal.gpu, "host": "cpu (model)"}
-        stem = write_results("step_sim_hosts", env, [data], table, a.out)
+        env = {**environment(), "gpu": "cpu", "calibration_gpu": cal.gpu}
+        stem = write_results(f"step_sim_hosts_{cal.gpu}", env, [data], table, a.out)
         print(f"\n{table}\n\n({stem}.md, {time.time() - t0:.0f} s)")
         return
-    alts = gemm_alternatives(echo_sim_points(os.path.join(RESULTS, f"echo_sim_{a.gpu}.json")))
+    alts = gemm_alternatives(echo_sim_points(os.path.join(RESULTS, result_name("echo_sim", cal.gpu))))
     print(f"calibrated in {time.time() - t0:.1f} s: GEMM {cal.gemm.intercept:.3f} + {cal.gemm.slope:.3e}·rows "
           f"(rms {cal.gemm.rms_rel:.3f}), non-MoE {cal.notes['nonmoe_1gpu_ms']:.1f} ms", flush=True)
     checks = cross_checks(cal, shape, RESULTS)
@@ -1787,16 +1800,17 @@ def main():
     val, ratios = validate(cal, shape, RESULTS, a.steps)
     adjust = residual_offsets(val)
     pred = predict(cal, shape, a.steps, adjust)
-    env = {**environment(), "gpu": cal.gpu, "host": "cpu (model)", "calibration": {
-        "gemm": f"echo_sim_{a.gpu}.json", "dispatch": [f"dispatch_ep2_{a.gpu}.json", f"dispatch_ep4_{a.gpu}.json"],
-        "planner": f"planner_time_{a.gpu}.json", "step_1gpu": "scaling_H200.md (EP=1 row)",
-        "profile": "step_breakdown_v2lite_1b_gpu_{autocast,master_weights}_NVIDIA_H100.json"}}
+    env = {**environment(), "gpu": "cpu", "calibration_gpu": cal.gpu, "calibration": {
+        "gemm": result_name("echo_sim", cal.gpu),
+        "dispatch": [result_name("dispatch_ep2", cal.gpu, 2), result_name("dispatch_ep4", cal.gpu, 4)],
+        "planner": result_name("planner_time", cal.gpu), "step_1gpu": f"{result_name('scaling', cal.gpu, 4, 'md')} (EP=1 row)",
+        "profile": "step_breakdown_v2lite_1b_gpu_{autocast,master_weights}_1xH100.json"}}
     cal_json = {**asdict(cal), "comm": {f"{b}_ep{e}": asdict(f) for (b, e), f in cal.comm.items()},
                 "planner_us": {f"ep{e}_s{s}": us for (e, s), us in cal.planner_us.items()}}
     table = report(cal, alts, checks, zipf_check, val, ratios, adjust, pred, shape, a.steps)
     host_table, host_data = run_hosts(cal, shape, a)
     table += "\n\n" + host_table
-    stem = write_results("step_sim", env, [{"calibration": cal_json, "gemm_alternatives": alts, "cross_checks": checks,
+    stem = write_results(f"step_sim_{cal.gpu}", env, [{"calibration": cal_json, "gemm_alternatives": alts, "cross_checks": checks,
                                              "zipf_check": zipf_check, "validation": val, "ratios": ratios,
                                              "predictions": pred, "hosts": host_data}], table, a.out)
     print(f"\n{table}\n\n({stem}.md, {time.time() - t0:.0f} s)")

@@ -114,29 +114,40 @@ def test_step_time_uses_the_batch_shape_a_run_was_given():
 
 
 def test_merge_puts_another_calls_rows_into_the_results_file(tmp_path):
-    """``--merge``: a GPU machine's e2e JSON joins the committed table of that GPU; a row with the same key
-    replaces the old one, the others stay, dates stay the measuring call's, the table is rewritten; a file
-    that is not e2e output is one argparse line."""
+    """``--merge``: a GPU machine's e2e JSON joins the committed table of that GPU kind and GPU count
+    (``e2e_<N>x<GPU>``); a row with the same key replaces the old one, the others stay, dates stay the measuring
+    call's, the table is rewritten; rows of another GPU count go to their own file; ``--labels`` / ``--runs``
+    pick rows (``-``: unlabelled), ``--table`` names a table of its own; a file that is not e2e output is one
+    argparse line."""
     import subprocess
 
-    def row(run, tps, label="a", date="d0"):
-        return {"config": "c", "gpus": 2, "label": label, "run": run, "tokens_per_s_per_gpu": tps, "date": date,
+    def row(run, tps, label="a", date="d0", gpus=2):
+        return {"config": "c", "gpus": gpus, "label": label, "run": run, "tokens_per_s_per_gpu": tps, "date": date,
                 "torch": "t"}
 
     env = {"gpu": "NVIDIA H200", "torch": "t", "date": "d0"}
     out = tmp_path / "results"
     out.mkdir()
-    (out / "e2e_NVIDIA_H200.json").write_text(json.dumps(
+    (out / "e2e_2xH200.json").write_text(json.dumps(
         {"env": env, "peak_tflops": 989.0, "rows": [row("ours", 1.0), row("torchtitan", 2.0)]}))
     src = tmp_path / "fetched.json"
     src.write_text(json.dumps({"env": dict(env, date="d1"), "peak_tflops": 989.0,
-                               "rows": [row("ours", 3.0, date="d1"), row("ours", 4.0, "b", "d1")]}))
+                               "rows": [row("ours", 3.0, date="d1"), row("ours", 4.0, "b", "d1"),
+                                        row("ours", 5.0, "", "d1", gpus=1)]}))
     cmd = [sys.executable, os.path.join(ROOT, "benchmarks", "e2e.py"), "--out", str(out)]
     subprocess.run(cmd + ["--merge", str(src)], check=True, capture_output=True, text=True)
-    rows = json.loads((out / "e2e_NVIDIA_H200.json").read_text())["rows"]
-    assert [(r["label"], r["run"], r["tokens_per_s_per_gpu"], r["date"]) for r in rows] == \
+    data = json.loads((out / "e2e_2xH200.json").read_text())
+    assert [(r["label"], r["run"], r["tokens_per_s_per_gpu"], r["date"]) for r in data["rows"]] == \
         [("a", "torchtitan", 2.0, "d0"), ("a", "ours", 3.0, "d1"), ("b", "ours", 4.0, "d1")]
-    assert "| c | 2 | b | ours |  | 4 |" in (out / "e2e_NVIDIA_H200.md").read_text()
+    assert data["env"]["gpus"] == 2 and data["env"]["date"] == "d1"
+    assert "| c | 2 | b | ours |  | 4 |" in (out / "e2e_2xH200.md").read_text()
+    assert [r["tokens_per_s_per_gpu"] for r in json.loads((out / "e2e_1xH200.json").read_text())["rows"]] == [5.0]
+    assert sorted(p.name for p in out.iterdir()) == ["e2e_1xH200.json", "e2e_1xH200.md", "e2e_2xH200.json",
+                                                     "e2e_2xH200.md"]
+    subprocess.run(cmd + ["--merge", str(src), "--labels=-,b", "--runs", "ours", "--table", "picked"], check=True,
+                   capture_output=True, text=True)
+    picked = {n: json.loads((out / f"e2e_picked_{n}xH200.json").read_text())["rows"] for n in (1, 2)}
+    assert [r["label"] for r in picked[1]] == [""] and [r["label"] for r in picked[2]] == ["b"]
     bad = subprocess.run(cmd + ["--merge", str(tmp_path / "missing.json")], capture_output=True, text=True)
     assert bad.returncode == 2 and "not an e2e results file" in bad.stderr and "Traceback" not in bad.stderr
 
@@ -202,9 +213,9 @@ def test_repeats_run_in_turn_and_land_as_one_row_each(tmp_path, monkeypatch):
                                       "--out", str(tmp_path)])
     e2e.main()
     assert calls == [("ours_graph", "x"), ("ours_graph", "y"), ("torchtitan_compile", "")] * 2
-    rows = json.load(open(tmp_path / "e2e_Test_GPU.json"))["rows"]
+    rows = json.load(open(tmp_path / "e2e_1xTest.json"))["rows"]
     by = {(r["run"], r.get("variant", "")): r for r in rows}
     assert len(rows) == 3 and by[("ours_graph", "x")]["repeat_tokens_per_s"] == [160.0, 190.0]
     assert by[("ours_graph", "x")]["tokens_per_s_per_gpu"] == 175.0
     assert abs(by[("ours_graph", "y")]["vs_torchtitan_best"] - 1.85) < 1e-12  # median of 170 and 200 over 100
-    assert "spread_pct" in open(tmp_path / "e2e_Test_GPU.md").read()
+    assert "spread_pct" in open(tmp_path / "e2e_1xTest.md").read()

@@ -116,14 +116,14 @@ def test_balanced_load_gains_nothing_but_pays_echo():
 @pytest.fixture(scope="module")
 def h200():
     torch.set_num_threads(1)
-    return sim.calibrate("NVIDIA_H200", RESULTS, SHAPE)
+    return sim.calibrate("H200", RESULTS, SHAPE)
 
 
 def test_gemm_fit_reproduces_its_points_within_stated_residual(h200):
     fit = h200.gemm
     assert len(fit.points) == 24
     assert fit.rms_rel < 0.05 and fit.max_rel < 0.10  # the stated quality of the adopted form
-    pts = sim.echo_sim_points(os.path.join(RESULTS, "echo_sim_NVIDIA_H200.json"))
+    pts = sim.echo_sim_points(os.path.join(RESULTS, "echo_sim_1xH200.json"))
     rel = []
     for (kind, ranks, ms), p in zip(pts, fit.points):
         t = h200.gemm_ms(torch.stack([r.sum() for r in ranks]), h200.gemm_hidden)

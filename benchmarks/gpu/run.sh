@@ -3,7 +3,7 @@
 # the pure-Python wheels carried in .whl/ (bash ../shared/offline-wheels.sh fills it). Logs and
 # tables go to $OUT (./gpu_out elsewhere). Each suite is sized for one 10-minute call; the suites below are
 # the commands that produced the tables in benchmarks/results/ (README.md in this folder: suite ->
-# GPUs -> results file). PART picks a part where a suite has several; TMO overrides a run's limit.
+# GPUs -> results file; results are named <benchmark>[_<label>]_<N>x<GPU>). PART picks a part where a suite has several; TMO overrides a run's limit.
 # The first v2lite_6b step on a cold Triton cache compiles every kernel (minutes): give the first
 # run on a fresh machine a generous limit.
 #
@@ -11,17 +11,18 @@
 #                    on the same warm machine (carry .whl) install QuACK, so its tests and experts_gemm = "quack" run
 #   tests       1-2  every GPU test + the CPU tests of the step gate, profiler and checkpoints on this torch
 #   graph       4    two GPU pairs at once: graph == eager tests, overflow replay with re-capture (0,1);
-#                    pinned-staging probe, EP tests, v2lite_1b EP=2 graphed with re-capture (2,3)
+#                    EP tests, v2lite_1b EP=2 graphed with re-capture (2,3)
 #   sanitize    2    compute-sanitizer (memcheck x ECHO off/on x eager/graphed, racecheck, synccheck) on the EP=2
 #                    nvlink debug step that overflows, is replayed, grows capacity (and is captured again)
 #   recapture   2    v2lite_1b EP=2 nvlink graphed, 200 steps, capacity 1.0 (overflows early) vs the eager
-#                    alltoall exact path: replays, re-captures, per-step losses -> recapture_<GPU>.md
+#                    alltoall exact path: replays, re-captures, per-step losses -> recapture_2x<GPU>.md
 #   copies      2    the optimizer-written expert copies' GPU tests (QuACK's after quack_unpack), ~300 s
 #   layer       1    MoE layer fwd+bwd vs torchtitan, Megatron-Core (.whl/extra/mcore) and a dense SwiGLU; bf16 and FP8 experts
 #                    (+ the layer/kernel tests)
 #   fp8         1    FP8 experts: their tests, v2lite_1b 300 steps bf16 vs fp8 vs bf16 compiled (loss curves), e2e bf16 vs fp8
 #   configs     1    40 steps of each GPU config (RECIPES="debug_gpu ..." to pick)
-#   dispatch    2/4+ dispatch + combine at EP=2 on GPUs 0,1, then EP=all GPUs (VDEV=1 adds NVSHMEM vdev)
+#   dispatch    2/4+ dispatch + combine at EP=2 on GPUs 0,1 and what a peer copy costs the SMs (copy engines vs
+#                    kernels), then EP=all GPUs (VDEV=1 adds NVSHMEM vdev)
 #   e2e         1-2  whole-run tokens/s, step ms and MFU vs torchtitan's trainer (no compile / compile), ours
 #                    eager and graphed (CONFIGS="debug_gpu ...", RUNS=..., PART=1gpu (PAR=1: config i on GPU i
 #                    at the same time, every run of a config on its GPU; VARIANTS as below) | ep2 | fill | variants:
@@ -29,37 +30,38 @@
 #                    variant against one torchtitan baseline, e.g. "quack=--moe_echo.experts_gemm quack;torch=";
 #                    "base=@/tmp/base;head=" times another revision (build/base.tgz, see lib.sh) in the same call;
 #                    REPEATS=N: every run N times in turn, the median and its spread)
-#                    -> e2e_<GPU>.md
+#                    -> e2e_<N>x<GPU>.md
 #   echo_tests  2    ECHO's GPU tests: graph = eager with ECHO (torch and QuACK GEMMs; QuACK's after quack_unpack),
 #                    the EP=2 layer checks (padded / nvlink x ECHO off / on), ~250 s
 #   gateup      2    one gate/up GEMM: its GPU tests and gate_up_gemm.py at three shapes
 #   router      1    the fused router's GPU tests, then benchmarks/router.py (fused vs torch, eager and graphed)
-#                    -> router_<GPU>.md
+#                    -> router_1x<GPU>.md
 #   route_layout 2   the slot-layout kernels' GPU tests; slot_ranks graphed vs torch (and the build/base.tgz tree); the
-#                    dispatch parts at 4096/16384 x 7168 -> route_layout_<GPU>.md, dispatch_ep2_<GPU>.md
-#   gathered    1    QuACK GEMMs gathering token rows by index vs expanded expert rows (probe_gather_gemm.py), then
-#                    gathered_experts' GPU tests (after quack_unpack)
+#                    dispatch parts at 4096/16384 x 7168 -> route_layout_1x<GPU>.md, dispatch_ep2_2x<GPU>.md
+#   gathered    1    QuACK GEMMs gathering token rows by index vs expanded expert rows (gather_gemm.py), then
+#                    gathered_experts' GPU tests (after quack_unpack) -> gather_gemm_1x<GPU>.md
 #   fill_profile 2   the compiled v2lite_6b_2gpu step profiled at EP=2, graphed (GRAPH=false: eager), one profile per
 #                    variant side by side (VARIANTS="echo=--moe_echo.echo true;off=", ARGS for all, LABEL;
 #                    DETAIL="echo collectives": those categories' largest kernels by op)
-#                    -> step_breakdown_v2lite_6b_2gpu_<LABEL>_graph_<GRAPH>_<GPU>.md
+#                    -> step_breakdown_v2lite_6b_2gpu_<LABEL>_graph_<GRAPH>_2x<GPU>.md
 #   profile     1-2  an eager run with [profiling] traces, then rank 0's per-step GPU time by category
 #                    (CONFIGS=..., LABEL=before|after, ARGS=extra recipe args, NPROC=2 with
-#                    ARGS="--parallelism.expert_parallel_degree 2 ...") -> step_breakdown_<config>.md
+#                    ARGS="--parallelism.expert_parallel_degree 2 ...") -> step_breakdown_<config>_<LABEL>_<N>x<GPU>.md
 #   sync        1    debug_gpu: 4 eager steps under sync_debug (the traceback of a host sync, if any), then 6
 #                    graphed steps (whether the capture succeeds, and its error if not)
 #   dp_vs_ep    2    v2lite_1b: plain data parallel vs EP=2 (padded, alltoall)
-#   planner     1    ECHO planner time in a CUDA graph; simulated EP=8/16 straggler time
+#   planner     1    ECHO planner time in a CUDA graph; simulated EP=8/16 straggler time -> planner_time_1x<GPU>.md,
+#                    echo_sim_1x<GPU>.md
 #   echo        2    ECHO on/off with 8 hot experts (padded, capacity 2.0 / 1.25); echo_recompute memory
 #   echo_e2e    2    sync-free EP checks; ECHO on/off, dropless replay, the `fastest` dispatcher choice
 #   ep4         4    dispatch at EP=4; v2lite_1b EP=4 nvlink, 100 steps, sync_debug, ECHO off/on x routing
 #   ep4_padded  4    v2lite_1b EP=4 padded, 60 steps, ECHO off/on x routing
 #   ep4_6b      4    v2lite_6b EP=4 nvlink: PART=a natural routing ECHO off/on; b 8 hot experts; c graphed
-#   scaling     1/2/4 v2lite_1b tokens/s per GPU at 1, 2, 4 GPUs (EP = GPUs, padded, ECHO on)
+#   scaling     1/2/4 v2lite_1b tokens/s per GPU at 1, 2, 4 GPUs (EP = GPUs, padded, ECHO on) -> scaling_4x<GPU>.md
 #   guard       1    cost of the non-finite guard: v2lite_1b (CONFIGS=...), eager and graphed, on vs off
 #   titan       2    torchtitan's own trainer with our TrainSpec (EP=2, ECHO) vs the recipe: per-step losses
 #   graph_profile 2  the graphed + compiled v2lite_1b step profiled at EP=2 (nvlink) and EP=1, one table; the
-#                    one-GPU e2e row ep1_ref
+#                    one-GPU e2e row ep1_ref -> step_breakdown_v2lite_1b_gpu_graph_compile_ep1_vs_ep2_2x<GPU>.md
 #   before_after 2   this tree against an older one checked out at PREV (git worktree add build/prev REV; carry
 #                    build): dispatch at 16384x2048, v2lite_1b EP=2 nvlink graphed (capacity 2.0) with torchtitan
 #                    compiled, and both trees' eager step profiles (PART=dispatch | e2e | profile; default all)
@@ -69,7 +71,8 @@
 #                    NCCL_HOSTID): PART=a the hierarchical dispatcher's GPU tests (fp32 == alltoall, sync_debug) and
 #                    the padded / layer EP tests, then dispatch_hosts.py (hierarchical vs padded vs alltoall: network
 #                    bytes and time) -> dispatch_hosts_emulated_<N>x<GPU>.md; PART=b v2lite_1b graphed, hierarchical
-#                    vs flat padded, ECHO off/on, natural and 8 hot experts -> e2e_<GPU>.md (label hosts2)
+#                    vs flat padded, ECHO off/on, natural and 8 hot experts -> e2e_<N>x<GPU>.md (label hosts2),
+#                    e2e_hosts_<N>x<GPU>.md
 set -uo pipefail
 if [ "${1:-}" = quack_unpack ]; then  # call 1 of 2 for QuACK (carry build/quack only: with .whl it exceeds 64 MiB)
   xz -dc build/quack/ir.so.xz > /tmp/quack_ir.so && ls -la /tmp/quack_ir.so; exit; fi
@@ -102,7 +105,6 @@ print('grow-to-fit replayed steps', [x['step'] for x in r if x.get('moe/replayed
     ) &
     (
       export CUDA_VISIBLE_DEVICES=2,3 PET_MASTER_PORT=29520
-      timeout 60 python3 benchmarks/probe_graph_pinned.py > "$OUT/probe.log" 2>&1
       timeout 240 python3 -m pytest -x tests/test_gpu_ep.py -p no:warnings -q -s > "$OUT/gpu_ep.log" 2>&1
       echo "gpu_ep rc=$?" >> "$OUT/gpu_ep.log"
       timeout 180 torchrun --nproc_per_node 2 --master_port 29530 recipes/pretrain.py \
@@ -114,7 +116,6 @@ print('grow-to-fit replayed steps', [x['step'] for x in r if x.get('moe/replayed
       cp /tmp/v2_recap/metrics.jsonl "$OUT/recapture_v2lite_metrics.jsonl" 2>/dev/null
     ) &
     wait
-    cat "$OUT/probe.log"
     for f in gpu_train gpu_ep recapture_test; do echo "== $f"; tail -8 "$OUT/$f.log"; done
     echo "== recapture_v2lite"; grep -E "cuda graph|rc=|rror|misaligned|overflow " "$OUT/recapture_v2lite.log" | grep -v "^\[rank1\]" | head -20
     python3 -c "
@@ -122,7 +123,7 @@ import json
 for l in open('$OUT/recapture_v2lite_metrics.jsonl'):
     r=json.loads(l); print(r['step'], round(r['loss'],4), r.get('moe/overflow_assignments'), r.get('moe/replayed_steps'))" 2>&1 | tail -8 ;;
 
-  sanitize)  # the graphed EP step under compute-sanitizer, four runs at once (distinct ports) -> sanitizer_<GPU>.md
+  sanitize)  # the graphed EP step under compute-sanitizer, four runs at once (distinct ports) -> sanitizer_2x<GPU>.md
     # memcheck checks every kernel and reports failed CUDA API calls with their Python frames; racecheck and
     # synccheck check the kernels named *_kernel (ours and ATen's): NCCL's partial-block barriers and cuBLAS's
     # asynchronous shared-memory copies are misread by them (and synccheck aborts the run on NCCL's)
@@ -145,7 +146,7 @@ for l in open('$OUT/recapture_v2lite_metrics.jsonl'):
       python3 benchmarks/sanitizer_report.py $f
     done ;;
 
-  recapture)  # -> recapture_<GPU>.md
+  recapture)  # -> recapture_2x<GPU>.md
     common="--training.steps 200 --metrics.log_freq 1 --parallelism.expert_parallel_degree 2"
     for run in exact200 exact200b; do FROM=0 TMO=200 recipe $run 2 $common --moe_echo.dispatcher alltoall | head -1; done
     nvl="--moe_echo.dispatcher nvlink --moe_echo.capacity_factor 1.0"
@@ -162,7 +163,7 @@ print('largest step difference over steps 1-20: %.2e at step %d' % max(rel[:20])
       python3 benchmarks/loss_match.py "$OUT/$1.jsonl" "$OUT/$2.jsonl" --max-rel 2e-2 --tail-rel 1e-2 | tail -1
     done ;;
 
-  layer)  # -> moe_layer_<GPU>.md
+  layer)  # -> moe_layer_1x<GPU>.md
     nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv | tee "$OUT/gpu.txt"
     megatron_setup
     python3 -m pytest tests/test_gpu.py tests/test_kernels.py tests/test_layer.py tests/test_models.py \
@@ -170,7 +171,7 @@ print('largest step difference over steps 1-20: %.2e at step %d' % max(rel[:20])
       | tee "$OUT/layer_tests.log" | tail -15
     CUDA_VISIBLE_DEVICES=0 python3 benchmarks/moe_layer.py --out "$OUT" ${BENCH_ARGS:-} 2>&1 | tee "$OUT/moe_layer.log" | tail -40 ;;
 
-  fp8)  # -> fp8_experts_<GPU>.md: FP8 experts tested, 300 steps of v2lite_1b bf16 vs fp8 (loss curves), e2e rows
+  fp8)  # -> fp8_experts_1x<GPU>.md: FP8 experts tested, 300 steps of v2lite_1b bf16 vs fp8 (loss curves), e2e rows
     python3 -m pytest tests/test_fp8_experts.py -p no:warnings -q -rfEs 2>&1 | tee "$OUT/fp8_tests.log" | tail -5
     TMO=240 recipe loss_bf16 1 --training.steps 300 --training.cuda_graph true
     TMO=240 recipe loss_fp8 1 --training.steps 300 --training.cuda_graph true --moe_echo.expert_precision fp8
@@ -191,16 +192,18 @@ print('largest step difference over steps 1-20: %.2e at step %d' % max(rel[:20])
       tail -3 /tmp/run_$cfg/metrics.jsonl | cut -c1-400
     done ;;
 
-  dispatch)  # -> dispatch_ep2_<GPU>.md, dispatch_ep<N>_<GPU>.md
+  dispatch)  # -> dispatch_ep2_2x<GPU>.md, copy_engine_2x<GPU>.md, dispatch_ep<N>_<N>x<GPU>.md
     N=$(ngpus); vdev=--no-vdev; [ -n "${VDEV:-}" ] && vdev=
     CUDA_VISIBLE_DEVICES=0,1 timeout 230 torchrun --nproc_per_node 2 benchmarks/dispatch.py $vdev --out "$OUT" 2>&1 \
       | tee "$OUT/dispatch_ep2.log" | noise | tail -32
+    CUDA_VISIBLE_DEVICES=0,1 timeout 120 torchrun --nproc_per_node 2 benchmarks/copy_engine.py --out "$OUT" 2>&1 \
+      | tee "$OUT/copy_engine.log" | noise | grep -E "^\| "
     if [ "$N" -ge 4 ]; then
       timeout 130 torchrun --nproc_per_node $N benchmarks/dispatch.py --tokens 16384 $vdev --sweep 32,64,132 --out "$OUT" 2>&1 \
         | tee "$OUT/dispatch_ep$N.log" | noise | tail -14
     fi ;;
 
-  e2e)  # -> e2e_<GPU>.md (rows merged into one table per GPU)
+  e2e)  # -> e2e_<N>x<GPU>.md (rows merged into one table per GPU kind and count)
     nvidia-smi --query-gpu=name --format=csv,noheader | head -4
     runs=${RUNS:-torchtitan,torchtitan_compile,ours_eager,ours_graph,ours_compile_graph}
     if [ "${PART:-1gpu}" = 1gpu ] && [ -n "${PAR:-}" ]; then  # PAR=1: config i on GPU i at once (each its own table)
@@ -241,12 +244,12 @@ print('largest step difference over steps 1-20: %.2e at step %d' % max(rel[:20])
     P="python3 -m pytest -p no:warnings -q -rfEs -o addopts="
     timeout 400 $P tests/test_gpu_train.py tests/test_gpu_ep.py -k "echo or two_gpu_expert_parallel" 2>&1 | tail -6 ;;
 
-  router)  # -> router_<GPU>.md: the fused router kernels' GPU tests, then their time against the torch path (~60 s)
+  router)  # -> router_1x<GPU>.md: the fused router kernels' GPU tests, then their time against the torch path (~60 s)
     P="python3 -m pytest -p no:warnings -q -rfEs -o addopts="
     timeout 200 $P tests/test_router.py 2>&1 | tail -4
     timeout 200 python3 benchmarks/router.py --out "$OUT" 2>&1 | grep -E "^\| |rror" ;;
 
-  route_layout)  # -> route_layout_<GPU>.md: the slot-layout kernels' GPU tests, then slot_ranks graphed vs torch (and
+  route_layout)  # -> route_layout_1x<GPU>.md, dispatch_ep2_2x<GPU>.md: the slot-layout kernels' GPU tests, then slot_ranks graphed vs torch (and
     # vs build/base.tgz's tree where carried), then dispatch at 16384x7168 (the routing phase in the parts table)
     P="python3 -m pytest -p no:warnings -q -rfEs -o addopts="
     timeout 200 $P tests/test_route_layout.py 2>&1 | tail -3
@@ -255,10 +258,10 @@ print('largest step difference over steps 1-20: %.2e at step %d' % max(rel[:20])
     CUDA_VISIBLE_DEVICES=0,1 timeout 150 torchrun --nproc_per_node 2 benchmarks/dispatch.py --no-vdev --tokens 4096,16384 \
       --hidden 7168 --sweep 64 --block-t 0 --out "$OUT" > "$OUT/dispatch_ep2.log" 2>&1; grep -A8 "in parts" "$OUT"/dispatch_ep2_*.md ;;
 
-  gathered)  # -> probe_gather_gemm_<GPU>.md: the experts reading token rows through QuACK's GEMMs (A_idx, the
+  gathered)  # -> gather_gemm_1x<GPU>.md: the experts reading token rows through QuACK's GEMMs (A_idx, the
     # dSwiGLU epilogue's per-row scale and reduction) vs expanded expert-major copies, then gathered_experts'
     # GPU tests (after quack_unpack; ~250 s)
-    timeout 300 python3 benchmarks/probe_gather_gemm.py --shapes 64x1408x2048x16384x6 128x768x2048x16384x8 \
+    timeout 300 python3 benchmarks/gather_gemm.py --shapes 64x1408x2048x16384x6 128x768x2048x16384x8 \
       --out "$OUT" 2>&1 | tail -30
     P="python3 -m pytest -p no:warnings -q -rfEs -o addopts="
     timeout 200 $P tests/test_gathered_experts.py 2>&1 | tail -8
@@ -266,7 +269,7 @@ print('largest step difference over steps 1-20: %.2e at step %d' % max(rel[:20])
     [ -n "${LAYER:-}" ] && timeout 240 python3 benchmarks/moe_layer.py --no-fp8 --routing balanced --out "$OUT" 2>&1 \
       | grep -E "^\| " | tail -8 ;;  # LAYER=1: the layer table with its quack and quack_gathered rows
 
-  gateup)  # -> gate_up_gemm_<GPU>.md: the one gate/up GEMM's GPU tests, then two GEMMs vs one at three expert
+  gateup)  # -> gate_up_gemm_1x<GPU>.md: the one gate/up GEMM's GPU tests, then two GEMMs vs one at three expert
     # shapes (~300 s). The whole step against the base tree is a second call: PART=variants e2e with
     # VARIANTS="base=@/tmp/base;gateup=" (carry build/base.tgz)
     P="python3 -m pytest -p no:warnings -q -rfE -o addopts="
@@ -275,11 +278,10 @@ print('largest step difference over steps 1-20: %.2e at step %d' % max(rel[:20])
     timeout 180 python3 benchmarks/gate_up_gemm.py --shapes 64x1408x2048x98304 32x1408x2048x196608 \
       64x768x2048x98304 --out "$OUT" 2>&1 | grep -E "^\| (bf16|fp32)" ;;
 
-  fill_profile)  # -> step_breakdown_v2lite_6b_2gpu_<LABEL>_graph_<GRAPH>_<GPU>.md: the compiled step at EP=2 on the
+  fill_profile)  # -> step_breakdown_v2lite_6b_2gpu_<LABEL>_graph_<GRAPH>_2x<GPU>.md: the compiled step at EP=2 on the
     # config that fills two GPUs (12 steps, 2 profiled: early routing, still imbalanced), graphed unless GRAPH=false
     # (eager kernels carry the ops that launched them; a graph replay's have none); one profile per variant, side by
     # side: VARIANTS="name=recipe args;..." (default one, "fill"), ARGS added to every variant's
-    GPU=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1 | cut -d" " -f2)
     PROF="--training.steps 12 --metrics.log_freq 2 --profiling.enable_profiling true --profiling.profile_freq 10
           --profiling.profiler_warmup 6 --profiling.profiler_active 2 --training.cuda_graph ${GRAPH:-true}
           --compile.enable true"
@@ -291,7 +293,7 @@ print('largest step difference over steps 1-20: %.2e at step %d' % max(rel[:20])
       traces+=("$name=$(ls /tmp/run_prof_$name/profile_traces/iteration_*/rank0_trace.json | tail -1)")
     done
     timeout 120 python3 benchmarks/step_breakdown.py "${traces[@]}" \
-      --name "v2lite_6b_2gpu_${LABEL:-ep2}_graph_${GRAPH:-true}_$GPU" --out "$OUT" \
+      --name "v2lite_6b_2gpu_${LABEL:-ep2}_graph_${GRAPH:-true}" --gpus 2 --out "$OUT" \
       $(for c in ${DETAIL:-}; do printf -- '--detail %s ' "$c"; done) | head -${LINES_OUT:-120} ;;
 
   copies)  # the expert copies' tests on this torch: kernels, layer (torch and QuACK GEMMs), EP=2 graphed vs cast + resume
@@ -299,19 +301,18 @@ print('largest step difference over steps 1-20: %.2e at step %d' % max(rel[:20])
     timeout 150 $P tests/test_compute_copies.py tests/test_master_adamw.py tests/test_quack_experts.py tests/test_gpu.py 2>&1 | tail -6
     timeout 240 $P tests/test_gpu_train.py -k "copies or masters or resumes" 2>&1 | tail -6 ;;
 
-  profile)  # -> step_breakdown_<config>.md: the eager step's GPU time by category
+  profile)  # -> step_breakdown_<config>_<LABEL>_<N>x<GPU>.md: the eager step's GPU time by category
     for cfg in ${CONFIGS:-v2lite_1b_gpu}; do
       CFG=train_configs/$cfg.toml FROM=0 recipe "prof_${cfg}_${LABEL:-now}" ${NPROC:-1} --training.steps 14 --metrics.log_freq 2 \
         --profiling.enable_profiling true --profiling.profile_freq 12 --profiling.profiler_warmup 8 \
         --profiling.profiler_active 4 ${ARGS:-} | tail -2
       trace=$(ls /tmp/run_prof_${cfg}_${LABEL:-now}/profile_traces/iteration_*/rank0_trace.json | tail -1)
-      python3 benchmarks/step_breakdown.py "${LABEL:-now}=$trace" --name "${cfg}_${LABEL:-now}" --out "$OUT"
+      python3 benchmarks/step_breakdown.py "${LABEL:-now}=$trace" --name "${cfg}_${LABEL:-now}" --gpus ${NPROC:-1} --out "$OUT"
     done ;;
 
-  graph_profile)  # -> step_breakdown_v2lite_1b_gpu_graph_compile_ep1_vs_ep2_<GPU>.md: the graphed + compiled step's
+  graph_profile)  # -> step_breakdown_v2lite_1b_gpu_graph_compile_ep1_vs_ep2_2x<GPU>.md: the graphed + compiled step's
     # GPU time by category at EP=2 (nvlink, capacity 2.0) against EP=1 on one GPU of the same host, and the
     # one-GPU e2e row (label ep1_ref) beside the EP=2 rows of `e2e`
-    GPU=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1 | cut -d" " -f2)
     PROF="--training.steps 14 --metrics.log_freq 2 --profiling.enable_profiling true --profiling.profile_freq 12
           --profiling.profiler_warmup 8 --profiling.profiler_active 4 --training.cuda_graph true --compile.enable true"
     TMO=170 FROM=6 recipe prof_ep2 2 $PROF --parallelism.expert_parallel_degree 2 --moe_echo.dispatcher nvlink \
@@ -319,7 +320,7 @@ print('largest step difference over steps 1-20: %.2e at step %d' % max(rel[:20])
     CUDA_VISIBLE_DEVICES=0 TMO=150 FROM=6 recipe prof_ep1 1 $PROF | tail -2
     python3 benchmarks/step_breakdown.py "ep1=$(ls /tmp/run_prof_ep1/profile_traces/iteration_*/rank0_trace.json | tail -1)" \
       "ep2=$(ls /tmp/run_prof_ep2/profile_traces/iteration_*/rank0_trace.json | tail -1)" \
-      --name "v2lite_1b_gpu_graph_compile_ep1_vs_ep2_$GPU" --out "$OUT" | head -60
+      --name "v2lite_1b_gpu_graph_compile_ep1_vs_ep2" --gpus 2 --out "$OUT" | head -60
     CUDA_VISIBLE_DEVICES=0 timeout 150 python3 benchmarks/e2e.py --configs v2lite_1b_gpu --nproc 1 --runs ours_compile_graph \
       --label ep1_ref --steps 40 --out "$OUT" --work /tmp/e2e 2>&1 | grep -E "^\| v2lite" ;;
 
@@ -337,12 +338,12 @@ print('largest step difference over steps 1-20: %.2e at step %d' % max(rel[:20])
     recipe ep2_padded 2 --training.steps 30 --parallelism.expert_parallel_degree 2 --moe_echo.dispatcher padded --moe_echo.capacity_factor 2.0
     recipe ep2_alltoall 2 --training.steps 30 --parallelism.expert_parallel_degree 2 --moe_echo.dispatcher alltoall ;;
 
-  planner)  # -> planner_time_<GPU>.md, echo_sim_<GPU>.md
+  planner)  # -> planner_time_1x<GPU>.md, echo_sim_1x<GPU>.md
     python3 -m pytest tests/test_kernels.py -p no:warnings -k planner 2>&1 | tail -2
     python3 benchmarks/planner.py --skip-quality --time --out "$OUT" 2>&1 | tail -8
     python3 benchmarks/echo_sim.py --out "$OUT" 2>&1 | tail -11 ;;
 
-  echo)  # -> echo_e2e_2xH200.md (first table), echo_recompute_<GPU>.md
+  echo)  # -> echo_e2e_2xH200.md (first table), echo_recompute_2x<GPU>.md
     python3 -m pytest tests/test_gpu_ep.py -p no:warnings -k two_gpu 2>&1 | tail -2
     export FROM=20
     hot() { recipe "$1" 2 --training.steps 40 --parallelism.expert_parallel_degree 2 --moe_echo.dispatcher padded \
@@ -394,7 +395,7 @@ print('largest step difference over steps 1-20: %.2e at step %d' % max(rel[:20])
            --moe_echo.echo true --training.cuda_graph true --training.steps 30 --metrics.log_freq 1 ;;
     esac ;;
 
-  scaling)  # -> scaling_H200.md (padded was then the EP>1 default; it is named here)
+  scaling)  # -> scaling_4xH200.md (padded was then the EP>1 default; it is named here)
     export FROM=60 TMO=${TMO:-80}
     recipe g1 1 --training.steps 100 --metrics.log_freq 20
     recipe g2_ep2_echo 2 --training.steps 100 --metrics.log_freq 20 --parallelism.expert_parallel_degree 2 \
@@ -415,7 +416,7 @@ print('largest step difference over steps 1-20: %.2e at step %d' % max(rel[:20])
          TMO=300 train e8_skewed_off $N --moe_echo.bias_update_rate 0 --moe_echo.debug_hot_experts 8
          train e8_skewed_on $N --moe_echo.bias_update_rate 0 --moe_echo.debug_hot_experts 8 --moe_echo.echo true \
            --moe_echo.echo_slots_per_rank 4 ;;
-      c) # the 8-GPU row of scaling_H200.md (padded, ECHO on), then v2lite_6b at EP=8, ECHO on, graphed, 30 steps
+      c) # the 8-GPU row of the scaling table (padded, ECHO on), then v2lite_6b at EP=8, ECHO on, graphed, 30 steps
          train g8_ep8_echo $N --moe_echo.echo true --moe_echo.dispatcher padded --metrics.log_freq 20
          FROM=4 TMO=240 train e8_v6_graph $N --model.flavor v2lite_6b --moe_echo.echo true --training.cuda_graph true \
            --training.steps 30 --metrics.log_freq 1 ;;
@@ -428,8 +429,8 @@ print('largest step difference over steps 1-20: %.2e at step %d' % max(rel[:20])
         --training.steps ${STEPS:-60} --training.max_nonfinite_steps $g --training.cuda_graph $graph | grep -E "^tok/s|rc=[^0]"
     done; done; done ;;
 
-  before_after)  # -> dispatch_ep2_before_after_<GPU>.md, e2e_<GPU>.md (labels ep2_cf2, ep2_cf2_perslot),
-    # step_breakdown_v2lite_1b_gpu_ep2_nvlink_H100.md (columns per_choice = PREV, per_token = this tree)
+  before_after)  # -> dispatch_ep2_before_after_2x<GPU>.md, e2e_2x<GPU>.md (labels ep2_cf2, ep2_cf2_perslot),
+    # step_breakdown_v2lite_1b_gpu_ep2_nvlink_2x<GPU>.md (columns per_choice = PREV, per_token = this tree)
     PREV=${PREV:-build/prev}; NEW=$PWD; ABS_PREV=$(cd "$PREV" && pwd)
     CF=${CF:-2}  # the ep2_cf1.5* rows: CF=1.5 PART=e2e
     OURS="--parallelism.expert_parallel_degree 2 --moe_echo.dispatcher nvlink --moe_echo.capacity_factor $CF"
@@ -454,7 +455,7 @@ print('largest step difference over steps 1-20: %.2e at step %d' % max(rel[:20])
       (cd "$ABS_PREV" && export PYTHONPATH=/tmp/site:$ABS_PREV && TMO=100 FROM=0 recipe prof_prev 2 $PROF | tail -1)
       python3 benchmarks/step_breakdown.py "per_choice=$(ls /tmp/run_prof_prev/profile_traces/iteration_*/rank0_trace.json | tail -1)" \
         "per_token=$(ls /tmp/run_prof_new/profile_traces/iteration_*/rank0_trace.json | tail -1)" \
-        --name "v2lite_1b_gpu_ep2_nvlink_$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1 | cut -d" " -f2)" --out "$OUT" | head -20
+        --name "v2lite_1b_gpu_ep2_nvlink" --gpus 2 --out "$OUT" | head -20
     fi ;;
 
   titan)  # 2 GPUs: torchtitan's own trainer with our TrainSpec (EP=2, ECHO, alltoall) vs recipes/pretrain.py

@@ -1,8 +1,8 @@
-"""benchmarks/probe_gather_gemm.py's routing: the expert-major rows both designs of the experts read."""
+"""benchmarks/gather_gemm.py's routing: the expert-major rows both designs of the experts read."""
 
 import torch
 
-from benchmarks.probe_gather_gemm import routing
+from benchmarks.gather_gemm import routing
 from kernels.moe_rows import gather_sum_torch
 
 

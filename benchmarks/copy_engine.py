@@ -1,6 +1,7 @@
-"""Probe: what moves a [T, D] block of bf16 rows into a peer GPU fastest, and what it costs the SMs.
+"""What moves a [T, D] block of bf16 rows into a peer GPU fastest, and what it costs the SMs: the copy engines
+(``[moe_echo] nvlink_copy = "copy_engine"``) against the NVLink dispatcher's copy kernels.
 
-    torchrun --nproc_per_node 2 benchmarks/probe_copy_engine.py [--out DIR]
+    torchrun --nproc_per_node 2 benchmarks/copy_engine.py [--out DIR]      -> copy_engine_2x<GPU>.{json,md}
 
 Both ranks at once, each into the other's PyTorch symmetric-memory buffer, every op graphed:
 ``ce_push`` (``copy_`` into the peer's tensor: a cudaMemcpyAsync the driver runs on the copy engines),
@@ -43,7 +44,7 @@ def main():
     rows, names = [], ""
     for shape in a.shapes.split(","):
         T, D = map(int, shape.split("x"))
-        buf = ws.buffer(f"probe/{D}", (2 * T, D), torch.bfloat16, dev)
+        buf = ws.buffer(f"copy_engine/{D}", (2 * T, D), torch.bfloat16, dev)
         x = torch.randn(T, D, device=dev, dtype=torch.bfloat16)
         local = torch.empty_like(x)
         to_peer, from_peer = buf.peers[other][rank * T:(rank + 1) * T], buf.peers[other][other * T:(other + 1) * T]
@@ -80,7 +81,7 @@ def main():
         env = environment()
         table = markdown_table(rows, ["T", "D", "op", "ms", "GBs", "gemm_ms", "beside_gemm_ms", "added_to_gemm_ms"])
         table += f"\n\nRank 0's profile of ce_push, ce_pull and local_copy at the first shape:\n\n```\n{names}\n```"
-        stem = write_results("probe_copy_engine_ep2", env, rows, table, a.out)
+        stem = write_results("copy_engine", env, rows, table, a.out, gpus=dist.get_world_size())
         print(f"\n{stem}.json\n{table}")
     dist.destroy_process_group()
 

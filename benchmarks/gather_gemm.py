@@ -1,8 +1,9 @@
-"""Should the routed experts read token rows through the GEMM (gather in its prologue) instead of expert-major
-copies? QuACK's grouped GEMMs take row indices (``A_idx``) and, in the SwiGLU backward, a per-row scale with its
-reduction (``colvec_scale`` / ``colvec_reduce``). One GPU, forward and backward of the experts, two designs:
+"""The routed experts reading token rows through their GEMMs (``[moe_echo] gathered_experts = true``: the gather in
+the GEMM's prologue) against expert-major copies (the default). QuACK's grouped GEMMs take row indices (``A_idx``)
+and, in the SwiGLU backward, a per-row scale with its reduction (``colvec_scale`` / ``colvec_reduce``). One GPU,
+forward and backward of the experts, two designs:
 
-    expanded (today)   x_ND = x_TD[tok_N]                          one copy of T·K rows, then the GEMMs read it
+    expanded (default) x_ND = x_TD[tok_N]                          one copy of T·K rows, then the GEMMs read it
                        preact, h = x_ND @ [w1; w3]ᵀ (SwiGLU epilogue);  y_ND = h @ w2ᵀ
                        backward: dy_ND, ds_N = combine_backward(dout_TD, y_ND, s)   (one row pass, y kept)
                                  dpreact, h = dy_ND @ w2 (dSwiGLU epilogue);  dx_ND = dpreact @ [w1; w3]
@@ -19,7 +20,8 @@ Rows: median ms of each design's forward and backward, the gathered design's spe
 normwise difference from the expanded design's outputs (y, dx, d[w1; w3], dw2, ds). Variants of the weight-
 gradient GEMM that QuACK refuses are reported, not fatal.
 
-    python benchmarks/probe_gather_gemm.py --shapes 64x1408x2048x16384x6 128x768x2048x16384x8 [--out DIR]
+    python benchmarks/gather_gemm.py --shapes 64x1408x2048x16384x6 128x768x2048x16384x8 [--out DIR]
+                                                           -> gather_gemm_1x<GPU>.{json,md}
 
 Each shape is experts x hidden x dim x tokens x top-k. Needs an SM90 GPU and quack-kernels.
 """
@@ -146,14 +148,14 @@ def main() -> None:
     p.add_argument("--out", default=None)
     a = p.parse_args()
     if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
-        raise SystemExit("probe_gather_gemm.py needs an SM90 (Hopper) GPU and quack-kernels")
+        raise SystemExit("gather_gemm.py needs an SM90 (Hopper) GPU and quack-kernels")
     rows = [measure(*shape, float(skew)) for shape in a.shapes for skew in a.skews.split(",")]
     cols = ["experts", "hidden", "dim", "tokens", "top_k", "skew", "expanded_fwd_ms", "gathered_fwd_ms",
             "expanded_bwd_ms", "gathered_bwd_ms", "speedup", "fwd_bitwise", "err_dx", "err_dw13", "err_dw2",
             "err_ds", "wgrad13"]
     table = markdown_table(rows, cols)
     print(table)
-    write_results("probe_gather_gemm", environment(), rows, table, a.out)
+    write_results("gather_gemm", environment(), rows, table, a.out)
 
 
 if __name__ == "__main__":
