@@ -45,7 +45,7 @@ class MoEEchoConfig:
     ``nvlink`` dispatcher's K-fold expansion of the received tokens is gone), and the experts' outputs are
     not kept for backward (components/moe_echo/gathered_experts.py). The ``local`` dispatcher (one EP rank)
     or ``nvlink``; bf16 experts; ECHO works; on CUDA with ``experts_gemm = "quack"`` (Hopper). Experimental:
-    ``benchmarks/probe_gather_gemm.py`` measures it against the expanded rows."""
+    ``benchmarks/gather_gemm.py`` measures it against the expanded rows."""
 
     on_overflow: Literal["replay", "stop"] = "replay"
     """When a fixed-capacity (padded) buffer overflowed: ``replay`` — the step is gated on the device
