@@ -203,14 +203,15 @@ def test_checkpoint_from_one_host_resumes_on_two(launches):
     _check_resumed(resumed_agents, resumed, trained, "4 (dp_replicate 1 x dp_shard 4, ep 4)")
 
 
-def _ended_with_exit_4(host0, elapsed, why):
-    """host 0's agent ended in time; its workers printed one error line each and no traceback, and
-    torchrun reported exit code 4 for both."""
+def _ended_with_exit_4(host0, elapsed, why, also=None):
+    """host 0's agent ended in time; its workers printed one error line each (``why``, or for all but one of
+    them ``also``) and no traceback, and torchrun reported exit code 4 for both."""
     assert host0.returncode != 0 and elapsed < TRAIN_TIMEOUT + 15, (elapsed, host0.stderr[-3000:])
     workers_part = host0.stderr.split("failed (exitcode")[0]  # before the agent's own report and traceback
     errors = re.findall(r"error: \[rank (\d+)\] (.*)", host0.stderr)
     assert sorted(r for r, _ in errors) == ["0", "1"], host0.stderr[-3000:]
-    assert all(why in line for _, line in errors), errors
+    assert any(why in line for _, line in errors), errors
+    assert all(why in line or (also is not None and also in line) for _, line in errors), errors
     assert "Traceback" not in workers_part, workers_part[-3000:]
     codes = re.findall(r"exitcode\s*: (-?\d+) \(pid", host0.stderr)
     assert sorted(codes) == ["4", "4"], (codes, host0.stderr[-3000:])
@@ -227,7 +228,8 @@ def test_a_lost_host_ends_the_run_with_exit_4_and_it_resumes_on_the_host_left(la
 
 def test_a_silent_host_ends_the_run_within_the_timeout(launches):
     (host0, _, elapsed), dump = launches["silent_host"]
-    _ended_with_exit_4(host0, elapsed, "a collective timed out")
+    # the first host-0 rank to time out exits; its neighbour may then see that connection close first
+    _ended_with_exit_4(host0, elapsed, "a collective timed out", also="lost its connection to a peer")
     assert elapsed > TRAIN_TIMEOUT - 5, elapsed  # the silence itself is not detected: the timeout ends it
     assert [s for s, _ in complete_checkpoints(os.path.join(dump, "checkpoint"))] == [SAVE_AT]
 
