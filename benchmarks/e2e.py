@@ -13,10 +13,10 @@ Runs, each a fresh process tree in a fresh folder (``<work>/<config>_<gpus>gpu_<
 All five run by default (``--runs`` picks some). "torchtitan best" is the faster of its two runs;
 ``graph_vs_eager`` = ours_graph / ours_eager, ``compile_vs_graph`` = ours_compile_graph / ours_graph.
 ``--variants "torch=--moe_echo.experts_gemm torch;quack=--moe_echo.experts_gemm quack"`` runs each of our
-runs once per variant (its arguments after ``--ours``), so variants and torchtitan share one call and
+runs once per variant (its arguments after ``--ours``), so variants and torchtitan share one invocation and
 one baseline; rows carry ``variant``. A variant whose arguments start with ``@DIR`` runs the recipe of the
 source tree at DIR (another revision, e.g. ``git archive``'s, with its own config of the same name), so a code
-change and the code before it are timed in one call: ``--variants "before=@/tmp/base;after="``.
+change and the code before it are timed in one invocation: ``--variants "before=@/tmp/base;after="``.
 Every run trains the same model flavour on the same text (Python stdlib source as .jsonl) with the
 same byte-level HF tokenizer, batch, sequence length, AdamW (fused, same lr / warmup) and bf16
 compute with fp32 master weights; no checkpoints, no activation checkpointing.
@@ -39,14 +39,14 @@ windows the median is over. MFU uses one formula for every run, torchtitan's:
         --titan "--parallelism.expert_parallel_degree 2" --label ep2
 
 ``--repeats N`` runs every run N times, in turn (A B A B ...), and reports the median of the N figures with
-``spread_pct`` = 100 · (max − min) / median: one run of a baseline varies by up to ~15% between calls, so a ratio
+``spread_pct`` = 100 · (max − min) / median: one run of a baseline varies by up to ~15% between invocations, so a ratio
 resting on one run of each carries that.
 
 Writes ``e2e_<N>x<GPU>.json`` / ``.md``, one table per GPU count N (``--nproc``) and GPU kind (rows {config,
 gpus, run, tokens_per_s_per_gpu, step_ms, mfu_pct, vs_torchtitan_best, graph_vs_eager, compile_vs_graph, variant,
 rank_load: the busiest EP rank's load over the mean in the steady window}); a file already there gets the new rows
-merged in (same config/gpus/label/run/variant replaced), so several calls build one table. ``--table NAME`` writes
-``e2e_<NAME>_<N>x<GPU>`` instead. ``--merge FILE`` merges the rows of another call's file (e.g. copied back from
+merged in (same config/gpus/label/run/variant replaced), so several invocations build one table. ``--table NAME`` writes
+``e2e_<NAME>_<N>x<GPU>`` instead. ``--merge FILE`` merges the rows of another invocation's file (e.g. copied back from
 the GPU machine that ran it), ``--labels`` / ``--runs`` picking which:
 
     python benchmarks/e2e.py --merge gpu_out/e2e_2xH200.json                  # into benchmarks/results/e2e_2xH200
@@ -144,19 +144,25 @@ components = ["model", "loss"]
 SHAPE_KEYS = ("training.local_batch_size", "training.seq_len", "model.flavor")
 
 
+def arg_value(args: str, key: str, default=None):
+    """The value ``--key value`` (or ``--key=value``) takes last in ``args``."""
+    words, value = shlex.split(args), default
+    for i, w in enumerate(words):
+        k, eq, v = w[2:].partition("=")
+        if w.startswith("--") and k == key:
+            value = v if eq else (words[i + 1] if i + 1 < len(words) else "")
+    return value
+
+
 def with_overrides(cfg: dict, args: str) -> dict:
     """``cfg`` with the batch shape and model flavour that command-line ``args`` set (``--section.key value``
     or ``=value``), so each run's step time and MFU use what it actually trained."""
     out = {k: dict(v) if isinstance(v, dict) else v for k, v in cfg.items()}
-    words = shlex.split(args)
-    for i, w in enumerate(words):
-        key, eq, value = w[2:].partition("=")
-        if not w.startswith("--") or key not in SHAPE_KEYS:
-            continue
-        if not eq:
-            value = words[i + 1] if i + 1 < len(words) else ""
-        section, name = key.split(".")
-        out.setdefault(section, {})[name] = value if name == "flavor" else int(value)
+    for key in SHAPE_KEYS:
+        value = arg_value(args, key)
+        if value is not None:
+            section, name = key.split(".")
+            out.setdefault(section, {})[name] = value if name == "flavor" else int(value)
     return out
 
 
@@ -266,7 +272,7 @@ def combine_repeats(rs: list[dict]) -> dict:
 
 
 def compare(group: list[dict]) -> None:
-    """Ratios inside one call's rows: vs the faster torchtitan run, graphed vs eager and compiled vs
+    """Ratios inside one invocation's rows: vs the faster torchtitan run, graphed vs eager and compiled vs
     graphed (the latter two within one variant)."""
     best = max((r.get("tokens_per_s_per_gpu") or 0 for r in group if r["run"].startswith("torchtitan")), default=0)
     tps = {(r["run"], r.get("variant", "")): r.get("tokens_per_s_per_gpu") for r in group}
@@ -377,7 +383,7 @@ def main():
     ap.add_argument("--ours", default="", help="extra recipe arguments")
     ap.add_argument("--titan", default="", help="extra torchtitan arguments")
     ap.add_argument("--variants", default="", help='our runs once per "NAME=ARGS;NAME=ARGS" (after --ours)')
-    ap.add_argument("--label", default="", help="names this call's rows (e.g. ep2)")
+    ap.add_argument("--label", default="", help="names this invocation's rows (e.g. ep2)")
     ap.add_argument("--timeout", type=int, default=600, help="seconds per run")
     ap.add_argument("--repeats", type=int, default=1,
                     help="run every run this many times, in turn (ABAB), and report the median and the spread")
@@ -385,8 +391,8 @@ def main():
     ap.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results"))
     ap.add_argument("--render", default=None, metavar="JSON", help="only rewrite the markdown table of this file")
     ap.add_argument("--merge", default=None, metavar="JSON",
-                    help="merge the rows of another call's e2e JSON (e.g. copied back from the GPU host that ran "
-                         "it) into --out's e2e_<N>x<GPU> files, as if this call had measured them, and rewrite their "
+                    help="merge the rows of another invocation's e2e JSON (e.g. copied back from the GPU host that ran "
+                         "it) into --out's e2e_<N>x<GPU> files, as if this invocation had measured them, and rewrite their "
                          "tables (--labels and --runs pick the rows)")
     ap.add_argument("--labels", default=None,
                     help="--merge: only rows with these labels, comma-separated; - for unlabelled rows (--labels=-,ep2)")
@@ -443,7 +449,7 @@ def main():
         group = []
         plan = [(run, v) for run in a.runs.split(",") for v in (variants if run.startswith("ours") else [("", "")])]
         repeats: dict = {}
-        for _ in range(a.repeats):  # in turn, so drift over the call touches every run alike
+        for _ in range(a.repeats):  # in turn, so drift over the invocation touches every run alike
             for run, (variant, extra) in plan:
                 r = measure(run, a, cfg_path, cfg, tok_dir, data, work, variant, extra)
                 repeats.setdefault((run, variant), []).append(r)
@@ -478,7 +484,7 @@ def table_stem(out: str, gpu: str, gpus: int, table: str = "") -> str:
 def write(rows: list[dict], env: dict, peak: float, out: str, stamp: bool = True, table: str = "") -> None:
     """Merge ``rows`` into ``<out>/e2e[_<table>]_<N>x<GPU>.json``, one file per GPU count N of the rows (a row
     replaces the one of the same config, gpus, label, run and variant), and rewrite each markdown table.
-    ``stamp``: give the rows this call's date and torch (rows merged from another call's file keep theirs); a
+    ``stamp``: give the rows this invocation's date and torch (rows merged from another invocation's file keep theirs); a
     file's env carries its newest row's date."""
     os.makedirs(out, exist_ok=True)
     key = lambda r: (r["config"], r["gpus"], r.get("label", ""), r["run"], r.get("variant", ""))  # noqa: E731
@@ -499,16 +505,6 @@ def write(rows: list[dict], env: dict, peak: float, out: str, stamp: bool = True
                       indent=1)
         print(render(stem + ".json"), flush=True)
         write_hosts(merged, env, out)
-
-
-def arg_value(args: str, key: str, default=None):
-    """The value ``--key value`` (or ``--key=value``) takes last in ``args``."""
-    words, value = shlex.split(args), default
-    for i, w in enumerate(words):
-        k, eq, v = w[2:].partition("=")
-        if w.startswith("--") and k == key:
-            value = v if eq else (words[i + 1] if i + 1 < len(words) else "")
-    return value
 
 
 def host_row(r: dict) -> dict:

@@ -162,7 +162,7 @@ def test_rank_load_is_averaged_over_the_steady_window_and_layers():
 
 @pytest.mark.slow
 def test_a_variant_runs_another_source_tree(tmp_path):
-    """``@DIR`` variants time another revision's recipe in the same call: the run executes DIR's recipe and
+    """``@DIR`` variants time another revision's recipe in the same invocation: the run executes DIR's recipe and
     code (a marker patched into that tree's recipe shows in the run's log), with DIR's own config."""
     import argparse
     import shutil

@@ -1,4 +1,4 @@
-# Sourced by run.sh: the offline install of the carried wheels (.whl/), then helpers.
+# Sourced by run.sh: the offline install of the wheels in .whl/, then helpers.
 #   recipe NAME NPROC ARGS...  the pretrain recipe on $CFG (default the v2lite_1b GPU config; no checkpoints, no
 #                              TensorBoard) into $OUT/NAME.log + $OUT/NAME.jsonl; prints the summary
 #                              lines and the metrics of the logged windows from step $FROM (default 50)
@@ -10,11 +10,11 @@ OUT=${OUT:-./gpu_out}; mkdir -p "$OUT"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
 # another revision's source tree for e2e's "@/tmp/base" variants: made here with
-#   git archive REV recipes components kernels train_configs | gzip > build/base.tgz   (carry build/base.tgz)
+#   git archive REV recipes components kernels train_configs | gzip > build/base.tgz   (copy build/base.tgz to the GPU machine)
 if [ -f build/base.tgz ]; then rm -rf /tmp/base && mkdir -p /tmp/base && tar xzf build/base.tgz -C /tmp/base; fi
 
 # QuACK (`experts_gemm = "quack"`; benchmarks/gpu/quack_offline.sh prepares it): installed once this machine
-# holds cutlass-dsl's MLIR library (`run.sh quack_unpack`, an earlier call) and .whl/extra/quack was carried.
+# holds cutlass-dsl's MLIR library (`run.sh quack_unpack`, run before on the same machine) and .whl/extra/quack is present.
 # The target path contains /site-packages/: QuACK 0.6.5 keys its compile cache by source for code outside
 # site-packages and fails on cutlass-dsl's objects otherwise.
 quack_setup() {
@@ -33,11 +33,11 @@ quack_setup || echo "quack: install failed (experts_gemm = 'quack' runs will exi
 ngpus() { nvidia-smi --query-gpu=name --format=csv,noheader | wc -l; }
 
 # megatron-core 0.16.1 and its grouped_gemm CUDA extension (nv_grouped_gemm, built for sm_90 against torch
-# 2.11+cu130) from .whl/extra/mcore into /tmp/site, for moe_layer.py's megatron_ms column. If the carried
+# 2.11+cu130) from .whl/extra/mcore into /tmp/site, for moe_layer.py's megatron_ms column. If the copied
 # extension fails a small grouped GEMM here, it is built from .whl/extra/mcore/src into build/mcore (minutes;
-# kept there for later calls). Without .whl/extra/mcore the column stays empty.
+# kept there for later runs). Without .whl/extra/mcore the column stays empty.
 megatron_setup() {
-  ls .whl/extra/mcore/*.whl > /dev/null 2>&1 || { echo "megatron: .whl/extra/mcore not carried"; return 0; }
+  ls .whl/extra/mcore/*.whl > /dev/null 2>&1 || { echo "megatron: .whl/extra/mcore not present"; return 0; }
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
     .whl/extra/mcore/*.whl || return 1
   gg_check() { python3 -c "
@@ -45,8 +45,8 @@ import torch; from grouped_gemm import ops
 a = torch.randn(8, 16, device='cuda', dtype=torch.bfloat16); b = torch.randn(2, 16, 4, device='cuda', dtype=torch.bfloat16)
 ref = torch.cat([a[:3] @ b[0], a[3:] @ b[1]]).float()
 torch.testing.assert_close(ops.gmm(a, b, torch.tensor([3, 5])).float(), ref, rtol=2e-2, atol=2e-2)"; }
-  gg_check 2> "$OUT/grouped_gemm_check.log" && { echo "grouped_gemm: carried build ok"; return 0; }
-  echo "grouped_gemm: carried build failed ($(tail -1 "$OUT/grouped_gemm_check.log")); building from source"
+  gg_check 2> "$OUT/grouped_gemm_check.log" && { echo "grouped_gemm: prebuilt extension ok"; return 0; }
+  echo "grouped_gemm: prebuilt extension failed ($(tail -1 "$OUT/grouped_gemm_check.log")); building from source"
   if ! ls build/mcore/nv_grouped_gemm-*.whl > /dev/null 2>&1; then
     CPATH=$(python3 -c "import nvidia, os; print(':'.join(os.path.join(p, 'cu13', 'include') for p in nvidia.__path__))") \
     TORCH_CUDA_ARCH_LIST=9.0 GROUPED_GEMM_FORCE_BUILD=TRUE MAX_JOBS=16 python3 -m pip wheel -q --no-index --no-deps \

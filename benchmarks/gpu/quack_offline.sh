@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
-# Prepare QuACK (`[moe_echo] experts_gemm = "quack"`) for an offline GPU machine whose calls carry at most
+# Prepare QuACK (`[moe_echo] experts_gemm = "quack"`) for an offline GPU machine that receives at most
 # 64 MiB: run here (network) from the repository root. Downloads quack-kernels and nvidia-cutlass-dsl (CUDA 13,
 # Python 3.12) with their dependencies, takes the two large shared libraries out of their wheels and xz-packs
-# them, so the install travels in two calls:
-#   .whl/extra/quack/  the wheels (without those two libraries) + rt.so.xz     (~31 MB, carried with .whl)
-#   build/quack/       ir.so.xz, cutlass-dsl's 193 MB MLIR library             (~48 MB, carried alone)
-# On the GPU machine: `bash benchmarks/gpu/run.sh quack_unpack` (carry build/quack) unpacks the MLIR library to
-# /tmp; every later call on the same warm machine that sources lib.sh (carry .whl) then installs QuACK.
+# them, so the install travels in two steps:
+#   .whl/extra/quack/  the wheels (without those two libraries) + rt.so.xz     (~31 MB, copied with .whl)
+#   build/quack/       ir.so.xz, cutlass-dsl's 193 MB MLIR library             (~48 MB, copied alone)
+# On the GPU machine: `bash benchmarks/gpu/run.sh quack_unpack` (with build/quack present) unpacks the MLIR library to
+# /tmp; every later run on the same machine that sources lib.sh (with .whl present) then installs QuACK.
 set -euo pipefail
 q=.whl/extra/quack ir=build/quack
 rm -rf "$q" "$ir" && mkdir -p "$q" "$ir"

@@ -1,14 +1,14 @@
 #!/usr/bin/env bash
 # One runner for the GPU machine: `bash benchmarks/gpu/run.sh SUITE` from the repository root, with
-# the pure-Python wheels carried in .whl/ (bash ../shared/offline-wheels.sh fills it). Logs and
-# tables go to $OUT (./gpu_out elsewhere). Each suite is sized for one 10-minute call; the suites below are
+# the pure-Python wheels in .whl/ (bash ../shared/offline-wheels.sh fills it). Logs and
+# tables go to $OUT (./gpu_out elsewhere). Each suite is sized for one 10-minute run; the suites below are
 # the commands that produced the tables in benchmarks/results/ (README.md in this folder: suite ->
 # GPUs -> results file; results are named <benchmark>[_<label>]_<N>x<GPU>). PART picks a part where a suite has several; TMO overrides a run's limit.
 # The first v2lite_6b step on a cold Triton cache compiles every kernel (minutes): give the first
 # run on a fresh machine a generous limit.
 #
-#   quack_unpack 1+  QuACK's MLIR library (benchmarks/gpu/quack_offline.sh; carry build/quack) to /tmp: later calls
-#                    on the same warm machine (carry .whl) install QuACK, so its tests and experts_gemm = "quack" run
+#   quack_unpack 1+  QuACK's MLIR library (benchmarks/gpu/quack_offline.sh; build/quack present) to /tmp: later runs
+#                    on the same machine (.whl present) install QuACK, so its tests and experts_gemm = "quack" run
 #   tests       1-2  every GPU test + the CPU tests of the step gate, profiler and checkpoints on this torch
 #   graph       4    two GPU pairs at once: graph == eager tests, overflow replay with re-capture (0,1);
 #                    EP tests, v2lite_1b EP=2 graphed with re-capture (2,3)
@@ -28,7 +28,7 @@
 #                    at the same time, every run of a config on its GPU; VARIANTS as below) | ep2 | fill | variants:
 #                    VARIANTS="name=recipe args;..." at EP=2 on CONFIGS (default v2lite_1b_gpu), our runs once per
 #                    variant against one torchtitan baseline, e.g. "quack=--moe_echo.experts_gemm quack;torch=";
-#                    "base=@/tmp/base;head=" times another revision (build/base.tgz, see lib.sh) in the same call;
+#                    "base=@/tmp/base;head=" times another revision (build/base.tgz, see lib.sh) in the same run;
 #                    REPEATS=N: every run N times in turn, the median and its spread)
 #                    -> e2e_<N>x<GPU>.md
 #   echo_tests  2    ECHO's GPU tests: graph = eager with ECHO (torch and QuACK GEMMs; QuACK's after quack_unpack),
@@ -62,7 +62,7 @@
 #   titan       2    torchtitan's own trainer with our TrainSpec (EP=2, ECHO) vs the recipe: per-step losses
 #   graph_profile 2  the graphed + compiled v2lite_1b step profiled at EP=2 (nvlink) and EP=1, one table; the
 #                    one-GPU e2e row ep1_ref -> step_breakdown_v2lite_1b_gpu_graph_compile_ep1_vs_ep2_2x<GPU>.md
-#   before_after 2   this tree against an older one checked out at PREV (git worktree add build/prev REV; carry
+#   before_after 2   this tree against an older one checked out at PREV (git worktree add build/prev REV; copy
 #                    build): dispatch at 16384x2048, v2lite_1b EP=2 nvlink graphed (capacity 2.0) with torchtitan
 #                    compiled, and both trees' eager step profiles (PART=dispatch | e2e | profile; default all)
 #   ep8         8    not run yet (needs an 8-GPU host): PART=a dispatch EP=2/8; b v2lite_1b EP=8; c scaling
@@ -74,7 +74,7 @@
 #                    vs flat padded, ECHO off/on, natural and 8 hot experts -> e2e_<N>x<GPU>.md (label hosts2),
 #                    e2e_hosts_<N>x<GPU>.md
 set -uo pipefail
-if [ "${1:-}" = quack_unpack ]; then  # call 1 of 2 for QuACK (carry build/quack only: with .whl it exceeds 64 MiB)
+if [ "${1:-}" = quack_unpack ]; then  # step 1 of 2 for QuACK (build/quack alone: with .whl it is too large to copy at once)
   xz -dc build/quack/ir.so.xz > /tmp/quack_ir.so && ls -la /tmp/quack_ir.so; exit; fi
 source benchmarks/gpu/lib.sh
 suite=${1:?usage: run.sh SUITE (see the header of benchmarks/gpu/run.sh)}
@@ -222,7 +222,7 @@ print('largest step difference over steps 1-20: %.2e at step %d' % max(rel[:20])
           --steps ${STEPS:-40} --out "$OUT" --work /tmp/e2e ${ARGS:+--ours "$ARGS"} ${LABEL:+--label "$LABEL"} \
           ${VARIANTS:+--variants "$VARIANTS"} 2>&1 | grep -v '^{' | tail -12
       done
-    elif [ "$PART" = variants ]; then  # VARIANTS="name=recipe args;..." at EP=${EP:-2} GPUs: one call, one torchtitan baseline
+    elif [ "$PART" = variants ]; then  # VARIANTS="name=recipe args;..." at EP=${EP:-2} GPUs: one run, one torchtitan baseline
       ep=${EP:-2}
       timeout ${TMO:-560} python3 benchmarks/e2e.py ${REPEATS:+--repeats $REPEATS} --configs ${CONFIGS:-v2lite_1b_gpu} --nproc $ep \
         --runs ${RUNS:-ours_compile_graph,torchtitan_compile} --label ${LABEL:-variants} --steps ${STEPS:-40} --out "$OUT" \
@@ -250,7 +250,7 @@ print('largest step difference over steps 1-20: %.2e at step %d' % max(rel[:20])
     timeout 200 python3 benchmarks/router.py --out "$OUT" 2>&1 | grep -E "^\| |rror" ;;
 
   route_layout)  # -> route_layout_1x<GPU>.md, dispatch_ep2_2x<GPU>.md: the slot-layout kernels' GPU tests, then slot_ranks graphed vs torch (and
-    # vs build/base.tgz's tree where carried), then dispatch at 16384x7168 (the routing phase in the parts table)
+    # vs build/base.tgz's tree where present), then dispatch at 16384x7168 (the routing phase in the parts table)
     P="python3 -m pytest -p no:warnings -q -rfEs -o addopts="
     timeout 200 $P tests/test_route_layout.py 2>&1 | tail -3
     base=; [ -d /tmp/base/kernels ] && base="--base /tmp/base"
@@ -270,8 +270,8 @@ print('largest step difference over steps 1-20: %.2e at step %d' % max(rel[:20])
       | grep -E "^\| " | tail -8 ;;  # LAYER=1: the layer table with its quack and quack_gathered rows
 
   gateup)  # -> gate_up_gemm_1x<GPU>.md: the one gate/up GEMM's GPU tests, then two GEMMs vs one at three expert
-    # shapes (~300 s). The whole step against the base tree is a second call: PART=variants e2e with
-    # VARIANTS="base=@/tmp/base;gateup=" (carry build/base.tgz)
+    # shapes (~300 s). The whole step against the base tree is a second run: PART=variants e2e with
+    # VARIANTS="base=@/tmp/base;gateup=" (with build/base.tgz present)
     P="python3 -m pytest -p no:warnings -q -rfE -o addopts="
     timeout 120 $P tests/test_gpu.py tests/test_kernels.py -k "gpu or swiglu" 2>&1 | tail -4
     timeout 150 $P tests/test_gpu_train.py -k "local_1gpu or padded_2gpu or resumes" 2>&1 | tail -4
