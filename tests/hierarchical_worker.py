@@ -135,6 +135,12 @@ def main():
             check_equal(out, tol, what)
             if echo and case in ("all_to_one_host", "one_hot_per_host"):
                 assert float(hier.echo_stats[2]) >= 1, f"{what}: ECHO placed no clone"
+                assert type(hier.echo.transport).__name__ == "HostTransport", what
+            if echo and case == "all_to_one_host":  # the idle host's ranks clone the busy host's experts
+                x_G, S, e = hier.echo.last_plan.slot_expert_G, hier.echo.S, hier.echo.e
+                L = world // hosts
+                remote = (x_G >= 0) & (x_G // e // L != torch.arange(x_G.numel(), device=x_G.device) // S // L)
+                assert int(remote.sum()) >= 1, f"{what}: no clone crossed hosts"
             rows = int(hier.network_rows)  # one forward (the layer was run once)
             want = expected_network_rows(hier, x, hosts)
             assert rows == want, f"{what}: {rows} rows sent between hosts, unique (token, host) pairs {want}"

@@ -412,6 +412,11 @@ def test_planner_kernel_equals_torch_loop_on_gpu():
         got = plan_echo(counts.cuda(), S, rule, kernel=True)
         for a, b in zip((ref.slot_expert_G, ref.quota_RG, ref.load_after_R), (got.slot_expert_G, got.quota_RG, got.load_after_R)):
             assert torch.equal(a, b.cpu()), (counts.shape, S, rule)
+        R = counts.shape[0]
+        if R % 2 == 0:  # two hosts: the host-aware source shares, on the device, equal the CPU's
+            ref = plan_echo(counts, S, rule, kernel=False, ranks_per_host=R // 2)
+            got = plan_echo(counts.cuda(), S, rule, kernel=True, ranks_per_host=R // 2)
+            assert torch.equal(ref.quota_RG, got.quota_RG.cpu()), (counts.shape, S, rule, "hosts")
 
 
 @pytest.mark.gpu
@@ -427,9 +432,14 @@ def test_planner_replays_in_a_cuda_graph():
     with torch.cuda.stream(stream):
         eager = plan_echo(counts, S)
     torch.cuda.current_stream().wait_stream(stream)
+    with torch.cuda.stream(stream):
+        eager_hosts = plan_echo(counts, S, ranks_per_host=4)
+    torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         plan = plan_echo(counts, S)
+        plan_hosts = plan_echo(counts, S, ranks_per_host=4)
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(plan.slot_expert_G, eager.slot_expert_G) and torch.equal(plan.quota_RG, eager.quota_RG)
+    assert torch.equal(plan_hosts.quota_RG, eager_hosts.quota_RG)

@@ -184,3 +184,40 @@ def test_fill_within_one_percent_of_milp_optimum():
     assert sum(ratios) / len(ratios) <= 1.01, ratios
     assert max(ratios) <= 1.03, ratios
     assert sum(ratios) < sum(greedy_ratios)
+
+
+def network_choices(counts_RE: torch.Tensor, plan, S: int, L: int) -> int:
+    """Assignments whose source and destination rank sit on different hosts (host = rank // L)."""
+    R, E = counts_RE.shape
+    x_G, q_RG = plan.slot_expert_G, plan.quota_RG
+    host_R = torch.arange(R) // L
+    to_slot = (q_RG * (host_R.unsqueeze(1) != (torch.arange(R * S) // S // L).unsqueeze(0))).sum()
+    moved_RE = torch.zeros(R, E, dtype=torch.int64).index_add_(1, x_G.clamp(min=0), q_RG * (x_G >= 0))
+    to_home = ((counts_RE - moved_RE) * (host_R.unsqueeze(1) != (torch.arange(E) // (E // R) // L).unsqueeze(0))).sum()
+    return int(to_slot + to_home)
+
+
+@pytest.mark.parametrize("R, E, S, L", [(2, 8, 1, 1), (4, 16, 2, 2), (8, 32, 2, 4), (8, 32, 3, 2), (4, 8, 1, 2)])
+def test_host_aware_quotas_keep_the_loads_and_cut_network_choices(R, E, S, L):
+    cases = [heavy_tailed(R, E, seed) for seed in range(4)] + [adversarial(c, R, E) for c in CASES]
+    fewer = 0
+    for counts in cases:
+        flat, hosts = plan_echo(counts, S), plan_echo(counts, S, ranks_per_host=L)
+        check_plan(counts, S, hosts)
+        assert torch.equal(hosts.slot_expert_G, flat.slot_expert_G)
+        assert torch.equal(hosts.quota_RG.sum(0), flat.quota_RG.sum(0)) and torch.equal(hosts.load_after_R, flat.load_after_R)
+        a, b = network_choices(counts, flat, S, L), network_choices(counts, hosts, S, L)
+        assert b <= a
+        fewer += b < a
+    assert fewer >= 3, "host-aware quotas never saved a network crossing on skewed loads"
+
+
+def test_host_aware_quota_takes_the_clone_hosts_tokens():
+    """2 hosts × 1 rank, expert 0 (rank 0) hot from both sources: its clone on rank 1 takes source 1's tokens."""
+    counts = torch.tensor([[100, 0], [100, 0]])
+    flat, hosts = plan_echo(counts, 1), plan_echo(counts, 1, ranks_per_host=1)
+    assert flat.slot_expert_G.tolist() == [-1, 0] and flat.quota_RG[:, 1].tolist() == [50, 50]
+    assert hosts.quota_RG[:, 1].tolist() == [0, 100]
+    assert (network_choices(counts, flat, 1, 1), network_choices(counts, hosts, 1, 1)) == (100, 0)
+    with pytest.raises(ValueError, match="do not split"):
+        plan_echo(torch.ones(4, 8, dtype=torch.int64), 1, ranks_per_host=3)

@@ -19,9 +19,13 @@ from .planner import EchoPlan, plan_echo, rank_local_ids, rewrite
 
 
 class Echo:
-    def __init__(self, num_experts: int, ep_size: int, ep_rank: int, slots_per_rank: int, rule: str, transport):
-        """``transport``: an ``echo_transport`` object (collectives or the nvlink dispatcher's peer memory)."""
+    def __init__(self, num_experts: int, ep_size: int, ep_rank: int, slots_per_rank: int, rule: str, transport,
+                 ranks_per_host: int | None = None):
+        """``transport``: an ``echo_transport`` object (collectives, the nvlink dispatcher's peer memory, or host by
+        host across hosts). ``ranks_per_host``: where the EP ranks span hosts, the ranks of one host (the planner
+        then feeds each clone from its own host's tokens first)."""
         self.E, self.R, self.rank, self.S, self.rule = num_experts, ep_size, ep_rank, slots_per_rank, rule
+        self.ranks_per_host = ranks_per_host
         self.e = num_experts // ep_size
         self.transport = transport
         # the last route()'s plan (and last_load, its echo_load_columns): the recipe logs last_load and
@@ -32,7 +36,7 @@ class Echo:
         """ids in the dispatcher's id space (dest·(e+S) + local) and the step's plan."""
         with torch.profiler.record_function("echo_route"):  # benchmarks/step_breakdown.py's "echo"
             counts_RE = self.transport.all_gather(counts_E)
-            plan = plan_echo(counts_RE, self.S, self.rule)
+            plan = plan_echo(counts_RE, self.S, self.rule, ranks_per_host=self.ranks_per_host)
             self.last_plan = plan
             self.last_load = echo_load_columns(plan, counts_RE.sum(0))
             virtual = rewrite(ids_TK, plan, self.rank, self.E)

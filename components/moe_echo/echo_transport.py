@@ -14,6 +14,10 @@ Two transports, both static-shape with no host read:
   ``all_gather``; weights by one ``all_to_all`` in which every (home, destination) pair exchanges a
   block of S expert weights (zeros where the destination's slot s clones none of the home's
   experts): R·S expert blocks leave each rank per weight, of which only the clones' are non-zero.
+- ``HostTransport`` (with the ``hierarchical`` dispatcher, EP over H hosts × L ranks): like the
+  ``hierarchical`` dispatch, a clone's weights cross the network once, between ranks of the same local
+  index; inside a host they move over the host's group. Per weight, each rank sends (H − 1)·S expert
+  blocks to other hosts (``CollectiveTransport``: (H − 1)·L·S), the same back for the gradients.
 - ``PeerMemoryTransport`` (with the ``nvlink`` dispatcher, over its symmetric-memory workspace):
   counts written into every peer's buffer; each home rank writes exactly its cloned experts into the
   clone ranks' slot buffers, and in backward pulls the clones' gradients from them.
@@ -25,6 +29,7 @@ import torch.distributed as dist
 from kernels.peer_rows import peer_gather_sum, peer_scatter
 
 from .comm import all_to_all
+from .hierarchical_dispatch import HierarchicalDispatcher
 from .nvlink_dispatch import NVLinkDispatcher, all_gather_rows
 
 
@@ -73,6 +78,79 @@ class CollectiveTransport:
         return rows, (my_x >= 0).unsqueeze(1)
 
 
+class HostTransport(CollectiveTransport):
+    """Clone weights host by host (EP rank r = h·L + l: host h, local index l). Forward, two all_to_alls:
+        host leg (``host_group``): home rank → local peer j: H·S blocks, the slots of ranks (k, j) for every
+            host k, each its weights if it clones one of my experts (else zeros); peer j keeps, per slot, the
+            block of the rank of its host that owns the slot's expert;
+        network leg (``net_group``, the H ranks of local index j): block k to host k's rank j, whose slot s
+            takes the block from its expert's home host.
+    Backward reverses both legs. Counts are gathered over the whole EP group, as in ``CollectiveTransport``."""
+
+    def __init__(self, group, ep_size: int, rank: int, slots: int, local_experts: int, ranks_per_host: int,
+                 net_group, host_group):
+        super().__init__(group, ep_size, rank, slots, local_experts)
+        self.L, self.H = ranks_per_host, ep_size // ranks_per_host
+        self.net_group, self.host_group = net_group, host_group
+        self.ranks_per_host = ranks_per_host
+
+    def _relay(self, x_G: torch.Tensor):
+        """For the slots of ranks (k, l), k = 0..H-1 (l: my local index) [H·S]: their slots g, the row of the
+        host leg's receive buffer that holds each (block of the home rank's local index), whether the expert
+        is homed on my host."""
+        H, L, S, e, dev = self.H, self.L, self.S, self.e, x_G.device
+        h, l = divmod(self.rank, L)
+        g_N = ((torch.arange(H, device=dev) * L + l) * S).unsqueeze(1) + torch.arange(S, device=dev)
+        g_N = g_N.flatten()
+        x_N = x_G.index_select(0, g_N)
+        home_N = x_N.clamp(min=0) // e
+        here_N = (x_N >= 0) & (home_N // L == h)
+        return (home_N % L) * (H * S) + torch.arange(H * S, device=dev), here_N.unsqueeze(1)
+
+    def _peer_slots(self, x_G: torch.Tensor):
+        """Slots g of ranks (k, j) in host-leg block order [L·H·S] (block j: ranks of local index j)."""
+        H, L, S, dev = self.H, self.L, self.S, x_G.device
+        k_H1 = torch.arange(H, device=dev).view(1, H, 1)
+        j_L1 = torch.arange(L, device=dev).view(L, 1, 1)
+        return ((k_H1 * L + j_L1) * S + torch.arange(S, device=dev)).flatten()
+
+    def _home_rows(self, x_G: torch.Tensor):
+        """My slots' rows in the network leg's blocks (block = the expert's home host) [S], and whether used."""
+        my_x = x_G[self.rank * self.S:(self.rank + 1) * self.S]
+        rows = (my_x.clamp(min=0) // (self.e * self.L)) * self.S + torch.arange(self.S, device=x_G.device)
+        return rows, (my_x >= 0).unsqueeze(1)
+
+    def clones(self, w_eX: torch.Tensor, slot_expert_G: torch.Tensor, index: int = 0) -> torch.Tensor:
+        x_G, e = slot_expert_G, self.e
+        flat = w_eX.reshape(e, -1)
+        x_P = x_G.index_select(0, self._peer_slots(x_G))
+        mine_P = ((x_P >= 0) & (x_P // e == self.rank)).unsqueeze(1)
+        send = flat.index_select(0, (x_P % e).clamp(min=0)) * mine_P.to(flat.dtype)
+        recv = all_to_all(send, None, None, self.host_group)  # block j': local rank j''s experts for my slots' peers
+        rows, here = self._relay(x_G)
+        relay = recv.index_select(0, rows) * here.to(flat.dtype)  # [H·S]: block k for the slots of rank (k, l)
+        got = all_to_all(relay, None, None, self.net_group)  # block k': from host k', for my slots homed there
+        rows, used = self._home_rows(x_G)
+        return (got.index_select(0, rows) * used.to(flat.dtype)).view(self.S, *w_eX.shape[1:])
+
+    def clone_grads(self, grad_SX: torch.Tensor, slot_expert_G: torch.Tensor, index: int = 0):
+        x_G, e, S = slot_expert_G, self.e, self.S
+        flat = grad_SX.reshape(S, -1)
+        rows, used = self._home_rows(x_G)
+        to_home = flat.new_zeros(self.H * S, flat.shape[1]).index_copy_(0, rows, flat * used.to(flat.dtype))
+        got = all_to_all(to_home, None, None, self.net_group)  # block k: rank (k, l)'s slot gradients homed here
+        rows, here = self._relay(x_G)
+        relay = flat.new_zeros(self.L * self.H * S, flat.shape[1]).index_copy_(0, rows, got * here.to(flat.dtype))
+        back = all_to_all(relay, None, None, self.host_group)  # block j': the slots of ranks (k, j'), mine or zeros
+        grad_G = flat.new_zeros(x_G.shape[0], flat.shape[1]).index_copy_(0, self._peer_slots(x_G), back)
+        mine_G = ((x_G >= 0) & (x_G // e == self.rank)).unsqueeze(1)
+        return (x_G % e).clamp(min=0), (grad_G * mine_G.to(flat.dtype)).view(-1, *grad_SX.shape[1:])
+
+    def bytes_to_other_hosts(self, expert_bytes: int, ranks_per_host: int) -> int:
+        """One block of S experts to each other host's rank of my local index, forward and backward."""
+        return 2 * (self.H - 1) * self.S * expert_bytes
+
+
 class PeerMemoryTransport:
     """Counts and clone weights over the ``nvlink`` dispatcher's peer memory (its workspace and CTAs). Forward:
     every home rank writes each of its experts that a slot clones straight into that slot's row of the clone
@@ -119,7 +197,11 @@ class PeerMemoryTransport:
 
 
 def build_transport(dispatcher, group, ep_size: int, rank: int, slots: int, local_experts: int):
-    """Peer memory when the layer dispatches over NVLink, the group's collectives otherwise."""
+    """Peer memory when the layer dispatches over NVLink, host by host when it dispatches across hosts
+    (``hierarchical``), the group's collectives otherwise."""
+    if isinstance(dispatcher, HierarchicalDispatcher):
+        return HostTransport(group, ep_size, rank, slots, local_experts, dispatcher.ranks_per_host,
+                             dispatcher.net_group, dispatcher.host_leg.group)
     if isinstance(dispatcher, NVLinkDispatcher):
         return PeerMemoryTransport(dispatcher.ws, dispatcher.name, rank, slots, local_experts, dispatcher.programs)
     return CollectiveTransport(group, ep_size, rank, slots, local_experts)

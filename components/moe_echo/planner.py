@@ -33,7 +33,11 @@ minimise the makespan max_d load_d. Rule "fill" (default; all integer):
     roomiest rank / the fullest rank that takes it all, never into an overloaded rank.
 Per slot, the sources' shares: the moved assignments of expert x are laid source by source, each
 source contributing in proportion to its count (cumulative rounding, exact integer sums), and
-the slots of x cut consecutive ranges of that line.
+the slots of x cut consecutive ranges of that line. Across hosts (``ranks_per_host`` L < R, host =
+rank // L) the shares change, the loads do not: each slot first draws from the sources on its own
+host (one line per (x, host), as above), then what it still needs from what every source has left
+of x (one line per x). A clone thus takes tokens that would otherwise have crossed to the home's host
+before any that must cross to it, so it adds network rows only where its host has too few of x's.
 Complexity: 2 rounds × R·S sequential steps, each O(B·(E + R)) vectorised element ops. On GPU each
 round is one Triton launch of B programs, one target each (kernels/echo_plan.py): as many
 sequential steps per round as the one-pass rules at most (a candidate stops at its first step that
@@ -64,8 +68,10 @@ class EchoPlan:
     load_after_R: torch.Tensor  # [R] int64
 
 
-def plan_echo(counts_RE: torch.Tensor, slots_per_rank: int, rule: str = "fill", kernel: bool | None = None) -> EchoPlan:
-    """``kernel``: use the Triton version of the slot loop (default: on CUDA)."""
+def plan_echo(counts_RE: torch.Tensor, slots_per_rank: int, rule: str = "fill", kernel: bool | None = None,
+              ranks_per_host: int | None = None) -> EchoPlan:
+    """``kernel``: use the Triton version of the slot loop (default: on CUDA). ``ranks_per_host`` (L, dividing
+    R; default R = one host): EP rank r lives on host r // L; below R the source shares prefer each clone's host."""
     if rule not in RULES:
         raise ValueError(f"echo planner rule {rule!r}: expected one of {RULES}")
     R, E = counts_RE.shape
@@ -75,6 +81,12 @@ def plan_echo(counts_RE: torch.Tensor, slots_per_rank: int, rule: str = "fill", 
     load_R = L_E.view(R, e).sum(1)
     load_before = load_R  # never written in place: every path below rebinds load_R
     use_kernel = kernel if kernel is not None else echo_plan.can_use_kernel(counts_RE)
+    if ranks_per_host is not None and ranks_per_host < R:
+        if R % ranks_per_host:
+            raise ValueError(f"echo planner: {R} EP ranks do not split into hosts of {ranks_per_host}")
+        plan = plan_echo(counts_RE, S, rule, kernel)
+        quota = host_source_quotas(counts_RE, plan.slot_expert_G, plan.quota_RG.sum(0), S, ranks_per_host)
+        return EchoPlan(plan.slot_expert_G, quota, plan.load_before_R, plan.load_after_R)
     if rule == "fill":
         if use_kernel:  # four launches on GPU: two search rounds, the selection, the quotas
             slot_expert, slot_amount, slot_start, load_R, moved_E = echo_plan.fill_search(L_E, load_R, S, SEARCH_TARGETS)
@@ -206,13 +218,47 @@ def _source_quotas(counts_RE, slot_expert_G, slot_amount_G, slot_start_G, moved_
     x_G = slot_expert_G.clamp(min=0)
     used_G = slot_expert_G >= 0
     c_RG = counts_RE.index_select(1, x_G)
+    return _cut_line(c_RG, moved_E.index_select(0, x_G), slot_start_G, slot_amount_G) * used_G
+
+
+def _cut_line(c_RG, N_G, start_G, amount_G):
+    """[R, G]: sources laid on a line of N_G assignments, each a contiguous range in proportion to c_RG
+    (cumulative rounding; N_G <= Σ_r c_RG, so no source gives more than its count); slot g takes the
+    part of [start_g, start_g + amount_g) each range covers."""
     cum_RG = torch.cumsum(c_RG, 0)
-    L_G = cum_RG[-1].clamp(min=1)
-    M_G = moved_E.index_select(0, x_G)
-    hi = cum_RG * M_G // L_G  # end of source r's range on the line
-    lo = (cum_RG - c_RG) * M_G // L_G  # its start
-    q = torch.minimum(hi, slot_start_G + slot_amount_G) - torch.maximum(lo, slot_start_G)
-    return q.clamp(min=0) * used_G
+    total_G = cum_RG[-1].clamp(min=1)
+    hi = cum_RG * N_G // total_G  # end of source r's range on the line
+    lo = (cum_RG - c_RG) * N_G // total_G  # its start
+    return (torch.minimum(hi, start_G + amount_G) - torch.maximum(lo, start_G)).clamp(min=0)
+
+
+def host_source_quotas(counts_RE, slot_expert_G, slot_amount_G, slots_per_rank: int, ranks_per_host: int):
+    """quota_RG with each slot's sources on its own host first (module docstring). slot_amount_G: what each
+    slot takes (Σ_r quota_RG of any split); the result has the same column sums, and Σ_g quota ≤ counts per
+    (source, expert). Static shapes, no host read ([G, G] masks; G = R·S)."""
+    R, E = counts_RE.shape
+    G, dev = slot_expert_G.shape[0], counts_RE.device
+    used_G = slot_expert_G >= 0
+    x_G = slot_expert_G.clamp(min=0)
+    amount_G = slot_amount_G * used_G
+    c_RG = counts_RE.index_select(1, x_G)
+    g_G = torch.arange(G, device=dev)
+    host_G = g_G // (slots_per_rank * ranks_per_host)
+    local_RG = (torch.arange(R, device=dev) // ranks_per_host).unsqueeze(1) == host_G.unsqueeze(0)
+    same_x_GG = (x_G.unsqueeze(1) == x_G.unsqueeze(0)) & used_G.unsqueeze(1) & used_G.unsqueeze(0)
+    earlier_GG = g_G.unsqueeze(0) < g_G.unsqueeze(1)  # [g, g']: g' comes before g
+    same_host_GG = same_x_GG & (host_G.unsqueeze(1) == host_G.unsqueeze(0))
+    # pass 1: the slots of x on host h cut one line of host h's sources, as long as the shorter of the two
+    c1_RG = c_RG * local_RG
+    want_G = (same_host_GG * amount_G).sum(1)
+    start1_G = (same_host_GG & earlier_GG).mul(amount_G).sum(1)
+    q1_RG = _cut_line(c1_RG, torch.minimum(want_G, c1_RG.sum(0)), start1_G, amount_G)
+    # pass 2: what the slots still need, from what each source has left of x (one line per x)
+    taken_RE = torch.zeros(R, E, dtype=q1_RG.dtype, device=dev).index_add_(1, x_G, q1_RG * used_G)
+    rest_RG = c_RG - taken_RE.index_select(1, x_G)
+    need_G = amount_G - q1_RG.sum(0)
+    q2_RG = _cut_line(rest_RG, (same_x_GG * need_G).sum(1), (same_x_GG & earlier_GG).mul(need_G).sum(1), need_G)
+    return (q1_RG + q2_RG) * used_G
 
 
 def rewrite(ids_TK: torch.Tensor, plan: EchoPlan, rank: int, num_experts: int) -> torch.Tensor:

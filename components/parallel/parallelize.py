@@ -59,7 +59,8 @@ def apply_expert_parallel(moe: MoELayer, ep_mesh, cfg) -> None:
     moe.ep_size = ep
     if cfg.echo:
         transport = build_transport(moe.dispatcher, ep_mesh.get_group(), ep, rank, slots, moe.num_experts // ep)
-        moe.echo = Echo(moe.num_experts, ep, rank, slots, cfg.echo_planner, transport)
+        per_host = hosts.ranks_per_host if hosts is not None and hosts.spans_hosts else None
+        moe.echo = Echo(moe.num_experts, ep, rank, slots, cfg.echo_planner, transport, ranks_per_host=per_host)
 
 
 def _fastest_backend(model, mesh, dims, cfg, device) -> str:
