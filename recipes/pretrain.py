@@ -7,7 +7,8 @@ Reads top to bottom: config and processes → tokenizer + data → model (EP-sha
 optimizer, lr schedule, step gate → resume → the step (forward, backward, clip, gated optimizer
 step, router-bias update) → the loop (components/train/loop.py: steps confirmed one step late,
 overflowed ones replayed exactly, non-finite ones skipped; logs, checkpoints, summary).
-Exit codes: 2 bad input, 3 too many non-finite steps, 4 a peer rank hung or died (components/train/entry.py).
+Exit codes: 2 bad input, 3 too many non-finite steps, 4 a peer rank hung or died, 130 / 143 stopped by
+SIGINT (Ctrl-C) / SIGTERM (components/train/entry.py).
 """
 
 import sys
@@ -22,11 +23,13 @@ from components.train.loop import fit
 from components.train.loss import build_loss
 from components.train.moe_balance import balance_experts
 from components.train.overflow import stop_on_overflow
-from components.train.setup import build_data, build_parallel_model, build_training, resume, start
+from components.train.setup import (build_data, build_parallel_model, build_training, resume, start,
+                                    verify_initial_weights)
 
 
 def train(argv: list[str]) -> None:
     run = start(argv)  # config, processes, device meshes
+    verify_initial_weights(run)  # [checkpoint] initial_load_path's checksums, before anything is built
     t = run.cfg.training
     tokenizer, loader = build_data(run)
     model, n_params, flops_per_token = build_parallel_model(run, tokenizer)

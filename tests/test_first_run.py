@@ -169,7 +169,7 @@ def test_finetune_from_a_damaged_checkpoint_is_one_line_naming_the_file(tmp_path
     data = sorted(f for f in os.listdir(step_dir) if f.endswith(".distcp"))
     with open(os.path.join(step_dir, data[0]), "r+b") as f:  # the tail: the optimizer state, not the weights
         f.truncate(os.path.getsize(os.path.join(step_dir, data[0])) - 64)
-    for recipe, name in ((FINETUNE, "ft"),):
+    for recipe, name in ((FINETUNE, "ft"), (RECIPE, "pt")):  # pretrain's initial_load_path is checked alike
         p = subprocess.run([sys.executable, recipe, "--job.config_file", CONFIG, "--job.dump_folder",
                             str(tmp_path / name), *SMALL, "--training.steps", "2", "--checkpoint.initial_load_path",
                             step_dir], capture_output=True, text=True, env=ENV, timeout=600)

@@ -9,8 +9,7 @@ GEMMs (``torch._scaled_grouped_mm``: Hopper FP8, fp32 accumulation, bf16 out):
 The three weight-gradient GEMMs stay in bf16 (``torch._grouped_mm`` on the bf16 x, h, dy, da, db): in
 FP8 (2d×2d ``torch._scaled_grouped_mm``, groups 16-aligned along the reduction) they measure 1.24× / 0.97×
 the bf16 ones at ``moe_layer.py``'s two shapes on H200, before the transposed, group-scaled FP8 copies of
-x, h, dy and [da | db] they read are written — which cost more than that saves
-(``benchmarks/probe_fp8_wgrad.py``).
+x, h, dy and [da | db] they read are written — which cost more than that saves (docs/performance.md, FP8 experts).
 
 Scaling (dequantisation multipliers, powers of two, computed on the device): activations and
 output gradients one scale per row; weights one scale per expert (w1 and w3 share it), so the
