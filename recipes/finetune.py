@@ -39,12 +39,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 
 from components.errors import UserError
 from components.parallel.data_parallel import allreduce_sum
-from components.parallel.grad_norm import clip_grad_norm_
 from components.train.entry import run_recipe
 from components.train.loop import fit
 from components.train.loss import build_loss
 from components.train.moe_balance import balance_experts
-from components.train.overflow import stop_on_overflow
 from components.train.setup import (build_data, build_parallel_model, build_training, resume, start,
                                     verify_initial_weights)
 
@@ -79,7 +77,7 @@ def finetune_schedule(cfg, argv: list[str]) -> str:
 
 def finetune(argv: list[str]) -> None:
     run = start(argv)
-    ckpt, m, t = run.cfg.checkpoint, run.cfg.model, run.cfg.training
+    ckpt, m = run.cfg.checkpoint, run.cfg.model
     if not ckpt.initial_load_path:  # weights are required; torchtitan's default for HF: hf_assets_path
         if not (ckpt.initial_load_in_hf and m.hf_assets_path != "bytes"):
             raise UserError("finetune needs --checkpoint.initial_load_path PATH: a step-N folder written by "
@@ -93,7 +91,7 @@ def finetune(argv: list[str]) -> None:
     if not resume(run, tr, model):  # this run's own checkpoint wins; else the pretrained weights
         return
     run.say(schedule)
-    optimizer, gate, layers = tr.optimizer, tr.gate, tr.layers
+    optimizer, layers = tr.optimizer, tr.layers
     cross_entropy = build_loss(run.cfg.compile, run.device)  # fused kernels on CUDA (components/train/loss.py)
 
     def loss_fn(inputs_BS, labels_BS):
@@ -104,10 +102,7 @@ def finetune(argv: list[str]) -> None:
     def device_step(inputs_BS, labels_BS):
         loss = loss_fn(inputs_BS, labels_BS)
         loss.backward()
-        grad_norm = clip_grad_norm_(list(model.parameters()), t.max_norm, tr.scale_into)
-        skip = gate.gate(loss, grad_norm) if gate is not None else None
-        if tr.fixed and not tr.replay:
-            stop_on_overflow(layers, tr.state.step, run.cfg.moe_echo.capacity_factor)
+        grad_norm, skip = tr.clip_and_gate(model, loss)  # skip: device flag (overflow / non-finite), read a step late
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         counts_LE, echo, net_L = balance_experts(layers, skip)

@@ -17,12 +17,10 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without install
 
 from components.parallel.data_parallel import allreduce_sum
-from components.parallel.grad_norm import clip_grad_norm_
 from components.train.entry import run_recipe
 from components.train.loop import fit
 from components.train.loss import build_loss
 from components.train.moe_balance import balance_experts
-from components.train.overflow import stop_on_overflow
 from components.train.setup import (build_data, build_parallel_model, build_training, resume, start,
                                     verify_initial_weights)
 
@@ -30,13 +28,12 @@ from components.train.setup import (build_data, build_parallel_model, build_trai
 def train(argv: list[str]) -> None:
     run = start(argv)  # config, processes, device meshes
     verify_initial_weights(run)  # [checkpoint] initial_load_path's checksums, before anything is built
-    t = run.cfg.training
     tokenizer, loader = build_data(run)
     model, n_params, flops_per_token = build_parallel_model(run, tokenizer)
     tr = build_training(run, model, loader)  # precision, optimizer, lr schedule, step gate, checkpoint states
     if not resume(run, tr, model):  # the run's own checkpoint, else [checkpoint] initial_load_path
         return
-    optimizer, gate, layers = tr.optimizer, tr.gate, tr.layers
+    optimizer, layers = tr.optimizer, tr.layers
     cross_entropy = build_loss(run.cfg.compile, run.device)  # fused kernels on CUDA (components/train/loss.py)
 
     def loss_fn(inputs_BS, labels_BS):
@@ -48,10 +45,7 @@ def train(argv: list[str]) -> None:
         """No host read (a CUDA graph captures this whole function), except on_overflow = 'stop'."""
         loss = loss_fn(inputs_BS, labels_BS)
         loss.backward()
-        grad_norm = clip_grad_norm_(list(model.parameters()), t.max_norm, tr.scale_into)  # clipped in the step
-        skip = gate.gate(loss, grad_norm) if gate is not None else None  # device flags, read one step late
-        if tr.fixed and not tr.replay:  # on_overflow = "stop": host read every step
-            stop_on_overflow(layers, tr.state.step, run.cfg.moe_echo.capacity_factor)
+        grad_norm, skip = tr.clip_and_gate(model, loss)  # skip: device flag (overflow / non-finite), read a step late
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         counts_LE, echo, net_L = balance_experts(layers, skip)  # aux-loss-free bias step from the global counts

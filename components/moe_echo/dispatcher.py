@@ -40,6 +40,7 @@ class DispatchHandle:
 class Dispatcher(ABC):
     sync_free = False  # True: no host read on the step path (the step can be captured in a CUDA graph)
     fixed_capacity = False  # True: may overflow (counted in handle.dropped; the loop gates and replays)
+    communicates = True  # False: one rank, nothing crosses (no side stream to hide communication behind)
 
     @abstractmethod
     def dispatch(
@@ -96,6 +97,7 @@ class LocalDispatcher(Dispatcher):
     N = T·K exactly. Everything stays on device: no host read, no boolean masks."""
 
     sync_free = True
+    communicates = False
 
     def __init__(self, num_experts: int):
         self.num_experts = num_experts

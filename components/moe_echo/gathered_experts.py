@@ -25,6 +25,7 @@ Off CUDA the same decomposition runs in torch, one expert at a time (host reads:
 references only), so the CPU tests check the algebra the kernels implement.
 """
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -33,6 +34,7 @@ import torch.nn.functional as F
 from components.errors import UserError
 from kernels.moe_rows import gather_sum
 
+from .dispatcher import LocalDispatcher
 from .nvlink_dispatch import (NVLinkDispatcher, NVLinkHandle, grad_tokens, nvlink_capacity, pull_grad_w, send_tokens,
                               sum_back)
 
@@ -151,6 +153,21 @@ class _NVLinkGathered(torch.autograd.Function):
         # every rank has read its grad_tok (the barrier above): it now takes the per-token input-row sums
         dx_TD = sum_back(disp, h, dx_ND, gt, weighted=False, out_dtype=h.x_dtype)
         return dx_TD, grad_w_TK, dw13, dw2, None, None, None
+
+
+def gathered_rows(dispatcher, x_TD: torch.Tensor, ids_TK: torch.Tensor, w_TK: torch.Tensor):
+    """How the experts read this step's token rows themselves: (run, handle). run(w13, w2) -> the routed experts'
+    y_TD; handle: the dispatch handle whose overflow the layer counts (None on one rank). One rank (``local``
+    dispatcher: rows by index into x_TD) or EP over ``nvlink`` (tokens cross once per rank); the other
+    dispatchers deliver expert-major rows only (one-line error)."""
+    if isinstance(dispatcher, LocalDispatcher):
+        layout = RowLayout.of(*dispatcher.rows(ids_TK))
+        return functools.partial(gathered_swiglu_combine, x_TD, w_TK=w_TK, layout=layout), None
+    if isinstance(dispatcher, NVLinkDispatcher):
+        x_c, counts_e, h = dispatcher.route(x_TD, ids_TK, w_TK)
+        return functools.partial(nvlink_gathered_swiglu_combine, x_c, counts_e=counts_e, disp=dispatcher, h=h), h
+    raise UserError(f"[moe_echo] gathered_experts = true needs the local or nvlink dispatcher, not "
+                    f"{type(dispatcher).__name__}: set gathered_experts = false")
 
 
 def nvlink_gathered_swiglu_combine(x_TD: torch.Tensor, w13_E2HD: torch.Tensor, w2_EDH: torch.Tensor,

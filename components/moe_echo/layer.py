@@ -28,7 +28,6 @@ be False, as in every DeepSeek and Qwen3 flavour). The sequence-level auxiliary 
 the training loss through the backward pass (``_AddAuxLossGrad``), so no loss function changes.
 """
 
-import functools
 
 import torch
 import torch.utils.checkpoint
@@ -42,8 +41,7 @@ from .config import MoEEchoConfig
 from .dispatcher import Dispatcher, LocalDispatcher
 from .echo import echo_stats
 from .experts import GroupedExperts, SwiGLU
-from .gathered_experts import RowLayout, gathered_swiglu_combine, nvlink_gathered_swiglu_combine
-from .nvlink_dispatch import NVLinkDispatcher
+from .gathered_experts import gathered_rows
 from .router import TopKRouter, sequence_aux_loss, updated_expert_bias
 
 
@@ -193,19 +191,12 @@ class MoELayer(nn.Module):
         return None if plan is None else (lambda w, i, out=None: self.echo.local_weights(w, plan, i, out))
 
     def _gathered(self, x_TD, ids_TK, w_TK, plan) -> torch.Tensor:
-        """The experts read token rows themselves and apply the combine (``gathered_experts``): one rank (local
-        dispatcher), or EP over the ``nvlink`` dispatcher (ECHO's clones included)."""
-        if isinstance(self.dispatcher, LocalDispatcher):
-            layout = RowLayout.of(*self.dispatcher.rows(ids_TK))
-            run = functools.partial(gathered_swiglu_combine, x_TD, w_TK=w_TK, layout=layout)  # run(w13, w2)
-            return self._experts(None, None, apply=run).to(x_TD.dtype)
-        if isinstance(self.dispatcher, NVLinkDispatcher):
-            x_c, counts_e, h = self.dispatcher.route(x_TD, ids_TK, w_TK)
-            self._count_overflow(h)
-            run = functools.partial(nvlink_gathered_swiglu_combine, x_c, counts_e=counts_e, disp=self.dispatcher, h=h)
-            return self._experts(None, None, extend=self._extend(plan), apply=run)
-        raise ValueError(f"[moe_echo] gathered_experts = true needs the local or nvlink dispatcher, not "
-                         f"{type(self.dispatcher).__name__}: set gathered_experts = false")
+        """The experts read token rows themselves and apply the combine (``gathered_experts``; ECHO's clones
+        included at EP > 1)."""
+        run, handle = gathered_rows(self.dispatcher, x_TD, ids_TK, w_TK)
+        if handle is not None:
+            self._count_overflow(handle)
+        return self._experts(None, None, extend=self._extend(plan), apply=run).to(x_TD.dtype)
 
     def enable_compute_copies(self) -> None:
         """The experts' optimizer-written compute copies (``GroupedExperts.enable_compute_copies``), with ECHO's
@@ -224,7 +215,7 @@ class MoELayer(nn.Module):
         mode = self.cfg.shared_experts_stream
         if self.shared_experts is None or not x_TD.is_cuda or mode == "off":
             return None
-        if mode == "auto" and isinstance(self.dispatcher, LocalDispatcher):
+        if mode == "auto" and not self.dispatcher.communicates:
             return None
         return side_stream(x_TD.device, "shared_experts")
 

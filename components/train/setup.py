@@ -25,6 +25,7 @@ from components.moe_echo.quack_experts import check_quack_supported
 from components.moe_echo.models import build_model, model_args_for, moe_layers, shape_overrides
 from components.parallel.cuda_graph import make_capturable
 from components.parallel.data_parallel import init_distributed
+from components.parallel.grad_norm import clip_grad_norm_
 from components.parallel.mesh import Meshes, ParallelDims, build_mesh, parallel_dims
 from components.parallel.parallelize import parallelize
 
@@ -34,7 +35,7 @@ from .data import TokenBatchLoader, build_token_stream
 from .hf_weights import load_initial_weights
 from .master_adamw import masters_in_model, refresh_compute_copies
 from .optim import build_lr_scheduler, build_optimizer
-from .overflow import StepGate
+from .overflow import StepGate, stop_on_overflow
 from .tokenizer import build_tokenizer
 from .train_state import LRSchedule, ModelAndOptimizer, TrainState
 
@@ -79,6 +80,20 @@ class Training:
     fixed: bool  # a fixed-capacity dispatcher (nvlink, padded) runs the step
     replay: bool  # its overflowed steps are replayed exactly (else: the run stops)
     ckpt_dir: str
+    max_norm: float  # [training] max_norm
+    capacity_factor: float  # [moe_echo] capacity_factor as configured (named by on_overflow = "stop")
+
+    def clip_and_gate(self, model: torch.nn.Module, loss: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """After backward, before the optimizer step: clip the gradients to ``max_norm`` (inside the optimizer's
+        step where it divides by a ``grad_scale``) and decide on the device whether the step is applied. Returns
+        (gradient norm, skip flag or None); the flag (an overflowed or non-finite step) makes the optimizer step a
+        no-op and is read by the host one step late. With on_overflow = "stop" this reads the overflow count
+        (a host read: the step cannot be captured) and raises if anything overflowed."""
+        grad_norm = clip_grad_norm_(list(model.parameters()), self.max_norm, self.scale_into)
+        skip = self.gate.gate(loss, grad_norm) if self.gate is not None else None
+        if self.fixed and not self.replay:
+            stop_on_overflow(self.layers, self.state.step, self.capacity_factor)
+        return grad_norm, skip
 
 
 def start(argv: list[str]) -> Run:
@@ -168,7 +183,7 @@ def build_training(run: Run, model: torch.nn.Module, loader: TokenBatchLoader) -
                      check_finite=t.max_nonfinite_steps > 0) if gated else None)
     ckpt_dir = os.path.join(cfg.job.dump_folder, cfg.checkpoint.folder)
     return Training(layers, optimizer, scheduler, gate, state, states, autocast, master, scale_into, fixed, replay,
-                    ckpt_dir)
+                    ckpt_dir, t.max_norm, cfg.moe_echo.capacity_factor)
 
 
 def use_copies(run: Run, model: torch.nn.Module) -> bool:
