@@ -15,6 +15,9 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without install
+from components.train.starting import stop_while_starting  # noqa: E402
+
+stop_while_starting()  # Ctrl-C during the imports below: one line, no traceback
 
 from components.parallel.data_parallel import allreduce_sum
 from components.train.entry import run_recipe

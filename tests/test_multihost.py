@@ -300,7 +300,7 @@ def test_slurm_script_launches_one_agent_per_node(tmp_path):
     for nodes in (2, 4):
         line = _sbatch_line(tmp_path, nodes)
         assert line[:3] == ["--ntasks-per-node", "1", "--kill-on-bad-exit=1"], line
-        assert line[3] == os.path.join(ROOT, ".venv", "bin", "torchrun")
+        assert line[3] == os.path.join(ROOT, ".venv", "bin", "moe-echo-run")  # torchrun, same arguments
         args = get_args_parser().parse_args(line[4:])  # torchrun's own parser
         assert (args.nnodes, args.nproc_per_node, args.rdzv_backend) == (str(nodes), "8", "c10d")
         assert args.rdzv_endpoint == "gpu-a17:29500" and args.training_script == "recipes/pretrain.py"

@@ -33,6 +33,7 @@ import torch.distributed as dist
 from components.errors import NonFiniteError, PeerTimeoutError, UserError
 
 from .config import help_text
+from .starting import STARTING_LINE
 
 _QUIET_RANK_DELAY_S = 3.0
 _LOST_PEER = ("connection closed by peer", "connection reset by peer", "remote process exited")
@@ -83,7 +84,7 @@ class StopRequest:
 
     def line(self) -> str:
         if self.step is None:
-            return "stopped while starting, before the first step; run the same command to start again"
+            return STARTING_LINE
         from .checkpoint import complete_checkpoints
 
         done = complete_checkpoints(self.folder) if self.folder else []
