@@ -141,7 +141,19 @@ components = ["model", "loss"]
     return path
 
 
-SHAPE_KEYS = ("training.local_batch_size", "training.seq_len", "model.flavor")
+def _run_shape_keys() -> tuple[str, ...]:
+    """The keys that change a run's step time and FLOPs: batch shape, flavour, and the ``[model]`` size keys."""
+    from components.moe_echo.models import SHAPE_KEYS as MODEL_SIZE_KEYS
+
+    return ("training.local_batch_size", "training.seq_len", "model.flavor", *(f"model.{k}" for k in MODEL_SIZE_KEYS))
+
+
+def model_args_of(cfg: dict):
+    """The model args a run built: its flavour with the ``[model]`` size keys it set."""
+    from components.moe_echo.models import SHAPE_KEYS as MODEL_SIZE_KEYS, model_args_for
+
+    m = cfg["model"]
+    return model_args_for(m["name"], m["flavor"], {k: int(m[k]) for k in MODEL_SIZE_KEYS if k in m})
 
 
 def arg_value(args: str, key: str, default=None):
@@ -155,10 +167,10 @@ def arg_value(args: str, key: str, default=None):
 
 
 def with_overrides(cfg: dict, args: str) -> dict:
-    """``cfg`` with the batch shape and model flavour that command-line ``args`` set (``--section.key value``
-    or ``=value``), so each run's step time and MFU use what it actually trained."""
+    """``cfg`` with the batch shape, model flavour and ``[model]`` sizes that command-line ``args`` set
+    (``--section.key value`` or ``=value``), so each run's step time and MFU use what it actually trained."""
     out = {k: dict(v) if isinstance(v, dict) else v for k, v in cfg.items()}
-    for key in SHAPE_KEYS:
+    for key in _run_shape_keys():
         value = arg_value(args, key)
         if value is not None:
             section, name = key.split(".")
@@ -170,9 +182,9 @@ def flops_per_token(cfg: dict) -> float:
     """torchtitan's FLOPs per token of the config's model at its sequence length."""
     import torch
 
-    from components.moe_echo.models import MODEL_CLASSES, model_args_for
+    from components.moe_echo.models import MODEL_CLASSES
 
-    args = model_args_for(cfg["model"]["name"], cfg["model"]["flavor"])
+    args = model_args_of(cfg)
     with torch.device("meta"):
         model = MODEL_CLASSES[cfg["model"]["name"]](args)
     return float(args.get_nparams_and_flops(model, cfg["training"]["seq_len"])[1])
@@ -510,11 +522,9 @@ def write(rows: list[dict], env: dict, peak: float, out: str, stamp: bool = True
 def host_row(r: dict) -> dict:
     """An emulated-hosts row in the step model's terms (benchmarks/step_sim.py calibrate_hosts): dispatcher,
     hosts, GPUs per host, tokens per rank, the flavour's hidden size, top-k and experts, capacity, routing."""
-    from components.moe_echo.models import model_args_for
-
     with open(os.path.join(ROOT, "train_configs", f"{r['config']}.toml"), "rb") as f:
         cfg = with_overrides(tomllib.load(f), r["args"])
-    m = model_args_for(cfg["model"]["name"], cfg["model"]["flavor"])
+    m = model_args_of(cfg)
     me = cfg.get("moe_echo", {})
     hot = int(arg_value(r["args"], "moe_echo.debug_hot_experts", me.get("debug_hot_experts", 0)))
     echo = arg_value(r["args"], "moe_echo.echo", str(me.get("echo", False))).lower() == "true"

@@ -113,6 +113,17 @@ def test_step_time_uses_the_batch_shape_a_run_was_given():
     assert with_overrides(cfg, "") == cfg
 
 
+def test_flops_per_token_follow_the_model_size_keys():
+    """[model] size keys (in the TOML or on the command line) change the FLOPs an e2e row's MFU uses."""
+    from benchmarks.e2e import flops_per_token
+
+    cfg = {"training": {"seq_len": 256}, "model": {"name": "deepseek_v3", "flavor": "tiny"}}
+    base = flops_per_token(cfg)
+    deeper = flops_per_token(with_overrides(cfg, "--model.n_layers 12"))
+    assert flops_per_token({**cfg, "model": {**cfg["model"], "n_layers": 12}}) == deeper
+    assert deeper > 1.5 * base
+
+
 def test_merge_puts_another_calls_rows_into_the_results_file(tmp_path):
     """``--merge``: a GPU machine's e2e JSON joins the committed table of that GPU kind and GPU count
     (``e2e_<N>x<GPU>``); a row with the same key replaces the old one, the others stay, dates stay the measuring
