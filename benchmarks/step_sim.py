@@ -51,9 +51,10 @@ intercept: launch, layout and latency together) + max over link classes of bytes
 after the other. Time uses the fixed (padded) sizes, which is what moves; the rows with data (flat:
 (token, expert) pairs; hierarchical: unique (token, host) pairs, from per-token routing after ECHO's
 rewrite) are reported beside them, with the fullest block over its capacity (``fill`` > 1: an
-overflow, replayed in training, not modelled). ECHO plans as on one host; a clone's weights and its
-gradient cross the network when its home is on another host (counted apart: ``clone_net_GB``; time at
-the busiest rank, on a shared network all ranks' clones at once). Non-MoE = the one-host model (token
+overflow, replayed in training, not modelled). ECHO plans with the hosts' source shares (each clone fed
+from its own host first); its clone weights and gradients move in the transports' fixed blocks of S
+experts, used or not: (H − 1)·S per rank with ``hierarchical`` (relayed host by host), (R − L)·S flat
+(counted apart: ``clone_net_GB``; on a shared network all ranks' blocks at once). Non-MoE = the one-host model (token
 part ∝ T, FSDP traffic at the network rate).
 A cluster (the predictions): one NIC per GPU (``Cluster.shared_network`` off): a leg's network time is the
 busiest rank's bytes / the per-GPU rate, FSDP fully exposed. The emulated cluster (two torchrun agents on one
@@ -933,7 +934,7 @@ def host_layer(ids_RTK: torch.Tensor, E: int, slots: int, cluster: Cluster, up: 
     R, L, H = cluster.ranks, cluster.gpus_per_host, cluster.hosts
     e = E // R
     counts_RE = torch.stack([torch.bincount(ids_RTK[r].flatten(), minlength=E) for r in range(R)]) * up
-    plan = plan_echo(counts_RE, slots) if slots else None
+    plan = plan_echo(counts_RE, slots, ranks_per_host=L if H > 1 else None) if slots else None
     load = layer_load(counts_RE, slots, plan=plan)
     home_RTK = ids_RTK // e
     unique_RH = torch.zeros(R, H, dtype=torch.int64)
@@ -1003,13 +1004,16 @@ def host_layer_ms(layer: HostLayer, run: HostRun, cal: Calibration, shape: Model
     echo, clone_gb, clone_total_gb = 0.0, 0.0, 0.0
     if run.slots:
         w = 3 * D * Hx * BYTES  # one expert's w1, w2, w3
-        off = host_R[layer.clone_home_G] != host_R[layer.clone_rank_G]
-        busiest = lambda m: torch.maximum(torch.bincount(layer.clone_home_G[m], minlength=R),  # noqa: E731
-                                          torch.bincount(layer.clone_rank_G[m], minlength=R)).double()
-        net_R = (torch.full((R,), float(off.sum())) if cl.shared_network else busiest(off)) * w / cl.network_gbs
-        mc = float(torch.maximum(net_R, busiest(~off) * w / cl.nvlink_gbs).max()) / 1e6
+        # the transports' fixed blocks of S experts (static shapes, used or not), per rank and direction:
+        # hierarchical (HostTransport) one to each other host's rank of its local index, relayed inside the
+        # host; flat (CollectiveTransport) one to every rank on another host
+        H, L, S = cl.hosts, cl.gpus_per_host, run.slots
+        blocks = (H - 1) * S if run.dispatcher == "hierarchical" else (R - L) * S
+        net = (R if cl.shared_network else 1) * blocks * w / cl.network_gbs
+        inside = (L - 1) * (H if run.dispatcher == "hierarchical" else 1) * S * w / cl.nvlink_gbs
+        mc = max(net, inside) / 1e6
         echo = cal.planner(R, run.slots) / 1e3 * run.compute_scale + 2 * mc  # multicast forward, gradients back
-        clone_gb = 2 * int(off.sum()) * w / R / 1e9
+        clone_gb = 2 * blocks * w / 1e9
         clone_total_gb = clone_gb * R
     gemm = float(gemm_R.max())
     return {"router": router, "comm": comm, "gemm": gemm, "gemm_mean": float(gemm_R.mean()), "echo": echo,

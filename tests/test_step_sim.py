@@ -249,8 +249,11 @@ def test_unique_host_rows_and_clone_bytes():
     assert off > 0 and (hot.clone_home_G == 0).all()
     cal = toy_calibration()
     t = sim.host_layer_ms(hot, sim.HostRun(cl, "hierarchical", E, slots=2), cal, shape)
+    flat_t = sim.host_layer_ms(hot, sim.HostRun(cl, "padded", E, slots=2), cal, shape)
     w = 3 * shape.dim * shape.hidden * 2
-    assert t["clone_network_gb"] == pytest.approx(2 * off * w / 4 / 1e9)
+    # fixed blocks of S = 2 experts, forward and back: one per other host (hierarchical), one per other-host rank
+    assert t["clone_network_gb"] == pytest.approx(2 * 1 * 2 * w / 1e9)
+    assert flat_t["clone_network_gb"] == pytest.approx(2 * 2 * 2 * w / 1e9)
     # every choice on rank 0 overflows its blocks without ECHO; the plan's rewrite spreads them to fit
     run_off = sim.HostRun(cl, "hierarchical", E)
     assert sim.host_fill(sim.host_layer(hot_ids, E, 0, cl), run_off, T, K) > 1.5 >= 1.0 >= t["fill"]
