@@ -92,12 +92,14 @@ def main() -> None:
     torch.cuda.empty_cache()
 
     ge = experts(args, copies=True)
-    opt = AdamWWithCopies([ge.w1, ge.w2, ge.w3], **HP)
+    opt = AdamWWithCopies([ge.w1, ge.w2, ge.w3], copies=ge.copies, **HP)
     g13 = torch.randn(args.experts, 2 * args.hidden, args.dim, device="cuda", dtype=torch.bfloat16)
     g2 = torch.randn_like(ge.w2, dtype=torch.bfloat16)
 
+    c1, c2, c3 = (ge.copies[w] for w in (ge.w1, ge.w2, ge.w3))
+
     def copies_step():  # the backward leaves w1's and w3's gradients as the halves of one [w1; w3]
-        ge.w1.compute_grad, ge.w3.compute_grad, ge.w2.compute_grad = g13[:, :args.hidden], g13[:, args.hidden:], g2
+        c1.grad, c3.grad, c2.grad = g13[:, :args.hidden], g13[:, args.hidden:], g2
         opt.step()
 
     rows.append(dict(path="copies", ms=time_ms(copies_step), bytes_per_param=28))

@@ -226,6 +226,7 @@ def compute_copies_train(rank, world, tmp=None, echo=False):
     import torch.nn.functional as F
 
     from components.moe_echo.models import build_model, moe_layers
+    from components.moe_echo.weight_copies import weight_copies
     from components.parallel.grad_norm import clip_grad_norm_
     from components.parallel.mesh import build_mesh, parallel_dims
     from components.parallel.parallelize import parallelize
@@ -247,8 +248,10 @@ def compute_copies_train(rank, world, tmp=None, echo=False):
             moe.experts.compute_dtype = torch.bfloat16  # as on GPUs with bf16 mixed precision
             if copies:
                 moe.enable_compute_copies()
-        cls = AdamWWithCopies if copies else torch.optim.AdamW
-        return model, cls(model.parameters(), lr=1e-3, weight_decay=0.1, fused=True)
+        if copies:
+            return model, AdamWWithCopies(model.parameters(), lr=1e-3, weight_decay=0.1, fused=True,
+                                          copies=weight_copies(model))
+        return model, torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1, fused=True)
 
     runs = {c: make(c) for c in (False, True)}
     vocab = runs[False][0].model_args.vocab_size
@@ -262,8 +265,9 @@ def compute_copies_train(rank, world, tmp=None, echo=False):
             if c:  # the experts' gradients arrive as bf16 compute gradients only, never as .grad
                 for _, moe in moe_layers(model):
                     for w in (moe.experts.w1, moe.experts.w2, moe.experts.w3):
-                        assert w.grad is None and w.compute_grad.dtype == torch.bfloat16, rank
-            norm = clip_grad_norm_(list(model.parameters()), 0.05, opt)  # clipped: grad_scale in the step
+                        assert w.grad is None and moe.experts.copies[w].grad.dtype == torch.bfloat16, rank
+            # clipped: grad_scale in the step
+            norm = clip_grad_norm_(list(model.parameters()), 0.05, opt, copies=weight_copies(model))
             opt.step()
             opt.zero_grad(set_to_none=True)
             logged[c].append((float(loss), float(norm)))
@@ -279,7 +283,7 @@ def compute_copies_train(rank, world, tmp=None, echo=False):
         assert float(diff.max()) < 1e-4 and float((diff > 1e-5 + 1e-4 * a.abs()).float().mean()) < 1e-3, name
     experts = [moe.experts for _, moe in moe_layers(ours)]
     for w in (experts[0].w1, experts[0].w3):
-        assert torch.equal(w.compute_copy, w.detach().to_local().bfloat16())
+        assert torch.equal(experts[0].copies[w].compute, w.detach().to_local().bfloat16())
     if echo:  # some clone slot was used, so clone gradients did reach home experts
         assert sum(float(moe.echo_stats[2]) for _, moe in moe_layers(ours)) > 0, rank
         return
@@ -293,5 +297,5 @@ def compute_copies_train(rank, world, tmp=None, echo=False):
     for (_, moe), (_, moe2) in zip(moe_layers(model), moe_layers(again)):
         for w, w2 in zip((moe.experts.w1, moe.experts.w2), (moe2.experts.w1, moe2.experts.w2)):
             assert torch.equal(w.detach().to_local(), w2.detach().to_local())
-            assert torch.equal(w2.compute_copy, w2.detach().to_local().bfloat16())
+            assert torch.equal(moe2.experts.copies[w2].compute, w2.detach().to_local().bfloat16())
             assert torch.equal(opt.state[w]["exp_avg"].to_local(), opt2.state[w2]["exp_avg"].to_local())

@@ -10,6 +10,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from components.moe_echo.experts import GroupedExperts
+from components.moe_echo.weight_copies import WeightCopies, WeightCopy, weight_copies
 from components.parallel.grad_norm import clip_grad_norm_
 from components.train.master_adamw import AdamWWithCopies, refresh_compute_copies
 from components.train.train_state import ModelAndOptimizer
@@ -48,37 +49,44 @@ def _experts(block):
     return (block.experts.w1, block.experts.w2, block.experts.w3)
 
 
+def _adamw(block):
+    """AdamWWithCopies over ``block``'s parameters, handed its weight copies (as build_optimizer does)."""
+    return AdamWWithCopies(block.parameters(), fused=True, copies=weight_copies(block), **HP)
+
+
 def test_copies_compute_like_the_cast_and_their_gradients_arrive_undivided():
     cast, copies = Block(copies=False), Block(copies=True)
     out_cast, out_copies = _loss(cast, 1), _loss(copies, 1)
     assert torch.equal(out_cast, out_copies)  # the copy is bf16(w), as the cast was
     out_cast.backward()
     out_copies.backward()
+    cp = copies.experts.copies
+    assert not any(hasattr(w, name) for w in _experts(copies) for name in ("compute_copy", "compute_grad", "fp8_copy"))
     for a, b in zip(_experts(cast), _experts(copies)):
-        assert b.grad is None and b.compute_grad.dtype == torch.bfloat16 and b.compute_grad.abs().sum() > 0
-        assert torch.equal(a.grad, b.compute_grad.float() * (1 / DIVIDE))  # the cast path's one-pass divide
+        assert b.grad is None and cp[b].grad.dtype == torch.bfloat16 and cp[b].grad.abs().sum() > 0
+        assert torch.equal(a.grad, cp[b].grad.float() * (1 / DIVIDE))  # the cast path's one-pass divide
     assert torch.equal(cast.dense.weight.grad, copies.dense.weight.grad)
     # the QuACK layout ([w1; w3] concatenated) sends each half's gradient to its weight
     w13, w2 = copies.experts.local_weights_13()
     (w13.float().sum() + 2 * w2.float().sum()).backward()
-    assert torch.equal(copies.experts.w1.compute_grad.float(), torch.ones_like(copies.experts.w1))
-    assert torch.equal(copies.experts.w2.compute_grad.float(), torch.full_like(copies.experts.w2, 2.0))
+    assert torch.equal(cp[copies.experts.w1].grad.float(), torch.ones_like(copies.experts.w1))
+    assert torch.equal(cp[copies.experts.w2].grad.float(), torch.full_like(copies.experts.w2, 2.0))
 
 
 def test_optimizer_tracks_adamw_on_the_divided_fp32_gradients_and_writes_the_copies():
     ref, ours = Block(copies=False), Block(copies=True)
     opt_ref = torch.optim.AdamW(ref.parameters(), fused=True, **HP)
-    opt = AdamWWithCopies(ours.parameters(), fused=True, **HP)
+    opt = _adamw(ours)
     for step in range(5):
         for block, o in ((ref, opt_ref), (ours, opt)):
             _loss(block, step).backward()
             o.step()
             o.zero_grad(set_to_none=True)
-        assert all(w.compute_grad is None for w in _experts(ours))
+        assert all(ours.experts.copies[w].grad is None for w in _experts(ours))
     for a, b in zip(ref.parameters(), ours.parameters()):
         torch.testing.assert_close(b.detach(), a.detach(), rtol=2e-5, atol=1e-7)
     for w in _experts(ours):
-        assert torch.equal(w.compute_copy, w.detach().bfloat16())  # what the next forward reads
+        assert torch.equal(ours.experts.copies[w].compute, w.detach().bfloat16())  # what the next forward reads
         state = opt.state[w]
         assert float(state["step"]) == 5 and state["exp_avg"].dtype == torch.float32
         assert state["exp_avg"].shape == w.shape
@@ -86,21 +94,21 @@ def test_optimizer_tracks_adamw_on_the_divided_fp32_gradients_and_writes_the_cop
 
 def test_found_inf_keeps_everything_and_grad_scale_divides():
     block = Block(copies=True)
-    opt = AdamWWithCopies(block.parameters(), fused=True, **HP)
+    opt = _adamw(block)
     _loss(block, 0).backward()
     opt.step()
     opt.zero_grad()
-    w = block.experts.w2
-    before = (w.detach().clone(), w.compute_copy.clone(), opt.state[w]["exp_avg"].clone(), opt.state[w]["step"].clone())
+    w, cw = block.experts.w2, block.experts.copies[block.experts.w2]
+    before = (w.detach().clone(), cw.compute.clone(), opt.state[w]["exp_avg"].clone(), opt.state[w]["step"].clone())
     opt.found_inf = torch.ones(())
     _loss(block, 1).backward()
     opt.step()
-    after = (w.detach(), w.compute_copy, opt.state[w]["exp_avg"], opt.state[w]["step"])
+    after = (w.detach(), cw.compute, opt.state[w]["exp_avg"], opt.state[w]["step"])
     assert all(torch.equal(x, y) for x, y in zip(before, after))
     opt.zero_grad()
     # grad_scale = 4 (clipping): the update of gradients divided by 4
     twin = Block(copies=True, seed=5)
-    opt_twin = AdamWWithCopies(twin.parameters(), fused=True, **HP)
+    opt_twin = _adamw(twin)
     twin.load_state_dict(block.state_dict())
     refresh_compute_copies(twin)  # nn.Module.load_state_dict leaves the copies alone
     opt_twin.load_state_dict(copy.deepcopy(opt.state_dict()))  # torch would share the step tensors
@@ -111,7 +119,7 @@ def test_found_inf_keeps_everything_and_grad_scale_divides():
         if p.grad is not None:
             p.grad /= 4
     for p in _experts(twin):
-        p.compute_grad = p.compute_grad / 4  # exact: a power of two
+        twin.experts.copies[p].grad = twin.experts.copies[p].grad / 4  # exact: a power of two
     opt.step()
     opt_twin.step()
     for a, b in zip(block.parameters(), twin.parameters()):
@@ -128,26 +136,32 @@ def test_clipping_counts_compute_gradients_divided():
         grad_scale = None
 
     opt = Opt()
-    got = clip_grad_norm_(list(copies.parameters()), 1e-3, opt)
+    got = clip_grad_norm_(list(copies.parameters()), 1e-3, opt, copies=weight_copies(copies))
     torch.testing.assert_close(got, ref, rtol=1e-6, atol=0)
     assert float(opt.grad_scale) > 1  # clipped: the factor goes to the optimizer
-    coef = clip_grad_norm_(list(copies.parameters()), 1e-3)  # no optimizer: gradients scaled in place
-    assert float(coef) == float(got) and copies.experts.w1.compute_grad.abs().max() < cast.experts.w1.grad.abs().max()
+    # no optimizer: gradients scaled in place
+    coef = clip_grad_norm_(list(copies.parameters()), 1e-3, copies=weight_copies(copies))
+    g1 = copies.experts.copies[copies.experts.w1].grad
+    assert float(coef) == float(got) and g1.abs().max() < cast.experts.w1.grad.abs().max()
+    # without the copies the compute gradients are not seen: only the dense layer counts
+    dense = clip_grad_norm_([copies.dense.weight, copies.dense.bias], 0.0)
+    assert float(clip_grad_norm_(list(copies.parameters()), 0.0)) == float(dense)
 
 
 def test_checkpoints_load_weights_moments_and_rewrite_the_copies(tmp_path):
     block = Block(copies=True)
-    opt = AdamWWithCopies(block.parameters(), fused=True, **HP)
+    opt = _adamw(block)
     for step in range(3):
         _loss(block, step).backward()
         opt.step()
         opt.zero_grad()
     dcp.save({"app": ModelAndOptimizer(block, opt)}, checkpoint_id=str(tmp_path / "ck"))
     again = Block(copies=True, seed=1)
-    opt2 = AdamWWithCopies(again.parameters(), fused=True, **HP)
+    opt2 = _adamw(again)
     dcp.load({"app": ModelAndOptimizer(again, opt2)}, checkpoint_id=str(tmp_path / "ck"))
     for a, b in zip(_experts(block), _experts(again)):
-        assert torch.equal(a.detach(), b.detach()) and torch.equal(b.compute_copy, b.detach().bfloat16())
+        assert torch.equal(a.detach(), b.detach())
+        assert torch.equal(again.experts.copies[b].compute, b.detach().bfloat16())
         assert torch.equal(opt.state[a]["exp_avg_sq"], opt2.state[b]["exp_avg_sq"])
         assert float(opt2.state[b]["step"]) == 3
     # and into a run without copies (the per-step cast path, torch's AdamW): same weights and moments
@@ -168,7 +182,8 @@ def test_quack_layout_keeps_w1_and_w3_copies_as_halves_of_one_buffer():
     ge.compute_dtype = torch.bfloat16
     ge.set_gradient_divide_factor(2.0)
     ge.enable_compute_copies()
-    opt = AdamWWithCopies(ge.parameters(), fused=True, **HP)
+    opt = AdamWWithCopies(ge.parameters(), fused=True, copies=ge.copies, **HP)
+    cp = ge.copies
     for step in range(2):
         w13, w2 = ge.local_weights_13()
         assert w13.data_ptr() == ge._copy13.data_ptr()  # the buffer itself, not a concatenation
@@ -176,12 +191,12 @@ def test_quack_layout_keeps_w1_and_w3_copies_as_halves_of_one_buffer():
         g13 = torch.randn(w13.shape).bfloat16()
         (w13.float() * g13.float()).sum().backward(retain_graph=False)
         (w2.float().sum()).backward()
-        assert torch.equal(ge.w1.compute_grad, g13[:, :12]) and torch.equal(ge.w3.compute_grad, g13[:, 12:])
-        assert not ge.w1.compute_grad.is_contiguous()  # a half, read in place by the optimizer
+        assert torch.equal(cp[ge.w1].grad, g13[:, :12]) and torch.equal(cp[ge.w3].grad, g13[:, 12:])
+        assert not cp[ge.w1].grad.is_contiguous()  # a half, read in place by the optimizer
         opt.step()
         opt.zero_grad()
     assert torch.equal(ge._copy13, torch.cat([ge.w1.detach(), ge.w3.detach()], 1).bfloat16())
-    assert torch.equal(ge.w2.compute_copy, ge.w2.detach().bfloat16())
+    assert torch.equal(cp[ge.w2].compute, ge.w2.detach().bfloat16())
 
 
 def test_a_weight_with_both_a_grad_and_a_compute_gradient_stops_the_step():
@@ -192,10 +207,10 @@ def test_a_weight_with_both_a_grad_and_a_compute_gradient_stops_the_step():
     ge.init_weights(0.02)
     ge.compute_dtype = torch.bfloat16
     ge.enable_compute_copies()
-    opt = AdamWWithCopies(ge.parameters(), fused=True, **HP)
+    opt = AdamWWithCopies(ge.parameters(), fused=True, copies=ge.copies, **HP)
     w1, w2, w3 = ge.local_weights()
     (w1.float().sum() + w2.float().sum() + w3.float().sum()).backward()
-    assert all(w.grad is None and w.compute_grad is not None for w in (ge.w1, ge.w2, ge.w3))
+    assert all(w.grad is None and ge.copies[w].grad is not None for w in (ge.w1, ge.w2, ge.w3))
     ge.w2.grad = torch.zeros_like(ge.w2)
     before = ge.w2.detach().clone()
     with pytest.raises(RuntimeError, match="also has a .grad"):
@@ -253,13 +268,13 @@ def test_norm_of_gradient_halves_reads_their_whole_buffer():
     assert _whole([g13[:, :3], g13[:, 6:]])[0]._base is g13 and len(_whole([g13[:, :3], g13[:, 6:]])) == 2
     assert len(_whole([g13[:, :6], g13[:, 5:]])) == 2  # overlapping: kept
 
-    def param(g):
-        p = torch.nn.Parameter(torch.zeros(g.shape))
-        p.compute_grad, p.compute_grad_divide = g, 2.0
-        return p
+    def norm(*grads):
+        params = [torch.nn.Parameter(torch.zeros(g.shape)) for g in grads]
+        copies = WeightCopies({p: WeightCopy(grad=g, grad_divide=2.0) for p, g in zip(params, grads)})
+        return clip_grad_norm_(params, 0.0, copies=copies)
 
-    got = clip_grad_norm_([param(h1), param(h3)], 0.0)
-    ref = clip_grad_norm_([param(h1.contiguous()), param(h3.contiguous())], 0.0)
+    got = norm(h1, h3)
+    ref = norm(h1.contiguous(), h3.contiguous())
     torch.testing.assert_close(got, ref, rtol=1e-6, atol=0)
     torch.testing.assert_close(got, g13.float().norm() / 2, rtol=1e-6, atol=0)
 
@@ -312,15 +327,16 @@ def test_echo_clones_land_in_the_copies_spare_rows_without_copying_the_home_expe
     assert ptrs_cat == [False, False] and ptrs_spare == [True, True]  # [w1; w3] and w2: in place, no copy
     assert torch.equal(y_cat, y_spare)
     for a, b in zip((cat.w1, cat.w2, cat.w3), (spare.w1, spare.w2, spare.w3)):
-        assert torch.equal(a.compute_grad, b.compute_grad)
-    assert spare.w1.compute_grad[2].abs().sum() > 0 and spare.w1.compute_grad[1].abs().sum() == 0
+        assert torch.equal(cat.copies[a].grad, spare.copies[b].grad)
+    g1 = spare.copies[spare.w1].grad
+    assert g1[2].abs().sum() > 0 and g1[1].abs().sum() == 0
     # the optimizer writes the home rows of the buffers; the slot rows are the clones' until the next forward
-    opt = AdamWWithCopies([spare.w1, spare.w2, spare.w3], **HP)
+    opt = AdamWWithCopies([spare.w1, spare.w2, spare.w3], copies=spare.copies, **HP)
     opt.step()
     for w in (spare.w1, spare.w2, spare.w3):
-        assert torch.equal(w.compute_copy, w.detach().bfloat16())
+        assert torch.equal(spare.copies[w].compute, w.detach().bfloat16())
     assert spare._full13.shape[0] == len(COUNTS) + S and spare._full13[:len(COUNTS)].data_ptr() == \
-        spare.w1.compute_copy.data_ptr()
+        spare.copies[spare.w1].compute.data_ptr()
     w = torch.zeros(4, 3)
     with pytest.raises(ValueError, match="must hold w_eX"):
         extend_with_clones(w, None, SimpleNamespace(S=S), 0, torch.zeros(4 + S, 3))

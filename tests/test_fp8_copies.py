@@ -11,6 +11,7 @@ from components.moe_echo.config import MoEEchoConfig
 from components.moe_echo.experts import GroupedExperts
 from components.moe_echo.fp8_experts import Fp8WeightCopies, fp8_grouped_swiglu
 from components.moe_echo.layer import MoELayer
+from components.moe_echo.weight_copies import weight_copies
 from components.train.master_adamw import AdamWWithCopies, MasterAdamW, refresh_compute_copies
 from kernels.adamw import adamw_master_, adamw_master_reference_
 from kernels.fp8 import expert_scales_torch, write_copy_reference_
@@ -60,7 +61,7 @@ def _experts(opt_name: str, seed: int = 0) -> GroupedExperts:
     ge.init_weights(0.02)
     with torch.no_grad():
         ge.w2[3].mul_(40.0)  # one expert far from the others
-    if opt_name == "copies":  # experts outside FSDP: bf16 compute copies, gradients in compute_grad
+    if opt_name == "copies":  # experts outside FSDP: bf16 compute copies, gradients in ge.copies[w].grad
         ge.compute_dtype = torch.bfloat16
         ge.enable_compute_copies()
     ge.enable_fp8_copies()
@@ -69,8 +70,8 @@ def _experts(opt_name: str, seed: int = 0) -> GroupedExperts:
 
 def _optimizer(opt_name, ge):
     if opt_name == "copies":
-        return AdamWWithCopies([ge.w1, ge.w2, ge.w3], fused=True, **HP)
-    return MasterAdamW([ge.w1, ge.w2, ge.w3], **HP)
+        return AdamWWithCopies([ge.w1, ge.w2, ge.w3], fused=True, copies=ge.copies, **HP)
+    return MasterAdamW([ge.w1, ge.w2, ge.w3], copies=ge.copies, **HP)
 
 
 def _masters(opt, ge):
@@ -83,7 +84,7 @@ def _set_grads(opt_name, ge, seed, only=None):
     for i, w in enumerate((ge.w1, ge.w2, ge.w3)):
         grad = (torch.randn(w.shape, generator=g) * (1 + seed)).bfloat16() if only in (None, i) else None
         if opt_name == "copies":
-            w.compute_grad = grad
+            ge.copies[w].grad = grad
         else:
             w.grad = grad
 
@@ -168,7 +169,8 @@ def test_only_fp8_layers_without_echo_get_copies():
     assert bf16.experts.fp8_copies is None
     fp8 = MoELayer(args, 32, 16, MoEEchoConfig(expert_precision="fp8"))
     fp8.enable_fp8_copies()
-    assert fp8.experts.fp8_copies is not None and fp8.experts.w2.fp8_copy == (fp8.experts.fp8_copies, 2)
+    assert fp8.experts.fp8_copies is not None and fp8.experts.copies[fp8.experts.w2].fp8 == (fp8.experts.fp8_copies, 2)
+    assert weight_copies(bf16) == {} and len(weight_copies(fp8)) == 3
     with pytest.raises(ValueError, match="expert_precision"):
         bf16.experts.enable_fp8_copies()
 
@@ -244,7 +246,8 @@ def test_graphed_fp8_training_step_with_copies_equals_eager_and_never_syncs():
         layer = MoELayer(args, 512, 256, MoEEchoConfig(expert_precision="fp8")).cuda()
         layer.init_weights(0.02, torch.device("cuda"))
         layer.enable_fp8_copies()
-        opt = MasterAdamW(layer.parameters(), lr=3e-3, betas=(0.9, 0.95), weight_decay=0.1)
+        opt = MasterAdamW(layer.parameters(), lr=3e-3, betas=(0.9, 0.95), weight_decay=0.1,
+                          copies=weight_copies(layer))
         return layer, opt
 
     xs = [torch.randn(4, 1024, 512, device="cuda", dtype=torch.bfloat16) for _ in range(4)]

@@ -35,7 +35,8 @@ def _rel(a, b):
 def test_quack_experts_match_fp64_reference(kind, mode):
     """owned: experts outside FSDP (fp32 weights cast to bf16 with [w1; w3] in one pass, gradients divided
     by 2 in the cast's backward); copies: the same with optimizer-written bf16 copies ([w1; w3] one buffer,
-    bf16 gradients in compute_grad, undivided); bf16: plain bf16 weights stored as halves of one [w1; w3]."""
+    bf16 gradients in ``experts.copies[w].grad``, undivided); bf16: plain bf16 weights stored as halves of one
+    [w1; w3]."""
     torch.manual_seed(0)
     E, D, H, capacity = 8, 512, 384, 3328
     used = 0 if kind == "none" else 3000
@@ -59,7 +60,7 @@ def test_quack_experts_match_fp64_reference(kind, mode):
     ref = experts_fp64(x, experts.w1, experts.w2, experts.w3, counts, g)
     assert _rel(y[:used], ref[0]) < 1e-2
     assert _rel(x.grad[:used], ref[1]) < 2e-2
-    grads = [w.compute_grad if mode == "copies" else w.grad for w in (experts.w1, experts.w2, experts.w3)]
+    grads = [experts.copies[w].grad if mode == "copies" else w.grad for w in (experts.w1, experts.w2, experts.w3)]
     want = {"fp32": torch.float32, "owned": torch.float32, "copies": torch.bfloat16, "bf16": torch.bfloat16}[mode]
     if mode == "bf16":
         assert experts.w1.data_ptr() == experts._w13.data_ptr()  # w1, w3 live in one [w1; w3]

@@ -27,6 +27,7 @@ from kernels.swiglu import swiglu, swiglu13
 
 from .fp8_experts import Fp8WeightCopies, fp8_grouped_swiglu
 from .quack_experts import quack_grouped_swiglu, quack_swiglu
+from .weight_copies import WeightCopies, WeightCopy
 
 
 def grouped_swiglu(
@@ -109,44 +110,48 @@ class _ComputeCastCat(torch.autograd.Function):
 
 
 class _OptimizerCopy(torch.autograd.Function):
-    """A weight's persistent low-precision copy (``param.compute_copy``, written by the optimizer step) as the
-    weight's differentiable stand-in. Backward sums the gradient, in the copy's dtype, into
-    ``param.compute_grad`` and gives the weight none: the optimizer (components/train/master_adamw.py,
-    ``AdamWWithCopies``) divides, clips and applies it, writing the next copy in the same pass.
+    """A weight's persistent low-precision copy (``copy.compute``, written by the optimizer step) as the
+    weight's differentiable stand-in. Backward sums the gradient, in the copy's dtype, into ``copy.grad`` and
+    gives the weight none: the optimizer (components/train/master_adamw.py, ``AdamWWithCopies``) divides,
+    clips and applies it, writing the next copy in the same pass (components/moe_echo/weight_copies.py).
 
     The input is the weight itself, never ``w.to_local()``: torch 2.11 runs to_local's backward on the None
     returned here and gives the weight a zero ``.grad``, which torch's AdamW would then apply as a second step."""
 
     @staticmethod
-    def forward(ctx, w, copy):
-        ctx.param = w
-        return copy.detach()  # the copy itself (an alias): no per-step cast
+    def forward(ctx, w, copy: WeightCopy):
+        ctx.copy = copy
+        return copy.compute.detach()  # the copy itself (an alias): no per-step cast
 
     @staticmethod
     def backward(ctx, grad):
-        p = ctx.param
-        p.compute_grad = grad if p.compute_grad is None else p.compute_grad + grad
+        ctx.copy.add_grad(grad)
         return None, None
 
 
 class _Halves13(torch.autograd.Function):
     """[w1; w3] held as one tensor whose halves are w1's and w3's (their compute copies, or one GPU's bf16
     parameters moved there once: GroupedExperts._shared_13): that tensor itself, no concatenation per step.
-    Backward hands each half of the gradient, in place, to ``w.<into>``: ``compute_grad`` for the copies
-    (AdamWWithCopies), ``grad`` for the parameters (the optimizer's kernel reads such halves: kernels/adamw.py).
-    Its inputs are the weights themselves (see ``_OptimizerCopy``)."""
+    Backward hands each half of the gradient, in place, to w1 and w3: into ``copies`` (w1's and w3's
+    WeightCopy: their ``grad``, for AdamWWithCopies) where given, else into the parameters' own ``.grad``
+    (the optimizer's kernel reads such halves: kernels/adamw.py). Its inputs are the weights themselves
+    (see ``_OptimizerCopy``)."""
 
     @staticmethod
-    def forward(ctx, w1, w3, w13, into: str):
-        ctx.params, ctx.into = (w1, w3), into
+    def forward(ctx, w1, w3, w13, copies: tuple[WeightCopy, WeightCopy] | None):
+        ctx.params, ctx.copies = (w1, w3), copies
         return w13.detach()
 
     @staticmethod
     def backward(ctx, grad13):
         h = grad13.shape[1] // 2
-        for p, g in zip(ctx.params, (grad13[:, :h], grad13[:, h:])):
-            old = getattr(p, ctx.into)
-            setattr(p, ctx.into, g if old is None else old + g)
+        halves = (grad13[:, :h], grad13[:, h:])
+        if ctx.copies is not None:
+            for c, g in zip(ctx.copies, halves):
+                c.add_grad(g)
+        else:
+            for p, g in zip(ctx.params, halves):
+                p.grad = g if p.grad is None else p.grad + g
         return None, None, None, None
 
 
@@ -168,15 +173,15 @@ class GroupedExperts(nn.Module):
         self._grad_hooks: list = []
         self.compute_copies = False  # enable_compute_copies: the optimizer writes the compute dtype's copies
         self.fp8_copies: Fp8WeightCopies | None = None  # enable_fp8_copies: the optimizer writes the FP8 copies
+        self.copies = WeightCopies()  # w1, w2, w3 -> what the optimizer writes for them (either of the two above)
 
     def set_gradient_divide_factor(self, factor: float) -> None:
         """Divide the weights' gradients by ``factor`` (FSDPModule's method of the same name, for weights
         FSDP does not manage): every rank's tokens reach each expert, so its gradient sums the
         ranks' per-rank mean losses."""
         self._grad_divide = float(factor)
-        for w in (self.w1, self.w2, self.w3):
-            if getattr(w, "compute_copy", None) is not None:
-                w.compute_grad_divide = self._grad_divide
+        for c in self.copies.values():
+            c.grad_divide = self._grad_divide
         if not self._grad_hooks:
             for w in (self.w1, self.w2, self.w3):
                 self._grad_hooks.append(w.register_hook(self._divide_grad))
@@ -239,10 +244,10 @@ class GroupedExperts(nn.Module):
 
     def enable_compute_copies(self, spare_rows: int = 0) -> None:
         """Experts outside FSDP (``compute_dtype`` set): keep each weight's local shard in ``compute_dtype`` as a
-        persistent copy (``w.compute_copy``) that the optimizer step writes, instead of casting the fp32 weights
-        every forward and their gradients every backward. Gradients land in ``w.compute_grad`` (compute dtype,
-        not yet divided by ``w.compute_grad_divide``); ``w.grad`` stays None. Call ``refresh_compute_copies``
-        after loading weights (components/train/master_adamw.py).
+        persistent copy (``self.copies[w].compute``) that the optimizer step writes, instead of casting the fp32
+        weights every forward and their gradients every backward. Gradients land in ``self.copies[w].grad``
+        (compute dtype, not yet divided by its ``grad_divide``); ``w.grad`` stays None. Call
+        ``refresh_compute_copies`` after loading weights (components/train/master_adamw.py).
 
         ``spare_rows`` (ECHO's slots per rank, bf16 GEMMs): the copies are rows [:e] of buffers of e + spare_rows
         experts ([w1; w3] and w2) whose last rows receive the clones, so the extended weights need no
@@ -251,27 +256,28 @@ class GroupedExperts(nn.Module):
             raise ValueError("compute copies are for experts with a compute_dtype (outside FSDP)")
         spare = spare_rows if self.precision == "bf16" else 0
         self._full13 = self._full2 = None
-        for w in (self.w1, self.w2, self.w3):
-            w.compute_copy = local_of(w).detach().to(self.compute_dtype).contiguous()
-            w.compute_grad, w.compute_grad_divide = None, self._grad_divide
+        cp1, cp2, cp3 = (self._copy_of(w) for w in (self.w1, self.w2, self.w3))
+        for w, cp in ((self.w1, cp1), (self.w2, cp2), (self.w3, cp3)):
+            cp.compute = local_of(w).detach().to(self.compute_dtype).contiguous()
+            cp.grad, cp.grad_divide = None, self._grad_divide
         if self.precision == "bf16":  # w1's and w3's copies: halves of one [w1; w3] (the one gate/up GEMM)
-            c1, c2, c3 = (w.compute_copy for w in (self.w1, self.w2, self.w3))
+            c1, c2, c3 = cp1.compute, cp2.compute, cp3.compute
             e, h = c1.shape[0], c1.shape[1]
             full13 = c1.new_zeros(e + spare, 2 * h, *c1.shape[2:])
             full13[:e, :h], full13[:e, h:] = c1, c3
             self._copy13 = full13[:e]
-            self.w1.compute_copy, self.w3.compute_copy = self._copy13[:, :h], self._copy13[:, h:]
+            cp1.compute, cp3.compute = self._copy13[:, :h], self._copy13[:, h:]
             if spare:
                 full2 = c2.new_zeros(e + spare, *c2.shape[1:])
                 full2[:e] = c2
-                self.w2.compute_copy, self._full13, self._full2 = full2[:e], full13, full2
+                cp2.compute, self._full13, self._full2 = full2[:e], full13, full2
         self.compute_copies = True
 
     def enable_fp8_copies(self) -> None:
         """FP8 experts whose optimizer writes their FP8 weight copies (``Fp8WeightCopies``; AdamWWithCopies and
-        MasterAdamW, components/train/master_adamw.py, find them as ``w.fp8_copy = (copies, role)``): the forward
-        and the input gradient read them instead of casting the weights per call. Written here from the weights
-        as they are; ``refresh_compute_copies`` rewrites them after weights were loaded."""
+        MasterAdamW, components/train/master_adamw.py, find them as ``self.copies[w].fp8 = (copies, role)``):
+        the forward and the input gradient read them instead of casting the weights per call. Written here from
+        the weights as they are; ``refresh_compute_copies`` rewrites them after weights were loaded."""
         if self.precision != "fp8":
             raise ValueError("FP8 weight copies are for expert_precision = 'fp8'")
         w1, w2, w3 = (local_of(w).detach() for w in (self.w1, self.w2, self.w3))
@@ -279,20 +285,26 @@ class GroupedExperts(nn.Module):
         self.fp8_copies = Fp8WeightCopies(E, H, D, w1.device)
         self.fp8_copies.write_(w1, w2, w3)
         for role, w in enumerate((self.w1, self.w2, self.w3), start=1):
-            w.fp8_copy = (self.fp8_copies, role)
+            self._copy_of(w).fp8 = (self.fp8_copies, role)
+
+    def _copy_of(self, w: nn.Parameter) -> WeightCopy:
+        """``w``'s entry in ``self.copies``, created once (a map the optimizer was handed stays valid)."""
+        if w not in self.copies:
+            self.copies[w] = WeightCopy(grad_divide=self._grad_divide)
+        return self.copies[w]
 
     def _new_forward(self) -> None:
         """A forward that will be differentiated: the compute gradients of the last step were applied."""
         if torch.is_grad_enabled():
             for w in (self.w1, self.w2, self.w3):
-                w.compute_grad = None
+                self.copies[w].grad = None
 
     def local_weights(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(w1, w2, w3) of this rank's experts as plain tensors (differentiable)."""
         params = (self.w1, self.w2, self.w3)
         if self.compute_copies:
             self._new_forward()
-            return tuple(_OptimizerCopy.apply(w, w.compute_copy) for w in params)
+            return tuple(_OptimizerCopy.apply(w, self.copies[w]) for w in params)
         local = (local_of(w) for w in params)
         if self.compute_dtype is None:
             return tuple(local)
@@ -308,12 +320,13 @@ class GroupedExperts(nn.Module):
             if copy13 is None:
                 c1, c2, c3 = self.local_weights()
                 return torch.cat([c1, c3], dim=1), c2
-            return _Halves13.apply(w1, w3, copy13, "compute_grad"), _OptimizerCopy.apply(w2, w2.compute_copy)
+            copies13 = (self.copies[w1], self.copies[w3])
+            return _Halves13.apply(w1, w3, copy13, copies13), _OptimizerCopy.apply(w2, self.copies[w2])
         w1, w2, w3 = (local_of(w) for w in (self.w1, self.w2, self.w3))
         if self.compute_dtype is None:
             w13 = self._shared_13()
             if w13 is not None:
-                return _Halves13.apply(self.w1, self.w3, w13, "grad"), w2
+                return _Halves13.apply(self.w1, self.w3, w13, None), w2  # into w1.grad, w3.grad
             return torch.cat([w1, w3], dim=1).to(torch.bfloat16), w2
         scale = 1.0 / self._grad_divide
         return (_ComputeCastCat.apply(w1, w3, self.compute_dtype, scale),

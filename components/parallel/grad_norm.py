@@ -9,6 +9,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Replicate
 
+from components.moe_echo.weight_copies import WeightCopies
 from components.tensors import local_of
 
 
@@ -56,23 +57,23 @@ def _tiles_dim1(b: torch.Tensor, vs: list) -> bool:
     return end == b.shape[1]
 
 
-def clip_grad_norm_(params, max_norm: float, scale_into=None) -> torch.Tensor:
+def clip_grad_norm_(params, max_norm: float, scale_into=None, copies: WeightCopies | None = None) -> torch.Tensor:
     """Clip to ``max_norm`` (0 or inf: no clipping); returns the total norm (device; fp32, fp64 for fp64 grads).
 
     The norm takes one fused pass per group of tensors (``_foreach_norm``, fp32 accumulation). With
     ``scale_into`` (an optimizer that divides gradients by its ``grad_scale`` inside its step: torch's
     fused AdamW, MasterAdamW) the clipping factor goes there instead of a pass over the gradients. A parameter
-    without ``.grad`` but with ``compute_grad`` (components/train/master_adamw.py, AdamWWithCopies) counts with
-    that gradient divided by its ``compute_grad_divide``."""
+    without ``.grad`` whose ``WeightCopy`` in ``copies`` holds a ``grad`` (components/moe_echo/weight_copies.py;
+    AdamWWithCopies applies it) counts with that gradient divided by its ``grad_divide``."""
     world = dist.get_world_size() if dist.is_initialized() else 1
     groups: dict[tuple, list] = {}  # (copies, device, accumulation dtype, factor) -> local gradients
     for p in params:
         g, factor = p.grad, 1.0
         if g is None:  # a weight whose optimizer writes its compute copy: its gradient, not yet divided
-            g = getattr(p, "compute_grad", None)
-            if g is None:
+            c = copies.get(p) if copies is not None else None
+            if c is None or c.grad is None:
                 continue
-            factor = 1.0 / p.compute_grad_divide
+            g, factor = c.grad, 1.0 / c.grad_divide
         local = local_of(g)
         acc = torch.promote_types(local.dtype, torch.float32)
         groups.setdefault((_copies(p, world), local.device, acc, factor), []).append(local)

@@ -22,11 +22,12 @@ def _at(name: str, step: int) -> bool:
 
 def inject(step: int, model: torch.nn.Module, layers, rank: int, world: int) -> None:
     if _at("MOE_ECHO_FAULT_NAN_AT_STEP", step) and layers:
-        w1 = layers[0][1].experts.w1
+        experts = layers[0][1].experts
+        w1, copy = experts.w1, experts.copies.get(experts.w1)
         with torch.no_grad():
             local = local_of(w1)
             local.view(-1)[0] = float("nan")
-            if getattr(w1, "compute_copy", None) is not None:  # what the forward reads (AdamWWithCopies)
-                w1.compute_copy.view(-1)[0] = float("nan")
+            if copy is not None and copy.compute is not None:  # what the forward reads (AdamWWithCopies)
+                copy.compute.view(-1)[0] = float("nan")
     if _at("MOE_ECHO_FAULT_STOP_AT_STEP", step) and rank == world - 1 and world > 1:
         os.kill(os.getpid(), signal.SIGSTOP)

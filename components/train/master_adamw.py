@@ -16,22 +16,26 @@ Interchangeable with torch.optim.AdamW(fused=True) where the recipe relies on it
   path saves), so checkpoints load across the two paths and layouts; ``masters_in_model`` swaps them in
   for code that reads the model's full-precision weights (the HF export).
 
-Both optimizers also write FP8 experts' weight copies (``GroupedExperts.enable_fp8_copies``: a weight with
-``w.fp8_copy = (copies, role)``) in the same pass, from the fp32 master, then let the copies settle their
-scales (``Fp8WeightCopies.finish_``, on the device).
+Both optimizers also write FP8 experts' weight copies (``GroupedExperts.enable_fp8_copies``: a weight whose
+``WeightCopy`` in the ``copies`` they are handed has ``fp8 = (copies, role)``) in the same pass, from the fp32
+master, then let the copies settle their scales (``Fp8WeightCopies.finish_``, on the device). The contract of
+those copies: components/moe_echo/weight_copies.py.
 """
 
 from contextlib import contextmanager
 
 import torch
 
+from components.moe_echo.weight_copies import WeightCopies, weight_copies
 from components.tensors import local_of
 from kernels.adamw import adamw_master_
 
 
 class MasterAdamW(torch.optim.Optimizer):
+    """``copies``: the weights' FP8 copies this step writes (``weight_copies(model)``; none where empty)."""
+
     def __init__(self, params, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8, weight_decay: float = 1e-2,
-                 dtype: torch.dtype = torch.bfloat16):
+                 dtype: torch.dtype = torch.bfloat16, copies: WeightCopies | None = None):
         params = list(params)
         for p in params:
             if hasattr(p, "to_local") or p.dtype != torch.float32:
@@ -40,6 +44,7 @@ class MasterAdamW(torch.optim.Optimizer):
         defaults = dict(torch.optim.AdamW([torch.zeros(1)], lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
                                           fused=True).defaults)
         super().__init__(params, defaults)
+        self.copies = copies if copies is not None else WeightCopies()
         self.masters: dict[torch.Tensor, torch.Tensor] = {}
         for p in params:
             self.masters[p] = p.detach().clone()
@@ -72,7 +77,7 @@ class MasterAdamW(torch.optim.Optimizer):
             if isinstance(lr, torch.Tensor) and lr.device != params[0].device:  # a host tensor (DCP's state init)
                 lr = float(lr)
             beta1, beta2 = group["betas"]
-            fp8 = _Fp8Writes()
+            fp8 = _Fp8Writes(self.copies)
             for p, s in zip(params, states):  # param and grad may be halves of [w1; w3] (QuACK): read in place
                 adamw_master_(p.data, p.grad, self.masters[p], s["exp_avg"], s["exp_avg_sq"], lr, s["step"], beta1,
                               beta2, group["eps"], group["weight_decay"], skip, grad_mul, fp8.target(p))
@@ -100,17 +105,27 @@ class MasterAdamW(torch.optim.Optimizer):
 
 class AdamWWithCopies(torch.optim.AdamW):
     """torch's AdamW (fused) for the parameters with a ``.grad``, and one pass of kernels/adamw.py for those
-    with a compute copy (``GroupedExperts.enable_compute_copies``: experts outside FSDP): the fp32 local
-    shard is the master, the moments live in AdamW's own state format (checkpoints load across the two
-    paths), the gradient ``p.compute_grad`` (bf16) is divided by ``p.compute_grad_divide`` and clipped
-    (``grad_scale``) inside the kernel, and the bf16 copy the next forward reads is written in the same
-    pass: no per-step cast of those weights or their gradients. Honours ``found_inf`` like the fused step."""
+    whose ``WeightCopy`` in ``copies`` (``weight_copies(model)``; ``GroupedExperts.enable_compute_copies``:
+    experts outside FSDP) holds a gradient: the fp32 local shard is the master, the moments live in AdamW's
+    own state format (checkpoints load across the two paths), the gradient ``copy.grad`` (bf16) is divided by
+    ``copy.grad_divide`` and clipped (``grad_scale``) inside the kernel, and the bf16 copy the next forward
+    reads (``copy.compute``) is written in the same pass: no per-step cast of those weights or their
+    gradients. Honours ``found_inf`` like the fused step."""
+
+    def __init__(self, params, *args, copies: WeightCopies | None = None, **kwargs):
+        super().__init__(params, *args, **kwargs)
+        self.copies = copies if copies is not None else WeightCopies()
+
+    def _grad_of(self, p: torch.Tensor) -> torch.Tensor | None:
+        """``p``'s gradient in the compute dtype (undivided), or None."""
+        c = self.copies.get(p)
+        return None if c is None else c.grad
 
     @torch.no_grad()
     def step(self, closure=None):
         for group in self.param_groups:  # host metadata only: torch's step below would apply such a .grad too
             for p in group["params"]:
-                if p.grad is not None and getattr(p, "compute_grad", None) is not None:
+                if p.grad is not None and self._grad_of(p) is not None:
                     raise RuntimeError(f"a weight of shape {tuple(p.shape)} with a compute copy also has a .grad: "
                                        "its forward must take the weight itself, not its local shard "
                                        "(components/moe_echo/experts.py, _OptimizerCopy)")
@@ -119,11 +134,12 @@ class AdamWWithCopies(torch.optim.AdamW):
         scale = getattr(self, "grad_scale", None)
         for group in self.param_groups:
             beta1, beta2 = group["betas"]
-            fp8 = _Fp8Writes()
+            fp8 = _Fp8Writes(self.copies)
             for p in group["params"]:
-                g = getattr(p, "compute_grad", None)
+                g = self._grad_of(p)
                 if g is None:
                     continue
+                c = self.copies[p]
                 state = self.state[p]
                 if not state:  # AdamW's format: step (fp32, on the device), moments shaped like the parameter
                     state["step"] = torch.zeros((), dtype=torch.float32, device=g.device)
@@ -132,14 +148,14 @@ class AdamWWithCopies(torch.optim.AdamW):
                 state["step"].add_(1.0)
                 if skip is not None:
                     state["step"].sub_(skip)
-                mul = torch.full((), 1.0 / p.compute_grad_divide, dtype=torch.float32, device=g.device)
+                mul = torch.full((), 1.0 / c.grad_divide, dtype=torch.float32, device=g.device)
                 if scale is not None:
                     mul = mul / scale.float()
                 lr = group["lr"]
                 if isinstance(lr, torch.Tensor) and lr.device != g.device:  # a host tensor (DCP's state init)
                     lr = float(lr)
                 # g and the copy may be halves of [w1; w3] (QuACK's layout): the kernel reads them in place
-                adamw_master_(p.compute_copy, g, local_of(p), local_of(state["exp_avg"]),
+                adamw_master_(c.compute, g, local_of(p), local_of(state["exp_avg"]),
                               local_of(state["exp_avg_sq"]), lr, state["step"], beta1, beta2, group["eps"],
                               group["weight_decay"], skip, mul, fp8.target(p))
             fp8.finish(group["params"], local_of, skip)
@@ -149,41 +165,54 @@ class AdamWWithCopies(torch.optim.AdamW):
         super().zero_grad(set_to_none)
         for group in self.param_groups:
             for p in group["params"]:
-                if getattr(p, "compute_grad", None) is not None:
-                    p.compute_grad = None
+                if self._grad_of(p) is not None:
+                    self.copies[p].grad = None
 
 
 class _Fp8Writes:
-    """The FP8 copies one param group's step writes: ``target(p)`` for each weight it updates, then ``finish``."""
+    """The FP8 copies one param group's step writes (``copies``: the optimizer's WeightCopies): ``target(p)`` for
+    each weight it updates, then ``finish``."""
 
-    def __init__(self):
+    def __init__(self, copies: WeightCopies):
+        self.copies = copies
         self.updated: dict = {}  # Fp8WeightCopies -> roles written
 
+    def _fp8_of(self, p: torch.Tensor):
+        c = self.copies.get(p)
+        return (None, None) if c is None or c.fp8 is None else c.fp8
+
     def target(self, p: torch.Tensor):
-        copies, role = getattr(p, "fp8_copy", (None, None))
-        if copies is None:
+        fp8, role = self._fp8_of(p)
+        if fp8 is None:
             return None
-        self.updated.setdefault(copies, set()).add(role)
-        return copies.copy(role)
+        self.updated.setdefault(fp8, set()).add(role)
+        return fp8.copy(role)
 
     def finish(self, params, master_of, skip) -> None:
-        for copies, roles in self.updated.items():
-            masters = {q.fp8_copy[1]: master_of(q) for q in params if getattr(q, "fp8_copy", (None,))[0] is copies}
-            copies.finish_(masters, roles, skip)
+        for fp8, roles in self.updated.items():
+            masters = {}  # role -> master, of every weight in these copies (the roles not written are read)
+            for q in params:
+                held, role = self._fp8_of(q)
+                if held is fp8:
+                    masters[role] = master_of(q)
+            fp8.finish_(masters, roles, skip)
 
 
 def refresh_compute_copies(model: torch.nn.Module, optimizer=None) -> None:
-    """Rewrite every compute copy and FP8 weight copy from its weights (after weights were loaded into them);
-    the FP8 copies from the fp32 masters where ``optimizer`` keeps them (MasterAdamW), as its step writes them."""
+    """Rewrite every compute copy and FP8 weight copy of ``model`` (``weight_copies(model)``) from its weights
+    (after weights were loaded into them); the FP8 copies from the fp32 masters where ``optimizer`` keeps them
+    (MasterAdamW), as its step writes them."""
+    copies = weight_copies(model)
+    master = optimizer.masters.__getitem__ if has_masters(optimizer) else local_of
+    fp8_masters: dict = {}  # Fp8WeightCopies -> {role: its weight's master}
     with torch.no_grad():
-        for p in model.parameters():
-            if getattr(p, "compute_copy", None) is not None:
-                p.compute_copy.copy_(local_of(p))
-        master = optimizer.masters.__getitem__ if has_masters(optimizer) else local_of
-        for module in model.modules():
-            copies = getattr(module, "fp8_copies", None)
-            if copies is not None:
-                copies.write_(*(master(w) for w in (module.w1, module.w2, module.w3)))
+        for p, c in copies.items():
+            if c.compute is not None:
+                c.compute.copy_(local_of(p))
+            if c.fp8 is not None:
+                fp8_masters.setdefault(c.fp8[0], {})[c.fp8[1]] = master(p)
+        for fp8, masters in fp8_masters.items():
+            fp8.write_(masters[1], masters[2], masters[3])
 
 
 def has_masters(optimizer) -> bool:

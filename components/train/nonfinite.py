@@ -14,6 +14,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_leaves
 
+from components.moe_echo.weight_copies import WeightCopies, weight_copies
 from components.tensors import local_of
 
 _WRAPPERS = ("_checkpoint_wrapped_module.", "_orig_mod.", "_fsdp_wrapped_module.")
@@ -30,9 +31,12 @@ def _finite(tree) -> bool:
                if isinstance(t, torch.Tensor) and t.is_floating_point())
 
 
-def first_nonfinite(model: nn.Module, loss_fn, inputs_BS: torch.Tensor, labels_BS: torch.Tensor) -> str | None:
+def first_nonfinite(model: nn.Module, loss_fn, inputs_BS: torch.Tensor, labels_BS: torch.Tensor,
+                    copies: WeightCopies | None = None) -> str | None:
     """Re-run forward (``loss_fn(model, inputs, labels) -> scalar loss``) and backward with hooks;
-    return where the first non-finite value appeared on this rank."""
+    return where the first non-finite value appeared on this rank. A weight without ``.grad`` is checked by its
+    gradient in ``copies`` (``weight_copies(model)`` where not given; see AdamWWithCopies)."""
+    copies = weight_copies(model) if copies is None else copies
     found: dict[str, str] = {}
     handles = []
 
@@ -59,7 +63,8 @@ def first_nonfinite(model: nn.Module, loss_fn, inputs_BS: torch.Tensor, labels_B
             loss_finite = bool(torch.isfinite(loss).all())
             loss.backward()
         for name, p in reversed(list(model.named_parameters())):  # the last layer's gradients come first
-            g = p.grad if p.grad is not None else getattr(p, "compute_grad", None)  # see AdamWWithCopies
+            c = copies.get(p)
+            g = p.grad if p.grad is not None or c is None else c.grad
             g = local_of(g)
             if g is not None and not bool(torch.isfinite(g).all()):
                 found.setdefault("parameter", _clean(name))

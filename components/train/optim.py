@@ -6,6 +6,7 @@ import math
 import torch
 
 from components.errors import UserError
+from components.moe_echo.weight_copies import weight_copies
 
 from .master_adamw import AdamWWithCopies, MasterAdamW
 
@@ -15,15 +16,18 @@ def build_optimizer(model: torch.nn.Module, opt_cfg, gated: bool = False,
     """[optimizer] name, lr, beta1, beta2, eps, weight_decay and implementation, all honoured.
     ``gated``: the step must honour ``optimizer.found_inf`` (the overflow and non-finite gates),
     which only the fused implementation does. ``master_dtype`` (AdamW only): convert the parameters
-    to it and keep fp32 masters in the optimizer (MasterAdamW, its own fused step). Parameters with a
-    compute copy (experts outside FSDP) take AdamWWithCopies (fused AdamW only)."""
+    to it and keep fp32 masters in the optimizer (MasterAdamW, its own fused step). The experts' weight copies
+    (``weight_copies(model)``: components/moe_echo/weight_copies.py) go to the optimizer that writes them:
+    MasterAdamW, or AdamWWithCopies where some weight has a compute copy (experts outside FSDP; fused AdamW
+    only)."""
     if gated and opt_cfg.implementation != "fused":
         raise UserError(f"[optimizer] implementation = {opt_cfg.implementation!r}: the step is gated on the device "
                         "(overflow replay or non-finite guard), which only 'fused' supports; use 'fused'")
     params = [p for p in model.parameters() if p.requires_grad]
+    copies = weight_copies(model)
     if master_dtype is not None:
         return MasterAdamW(params, lr=opt_cfg.lr, betas=(opt_cfg.beta1, opt_cfg.beta2), eps=opt_cfg.eps,
-                           weight_decay=opt_cfg.weight_decay, dtype=master_dtype)
+                           weight_decay=opt_cfg.weight_decay, dtype=master_dtype, copies=copies)
     kwargs = dict(lr=opt_cfg.lr, betas=(opt_cfg.beta1, opt_cfg.beta2), eps=opt_cfg.eps,
                   weight_decay=opt_cfg.weight_decay)
     if opt_cfg.implementation == "fused":
@@ -31,10 +35,10 @@ def build_optimizer(model: torch.nn.Module, opt_cfg, gated: bool = False,
     else:
         kwargs["foreach"] = opt_cfg.implementation == "foreach"
     cls = torch.optim.AdamW if opt_cfg.name == "AdamW" else torch.optim.Adam
-    if any(getattr(p, "compute_copy", None) is not None for p in params):
+    if copies.has_compute():
         if opt_cfg.name != "AdamW" or opt_cfg.implementation != "fused":
             raise ValueError("compute copies need [optimizer] name = 'AdamW', implementation = 'fused'")
-        cls = AdamWWithCopies
+        return AdamWWithCopies(params, copies=copies, **kwargs)
     return cls(params, **kwargs)
 
 
