@@ -23,6 +23,7 @@ from components.moe_echo.fp8_experts import check_fp8_supported
 from components.moe_echo.gathered_experts import check_gathered_supported
 from components.moe_echo.quack_experts import check_quack_supported
 from components.moe_echo.models import build_model, model_args_for, moe_layers, shape_overrides
+from components.moe_echo.weight_copies import WeightCopies, weight_copies
 from components.parallel.cuda_graph import make_capturable
 from components.parallel.data_parallel import init_distributed
 from components.parallel.grad_norm import clip_grad_norm_
@@ -82,6 +83,7 @@ class Training:
     ckpt_dir: str
     max_norm: float  # [training] max_norm
     capacity_factor: float  # [moe_echo] capacity_factor as configured (named by on_overflow = "stop")
+    copies: WeightCopies  # the experts' weight copies the optimizer writes (clipping counts their gradients)
 
     def clip_and_gate(self, model: torch.nn.Module, loss: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """After backward, before the optimizer step: clip the gradients to ``max_norm`` (inside the optimizer's
@@ -89,7 +91,7 @@ class Training:
         (gradient norm, skip flag or None); the flag (an overflowed or non-finite step) makes the optimizer step a
         no-op and is read by the host one step late. With on_overflow = "stop" this reads the overflow count
         (a host read: the step cannot be captured) and raises if anything overflowed."""
-        grad_norm = clip_grad_norm_(list(model.parameters()), self.max_norm, self.scale_into)
+        grad_norm = clip_grad_norm_(list(model.parameters()), self.max_norm, self.scale_into, copies=self.copies)
         skip = self.gate.gate(loss, grad_norm) if self.gate is not None else None
         if self.fixed and not self.replay:
             stop_on_overflow(self.layers, self.state.step, self.capacity_factor)
@@ -183,7 +185,7 @@ def build_training(run: Run, model: torch.nn.Module, loader: TokenBatchLoader) -
                      check_finite=t.max_nonfinite_steps > 0) if gated else None)
     ckpt_dir = os.path.join(cfg.job.dump_folder, cfg.checkpoint.folder)
     return Training(layers, optimizer, scheduler, gate, state, states, autocast, master, scale_into, fixed, replay,
-                    ckpt_dir, t.max_norm, cfg.moe_echo.capacity_factor)
+                    ckpt_dir, t.max_norm, cfg.moe_echo.capacity_factor, copies=weight_copies(model))
 
 
 def use_copies(run: Run, model: torch.nn.Module) -> bool:
