@@ -122,13 +122,24 @@ def test_ctrl_c_under_the_launcher_prints_one_line_from_rank_0(tmp_path):
     assert code == 130, (code, err[-3000:])
 
 
+def _catches(pid: int, sig: int) -> bool:
+    """Whether process ``pid`` has a handler for ``sig`` (Linux: SigCgt in /proc/PID/status)."""
+    with open(f"/proc/{pid}/status") as f:
+        mask = next(int(l.split()[1], 16) for l in f if l.startswith("SigCgt:"))
+    return bool(mask >> (sig - 1) & 1)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
 def test_ctrl_c_while_the_recipe_imports_is_one_line():
     """Ctrl-C in the first second (torch and torchtitan still importing): the starting line, exit 130."""
     from components.train.starting import STARTING_LINE
 
     p = subprocess.Popen([sys.executable, RECIPE, "--job.config_file", CONFIG], stdout=subprocess.PIPE,
                          stderr=subprocess.PIPE, text=True, env=ENV)
-    time.sleep(0.5)
+    deadline = time.monotonic() + 30
+    while not _catches(p.pid, signal.SIGTERM):  # the recipe's first statement installed its handlers
+        assert p.poll() is None and time.monotonic() < deadline, "the recipe never installed its signal handlers"
+        time.sleep(0.01)
     p.send_signal(signal.SIGINT)
     out, err = p.communicate(timeout=60)
     assert p.returncode == 130 and _lines(err) == [STARTING_LINE], (p.returncode, err[-3000:])
