@@ -37,6 +37,12 @@ windows the median is over. MFU uses one formula for every run, torchtitan's:
     python benchmarks/e2e.py --configs debug_gpu,v2lite_1b_gpu --nproc 1 [--runs ...] [--out DIR]
     python benchmarks/e2e.py --configs v2lite_1b_gpu --nproc 2 --ours "--parallelism.expert_parallel_degree 2" \
         --titan "--parallelism.expert_parallel_degree 2" --label ep2
+    python benchmarks/e2e.py --configs v2lite_1b_gpu --nproc 1,2,4 --runs ours_compile_graph --label scaling \
+        --ours "--parallelism.expert_parallel_degree {nproc}"
+
+Several GPU counts (``--nproc 1,2,4``) run in one invocation, ``{nproc}`` in the run arguments standing for each;
+rows of 2+ GPUs then get ``scaling``: their tokens/s per GPU over the 1-GPU row of the same config, label, run and
+variant (the per-GPU efficiency of expert parallelism, measured in the same invocation).
 
 ``--repeats N`` runs every run N times, in turn (A B A B ...), and reports the median of the N figures with
 ``spread_pct`` = 100 · (max − min) / median: one run of a baseline varies by up to ~15% between invocations, so a ratio
@@ -386,7 +392,10 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--configs", default="debug_gpu,v2lite_1b_gpu,qwen3_30b_a3b_small_gpu",
                     help="train_configs/<name>.toml, comma-separated")
-    ap.add_argument("--nproc", type=int, default=1, help="GPUs in all")
+    ap.add_argument("--nproc", default="1", help="GPUs in all; several (1,2,4) run every run at each count in one "
+                                                "invocation, {nproc} in --ours / --titan / --variants standing for it, "
+                                                "and rows of 2+ GPUs get scaling = their tokens/s per GPU over the "
+                                                "1-GPU row of the same run")
     ap.add_argument("--hosts", type=int, default=1,
                     help="emulate this many hosts on this machine (our runs only): one torchrun agent per host, "
                          "nproc / hosts GPUs each, each its own NCCL_HOSTID")
@@ -433,9 +442,10 @@ def main():
         return
     a.runs = a.runs or ",".join(RUNS)
     try:
+        counts = gpu_counts(a.nproc)
         variants = parse_variants(a.variants)
         for _, extra in variants:
-            source_tree(extra)
+            source_tree(extra.replace("{nproc}", "1"))
     except ValueError as e:
         ap.error(str(e))
     a.label = f"_{a.label}" if a.label and not a.label.startswith("_") else a.label
@@ -444,7 +454,7 @@ def main():
             ap.error(f"--runs: unknown run {run!r}; expected some of {','.join(RUNS)}")
         if a.hosts > 1 and not run.startswith("ours"):
             ap.error(f"--hosts {a.hosts}: emulated hosts run our recipe only; drop {run!r} from --runs")
-    if a.hosts < 1 or a.nproc % a.hosts:
+    if a.hosts < 1 or any(n % a.hosts for n in counts):
         ap.error(f"--hosts {a.hosts} must divide --nproc {a.nproc}")
     work = a.work or tempfile.mkdtemp(prefix="moe_echo_e2e_")
     os.makedirs(work, exist_ok=True)
@@ -453,6 +463,45 @@ def main():
     from torchtitan.tools.utils import get_peak_flops
 
     peak = float(get_peak_flops(env["gpu"]))
+    rows = []
+    for n in counts:
+        rows += measure_configs(at_gpu_count(a, n), [(v, extra.replace("{nproc}", str(n))) for v, extra in variants],
+                                tok_dir, data, work, peak)
+    add_scaling(rows)
+    write(rows, env, peak, a.out, table=a.table)
+
+
+def gpu_counts(nproc: str) -> list[int]:
+    """``--nproc``: one GPU count or several, comma-separated (each ≥ 1, no repeats)."""
+    try:
+        counts = [int(w) for w in nproc.split(",")]
+    except ValueError:
+        raise ValueError(f"--nproc {nproc!r}: give GPU counts such as 2 or 1,2,4") from None
+    if not counts or min(counts) < 1 or len(set(counts)) != len(counts):
+        raise ValueError(f"--nproc {nproc!r}: give GPU counts such as 2 or 1,2,4 (each at least 1, once)")
+    return counts
+
+
+def at_gpu_count(a, n: int):
+    """The arguments of one GPU count: ``nproc`` = n, {nproc} in --ours and --titan replaced by n."""
+    out = argparse.Namespace(**vars(a))
+    out.nproc, out.ours, out.titan = n, a.ours.replace("{nproc}", str(n)), a.titan.replace("{nproc}", str(n))
+    return out
+
+
+def add_scaling(rows: list[dict]) -> None:
+    """Per-GPU scaling of one invocation's rows: a row of 2+ GPUs gets ``scaling`` = its tokens/s per GPU over the
+    1-GPU row of the same config, label, run and variant (nothing where that row is missing or failed)."""
+    one = {(r["config"], r.get("label", ""), r["run"], r.get("variant", "")): r.get("tokens_per_s_per_gpu")
+           for r in rows if r.get("gpus") == 1}
+    for r in rows:
+        base = one.get((r["config"], r.get("label", ""), r["run"], r.get("variant", "")))
+        if r.get("gpus", 1) > 1 and base and r.get("tokens_per_s_per_gpu"):
+            r["scaling"] = r["tokens_per_s_per_gpu"] / base
+
+
+def measure_configs(a, variants, tok_dir: str, data: str, work: str, peak: float) -> list[dict]:
+    """Every config × run (× variant for ours) at ``a.nproc`` GPUs, ``a.repeats`` times in turn: the rows."""
     rows = []
     for name in a.configs.split(","):
         cfg_path = os.path.join(ROOT, "train_configs", f"{name}.toml")
@@ -485,7 +534,7 @@ def main():
             print(json.dumps(r), flush=True)
         compare(group)
         rows += group
-    write(rows, env, peak, a.out, table=a.table)
+    return rows
 
 
 def table_stem(out: str, gpu: str, gpus: int, table: str = "") -> str:
@@ -575,11 +624,15 @@ def render(path: str) -> str:
             return f"{v:,.0f}"
         if c in ("vs_torchtitan_best", "graph_vs_eager", "compile_vs_graph") and v != "":
             return f"{v:.2f}x"
+        if c == "scaling" and v != "":
+            return f"{100 * v:.1f}%"
         return f"{v:.1f}" if isinstance(v, float) else str(v)
 
     cols = ["config", "gpus", "label", "run", "variant", "tokens_per_s_per_gpu", "step_ms", "mfu_pct", "peak_gib", "vs_torchtitan_best",
             "graph_vs_eager", "compile_vs_graph", "replays", "windows", "repeats", "spread_pct", "rank_load", "graph",
             "error"]
+    if any(r.get("scaling") for r in d["rows"]):  # rows of a --nproc 1,2,... invocation
+        cols.insert(cols.index("vs_torchtitan_best"), "scaling")
     lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     lines += ["| " + " | ".join(cell(r, c) for c in cols) + " |" for r in d["rows"]]
     gpus = sorted({r.get("gpus") for r in d["rows"] if r.get("gpus")})

@@ -230,3 +230,32 @@ def test_repeats_run_in_turn_and_land_as_one_row_each(tmp_path, monkeypatch):
     assert by[("ours_graph", "x")]["tokens_per_s_per_gpu"] == 175.0
     assert abs(by[("ours_graph", "y")]["vs_torchtitan_best"] - 1.85) < 1e-12  # median of 170 and 200 over 100
     assert "spread_pct" in open(tmp_path / "e2e_1xTest.md").read()
+
+
+def test_gpu_counts_run_in_one_invocation_and_multi_gpu_rows_get_their_scaling(tmp_path):
+    """--nproc 1,2,4: each count's arguments with {nproc} filled in; rows of 2+ GPUs get tokens/s per GPU over the
+    1-GPU row of the same config, label, run and variant, shown as a percentage in the table."""
+    import argparse
+
+    from benchmarks.e2e import add_scaling, at_gpu_count, gpu_counts, render
+
+    assert gpu_counts("2") == [2] and gpu_counts("1,2,4") == [1, 2, 4]
+    for bad in ("0", "1,1", "two", ""):
+        with pytest.raises(ValueError, match="--nproc"):
+            gpu_counts(bad)
+    a = argparse.Namespace(nproc="1,4", ours="--parallelism.expert_parallel_degree {nproc}", titan="")
+    four = at_gpu_count(a, 4)
+    assert (four.nproc, four.ours, a.ours) == (4, "--parallelism.expert_parallel_degree 4",
+                                               "--parallelism.expert_parallel_degree {nproc}")
+    row = dict(config="c", label="scale", run="ours_graph", variant="")
+    rows = [dict(row, gpus=1, tokens_per_s_per_gpu=200.0), dict(row, gpus=2, tokens_per_s_per_gpu=194.0),
+            dict(row, gpus=4, tokens_per_s_per_gpu=None, error="timeout"),
+            dict(row, gpus=2, variant="echo", tokens_per_s_per_gpu=180.0)]  # no 1-GPU row of its variant
+    add_scaling(rows)
+    assert rows[1]["scaling"] == pytest.approx(0.97) and all("scaling" not in r for r in (rows[0], rows[2], rows[3]))
+    path = tmp_path / "e2e_2xH100.json"
+    path.write_text(json.dumps({"env": {"gpu": "H100", "torch": "2.11"}, "peak_tflops": 989.0, "rows": rows[1:2]}))
+    table = render(str(path))
+    header = next(l for l in table.splitlines() if l.startswith("| config"))
+    assert "scaling" in [c.strip() for c in header.split("|")]
+    assert "97.0%" in table
