@@ -1339,10 +1339,11 @@ def _solve(models: list[RowModel], c: float, gbs: dict, phi: float, free_c: bool
         live = sorted(mm for mm in free if np.any(np.abs((g0 + f1)[mach == mm]) > 0))
         grid = np.linspace(0, 1, 1001) if free_phi and np.any(np.abs(f1) > 0) else np.array([phi])
         best = None
-        for use_c in ([True, False] if free_c else [False]):
+        for mode in (["fit", "zero"] if free_c else ["keep"]):  # a negative fitted c: refit at c = 0
+            use_c, c_fix = mode == "fit", (0.0 if mode == "zero" else c)
             for ph in grid:
                 gx = g0 + ph * f1
-                rhs = y - k - (0.0 if use_c else c * n)
+                rhs = y - k - (0.0 if use_c else c_fix * n)
                 rhs = rhs - sum(s[mm] * gx * (mach == mm) for mm in s if mm not in live)
                 cols = ([n] if use_c else []) + [gx * (mach == mm) for mm in live]
                 if not cols:
@@ -1352,18 +1353,18 @@ def _solve(models: list[RowModel], c: float, gbs: dict, phi: float, free_c: bool
                     if np.linalg.matrix_rank(A) < A.shape[1]:
                         continue
                     theta = np.linalg.lstsq(A, rhs / y, rcond=None)[0]
-                    if np.any(theta[int(use_c):] <= 0):
+                    if np.any(theta[int(use_c):] <= 0) or (use_c and theta[0] < 0):
                         continue
                 pred = y - rhs + (np.stack(cols, 1) @ theta if cols else 0.0)
                 rms = float(np.sqrt(np.mean((pred / y - 1) ** 2)))
                 if best is None or rms < best[0] - 1e-15:
-                    best = (rms, use_c, float(ph), theta)
+                    best = (rms, c_fix, use_c, float(ph), theta)
             if best is not None:
                 break
         if best is None:
             raise ValueError("emulated-cluster fit: no positive network rate fits these rows")
-        _, use_c, ph, theta = best
-        c_new = float(theta[0]) if use_c else c
+        _, c_fix, use_c, ph, theta = best
+        c_new = float(theta[0]) if use_c else c_fix
         s_new = {**s, **{mm: float(t) for mm, t in zip(live, theta[int(use_c):])}}
         done = (np.isclose(c_new, c, rtol=1e-10, atol=1e-12) and ph == phi
                 and all(np.isclose(s_new[mm], s.get(mm, 0.0), rtol=1e-10, atol=0) for mm in s_new))
