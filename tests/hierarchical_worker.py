@@ -6,7 +6,8 @@ once with the exact ``alltoall`` dispatcher and once with ``hierarchical``, and 
   and adversarial routing (all tokens to one host, one hot expert per host, experts with no tokens);
 - the rows sent between hosts = the unique (token, other host) pairs of this rank's routing, exactly;
 - with a capacity too small, the overflow is counted (never silent) and the exact dispatcher's replay of
-  the same step gives the exact result.
+  the same step gives the exact result;
+- the same with the layer's tokens in 3 pipelined chunks (``overlap_chunks``), ``hierarchical`` and ``padded``.
 
     python -m torch.distributed.run --nnodes 2 --node_rank h ... tests/hierarchical_worker.py [--gpu] [--sync-check]
 
@@ -15,6 +16,7 @@ Prints ``hierarchical ok <checks>`` on each rank at the end; any mismatch raises
 
 import argparse
 import copy
+import dataclasses
 import os
 import sys
 
@@ -63,7 +65,7 @@ def grads(layer):
     return {n: local_of(p.grad).clone() for n, p in layer.named_parameters() if p.grad is not None}
 
 
-def run_case(case, echo, dtype, device, mesh, capacity_factor, tol):
+def run_case(case, echo, dtype, device, mesh, capacity_factor, tol, dispatcher="hierarchical", chunks=1):
     from components.moe_echo.config import MoEEchoConfig
     from components.parallel.parallelize import apply_expert_parallel
 
@@ -71,10 +73,11 @@ def run_case(case, echo, dtype, device, mesh, capacity_factor, tol):
     hosts = world // int(os.environ["LOCAL_WORLD_SIZE"])
     ref = build_layer(dtype, device, routing_bias(case, hosts))
     hier = copy.deepcopy(ref)
+    hier.cfg = dataclasses.replace(hier.cfg, overlap_chunks=chunks)
     common = dict(echo=echo, echo_slots_per_rank=2, bias_update_rate=0.0)
     apply_expert_parallel(ref, mesh, MoEEchoConfig(dispatcher="alltoall", **common))
-    apply_expert_parallel(hier, mesh, MoEEchoConfig(dispatcher="hierarchical", capacity_factor=capacity_factor,
-                                                    **common))
+    apply_expert_parallel(hier, mesh, MoEEchoConfig(dispatcher=dispatcher, capacity_factor=capacity_factor,
+                                                    overlap_chunks=chunks, **common))
     g = torch.Generator().manual_seed(100 + rank)
     x = torch.randn(1, TOKENS, D, generator=g, dtype=torch.float64).to(device=device, dtype=dtype)
     gy = torch.randn(1, TOKENS, D, generator=g, dtype=torch.float64).to(device=device, dtype=dtype)
@@ -163,22 +166,49 @@ def main():
     out["hierarchical"] = (y.detach(), xi.grad.clone(), grads(hier))
     check_equal(out, tol, "overflow replayed")
     checks += 1
+    checks += pipelined_checks(dtype, device, mesh, tol, hosts)
     if a.sync_check:
-        sync_free_step(device, torch.bfloat16, mesh)  # the grouped-GEMM experts (fp32 loops over experts on the host)
-        checks += 1
+        for chunks in (1, 2):  # bf16: the grouped-GEMM experts (fp32 loops over experts on the host)
+            sync_free_step(device, torch.bfloat16, mesh, chunks)
+            checks += 1
     dist.barrier()
     print(f"hierarchical ok {checks} rank {dist.get_rank()} hosts {hosts}", flush=True)
     dist.destroy_process_group()
 
 
-def sync_free_step(device, dtype, mesh):
-    """Forward + backward of the hierarchical layer (ECHO on) under sync_debug_mode('error')."""
+def pipelined_checks(dtype, device, mesh, tol, hosts) -> int:
+    """The layer's tokens in 3 chunks, dispatch of one beside the experts of another (``overlap_chunks``):
+    equal to the exact ``alltoall`` layer, the rows sent between hosts still the unique (token, host) pairs,
+    and an overflow of the chunks' smaller blocks counted."""
+    checks = 0
+    for dispatcher in ("hierarchical", "padded"):
+        for echo in (False, True):
+            for case in ("random", "one_hot_per_host"):
+                what = f"{dispatcher} in 3 chunks echo={echo} routing={case}"
+                _, layer, x, _, out = run_case(case, echo, dtype, device, mesh, float(K), tol, dispatcher, chunks=3)
+                assert int(layer.overflow_count) == 0, what
+                check_equal(out, tol, what)
+                if dispatcher == "hierarchical":
+                    rows, want = int(layer.network_rows), expected_network_rows(layer, x, hosts)
+                    assert rows == want, f"{what}: {rows} rows sent between hosts, unique (token, host) pairs {want}"
+                checks += 1
+    _, layer, *_ = run_case("all_to_one_host", False, dtype, device, mesh, 0.25, tol, "hierarchical", chunks=3)
+    dropped = layer.overflow_count.clone().view(1)
+    dist.all_reduce(dropped)
+    assert int(dropped) > 0 and float(layer.capacity_need) > 0.25, "3 chunks at capacity 0.25: no overflow counted"
+    return checks + 1
+
+
+def sync_free_step(device, dtype, mesh, chunks=1):
+    """Forward + backward of the hierarchical layer (ECHO on; ``chunks`` pipelined token chunks) under
+    sync_debug_mode('error')."""
     from components.moe_echo.config import MoEEchoConfig
     from components.parallel.parallelize import apply_expert_parallel
 
     layer = build_layer(dtype, device, routing_bias("random", 2))
+    layer.cfg = dataclasses.replace(layer.cfg, overlap_chunks=chunks)
     apply_expert_parallel(layer, mesh, MoEEchoConfig(dispatcher="hierarchical", capacity_factor=float(K), echo=True,
-                                                     bias_update_rate=0.0))
+                                                     bias_update_rate=0.0, overlap_chunks=chunks))
     x = torch.randn(1, TOKENS, D, device=device, dtype=dtype, requires_grad=True)
     layer(x).sum().backward()  # warm-up (allocations, lazy inits)
     torch.cuda.synchronize()

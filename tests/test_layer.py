@@ -137,3 +137,25 @@ def test_score_before_experts_is_rejected():
     args = MoEArgs(num_experts=4, top_k=1, score_before_experts=True)
     with pytest.raises(ValueError, match="score_before_experts"):
         MoELayer(args, D, H)
+
+
+def test_overlap_chunks_is_refused_where_it_cannot_run():
+    from components.errors import UserError
+    from components.moe_echo.pipelined import check_overlap
+
+    args = MoEArgs(num_experts=4, top_k=1, score_before_experts=False)
+    with pytest.raises(UserError, match=r"overlap_chunks = 0: must be >= 1"):
+        MoELayer(args, D, H, MoEEchoConfig(overlap_chunks=0))
+
+    class PerLayerBuffers:  # like nvlink: one receive buffer per layer
+        communicates, reentrant = True, False
+
+    class Fresh:
+        communicates, reentrant = True, True
+
+    with pytest.raises(UserError, match=r"overlap_chunks = 2 needs a dispatcher without per-layer buffers.*PerLayer"):
+        check_overlap(MoEEchoConfig(overlap_chunks=2), PerLayerBuffers())
+    with pytest.raises(UserError, match="echo_recompute"):
+        check_overlap(MoEEchoConfig(overlap_chunks=2, echo=True, echo_recompute=True), Fresh())
+    check_overlap(MoEEchoConfig(overlap_chunks=2), Fresh())
+    check_overlap(MoEEchoConfig(overlap_chunks=1), PerLayerBuffers())

@@ -41,6 +41,7 @@ class Dispatcher(ABC):
     sync_free = False  # True: no host read on the step path (the step can be captured in a CUDA graph)
     fixed_capacity = False  # True: may overflow (counted in handle.dropped; the loop gates and replays)
     communicates = True  # False: one rank, nothing crosses (no side stream to hide communication behind)
+    reentrant = False  # True: no per-layer buffers, so several dispatches of one layer may be alive at once
 
     @abstractmethod
     def dispatch(
@@ -98,6 +99,7 @@ class LocalDispatcher(Dispatcher):
 
     sync_free = True
     communicates = False
+    reentrant = True
 
     def __init__(self, num_experts: int):
         self.num_experts = num_experts

@@ -41,6 +41,8 @@ class EPHandle(DispatchHandle):
 class _AllToAllBase(ExpertParallel):
     """Receive and combine over NCCL/gloo ``all_to_all`` (shared by alltoall and padded)."""
 
+    reentrant = True  # every buffer is a fresh tensor
+
     def _receive(self, x_send, recv_counts_Re, block_start_R, block_of_row_N, send_splits, recv_splits):
         x_recv = all_to_all(x_send, recv_splits, send_splits, self.group)
         nd_of_recv, recv_of_nd, counts_e = expert_major_order(recv_counts_Re, block_start_R, block_of_row_N)

@@ -65,6 +65,8 @@ class HierarchicalDispatcher(FixedCapacity, ExpertParallel):
     """EP over ``hosts`` × ``ranks_per_host`` ranks: network leg over ``net_group`` (this local index on every
     host), host leg over ``host_group`` (this host's ranks)."""
 
+    reentrant = True  # every buffer is a fresh tensor
+
     def __init__(self, num_experts: int, group, ep_size: int, capacity_factor: float, hosts: int,
                  net_group, host_group, host_rank: int):
         ExpertParallel.__init__(self, num_experts, group, ep_size)

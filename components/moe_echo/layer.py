@@ -5,6 +5,9 @@
           ─dispatch─► x_ND, counts_e ─experts (+ clone weights)─► y_ND ─combine─► routed_TD
           y_TD = routed_TD + shared_experts(x_TD)   (shared experts on a side stream, see below)
 
+With ``overlap_chunks`` > 1 at EP > 1 the tokens go through dispatch -> experts -> combine in chunks, communication
+of one chunk beside the experts of another (components/moe_echo/pipelined.py).
+
 With ``gathered_experts`` (local or nvlink dispatcher) the experts read token rows by index and apply the
 combine themselves (components/moe_echo/gathered_experts.py): no expert-major copy of the tokens.
 
@@ -42,6 +45,7 @@ from .dispatcher import Dispatcher, LocalDispatcher
 from .echo import echo_stats
 from .experts import GroupedExperts, SwiGLU
 from .gathered_experts import gathered_rows
+from .pipelined import check_overlap, pipelined_routed
 from .router import TopKRouter, sequence_aux_loss, updated_expert_bias
 
 
@@ -103,6 +107,7 @@ class MoELayer(nn.Module):
         )
         # every expert on this rank until parallelize() applies expert parallelism (and cfg's backend)
         self.dispatcher: Dispatcher = LocalDispatcher(E)
+        check_overlap(cfg, self.dispatcher)
 
         # torchtitan-compatible balancing state. ``load_balance_coeff`` doubles as the bias rate.
         self.load_balance_coeff = cfg.bias_update_rate if cfg.bias_update_rate > 0 else None
@@ -143,8 +148,12 @@ class MoELayer(nn.Module):
             with torch.no_grad():
                 ids_TK, plan = self.echo.route(ids_TK, r.counts_E)
                 self.echo_stats.copy_(echo_stats(plan))
+        chunks = min(self.cfg.overlap_chunks, x_TD.shape[0]) if self.dispatcher.communicates else 1
         if self.cfg.gathered_experts:
             y_TD = self._gathered(x_TD, ids_TK, r.topk_w_TK, plan)
+        elif chunks > 1:
+            y_TD = pipelined_routed(self.dispatcher, lambda x, c, ext: self._experts(x, c, extend=ext),
+                                    self._count_overflow, x_TD, ids_TK, r.topk_w_TK, chunks, self._extend(plan))
         else:
             y_TD = self._dispatched(x_TD, ids_TK, r.topk_w_TK, plan)
         if side is not None:  # join

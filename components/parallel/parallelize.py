@@ -28,6 +28,7 @@ from components.moe_echo.backends import build_dispatcher, peers_on_one_host
 from components.moe_echo.echo import Echo
 from components.moe_echo.echo_transport import build_transport
 from components.moe_echo.layer import MoELayer
+from components.moe_echo.pipelined import check_overlap
 from components.errors import UserError
 
 from .compile import compile_dense
@@ -56,6 +57,7 @@ def apply_expert_parallel(moe: MoELayer, ep_mesh, cfg) -> None:
         hosts = None  # auto: flat padded where the ranks are not laid out host by host
     moe.dispatcher = build_dispatcher(cfg, ep * (moe.num_experts // ep + slots), ep_mesh.get_group(), ep,
                                       on_one_host, hosts)
+    check_overlap(moe.cfg, moe.dispatcher)  # what the layer's forward reads
     moe.ep_size = ep
     if cfg.echo:
         transport = build_transport(moe.dispatcher, ep_mesh.get_group(), ep, rank, slots, moe.num_experts // ep)

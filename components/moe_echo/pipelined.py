@@ -1,0 +1,113 @@
+"""The routed experts over token chunks, communication beside compute (``[moe_echo] overlap_chunks``).
+
+    x_TD, ids_TK, w_TK ─split in C chunks of T / C tokens─►
+        comm stream:  D0  D1  [E0] C0  D2  [E1] C1  D3 ...          (Di: dispatch of chunk i, Ci: its combine)
+        main stream:      [D0] E0  [D1] E1  [D2] E2 ...              (Ei: the experts on chunk i)
+    ─► y_TD = cat(C0, C1, ...)
+
+[X] is a wait on an event recorded after X on the other stream: the experts of chunk i start when its
+dispatch is done, its combine when its experts are, so chunk i + 1's dispatch and chunk i − 1's combine run
+while the experts compute chunk i. Autograd runs each backward op on the stream its forward ran on, so the
+backward overlaps the same way (the combines' backward, a dispatch, beside the experts' weight-gradient GEMMs).
+
+Every chunk is an ordinary dispatch of T / C tokens: capacities are sized per chunk, overflow and the
+capacity it needed are counted per chunk into the layer's buffers (the step gate replays as before), and the
+result equals the layer's one dispatch wherever neither overflows. ECHO's plan covers the whole layer (it is
+made once, before the split); its clone weights are fetched once and shared by the chunks (their gradients
+sum over the chunks before going home). No host read is added, and the stream fork and join are event waits,
+so the step stays capturable. Dispatchers with per-layer buffers (``nvlink``, ``deepep``) cannot have two
+dispatches of a layer alive at once: only those marked ``reentrant`` are split.
+"""
+
+import contextlib
+
+import torch
+
+from components.errors import UserError
+from components.streams import side_stream
+
+
+def check_overlap(cfg, dispatcher) -> None:
+    """One-line error where ``[moe_echo] overlap_chunks`` cannot apply to this layer (``cfg``: MoEEchoConfig)."""
+    chunks = cfg.overlap_chunks
+    if chunks < 1:
+        raise UserError(f"[moe_echo] overlap_chunks = {chunks}: must be >= 1 (1: no split)")
+    if chunks == 1 or not dispatcher.communicates:
+        return
+    fix = "set overlap_chunks = 1"
+    if not dispatcher.reentrant:
+        raise UserError(f"[moe_echo] overlap_chunks = {chunks} needs a dispatcher without per-layer buffers "
+                        f"('padded', 'hierarchical' or 'alltoall'; this run's is {type(dispatcher).__name__}); "
+                        f"choose one of them or {fix}")
+    if cfg.gathered_experts:
+        raise UserError(f"[moe_echo] overlap_chunks = {chunks} does not apply to gathered_experts = true; {fix}")
+    if cfg.echo_recompute:
+        raise UserError(f"[moe_echo] overlap_chunks = {chunks} does not combine with echo_recompute = true "
+                        f"(the chunks share one fetch of the clone weights); {fix}")
+
+
+def fetched_once(extend):
+    """ECHO's ``extend(w, i, out)`` with each weight's clones fetched by the first call, returned again after."""
+    if extend is None:
+        return None
+    done = {}
+
+    def once(w, i, out=None):
+        if i not in done:
+            done[i] = extend(w, i, out)
+        return done[i]
+
+    return once
+
+
+def pipelined_routed(dispatcher, experts, count, x_TD, ids_TK, w_TK, chunks: int, extend=None) -> torch.Tensor:
+    """The routed experts' y_TD [T, D] as dispatch -> experts -> combine over ``chunks`` token chunks.
+
+    ``experts(x_ND, counts_e, extend) -> y_ND`` and ``count(handle)`` (overflow bookkeeping) are the layer's;
+    on CUDA, dispatch and combine run on the ``moe_comm`` side stream (on CPU: in order, one stream)."""
+    xs, ids, ws = x_TD.chunk(chunks), ids_TK.chunk(chunks), w_TK.chunk(chunks)
+    extend = fetched_once(extend)
+    comm = side_stream(x_TD.device, "moe_comm") if x_TD.is_cuda else None
+    main = torch.cuda.current_stream(x_TD.device) if comm is not None else None
+    on_comm = (lambda: torch.cuda.stream(comm)) if comm is not None else contextlib.nullcontext
+    if comm is not None:  # fork: the inputs are ready; their memory stays theirs until comm is done with it
+        comm.wait_stream(main)
+        for t in (x_TD, ids_TK, w_TK):
+            t.record_stream(comm)
+
+    def dispatched(i):
+        with on_comm():
+            x_ND, counts_e, handle = dispatcher.dispatch(xs[i], ids[i], ws[i])
+            count(handle)
+            done = _event(comm)
+        return x_ND, counts_e, handle, done
+
+    ys, nxt = [], dispatched(0)
+    for i in range(len(xs)):
+        x_ND, counts_e, handle, done = nxt
+        if i + 1 < len(xs):
+            nxt = dispatched(i + 1)
+        if comm is not None:
+            main.wait_event(done)
+            x_ND.record_stream(main)
+            counts_e.record_stream(main)
+        y_ND = experts(x_ND, counts_e, extend)
+        computed = _event(main)
+        with on_comm():
+            if comm is not None:
+                comm.wait_event(computed)
+                y_ND.record_stream(comm)
+            ys.append(dispatcher.combine(y_ND, handle))
+    if comm is not None:  # join
+        main.wait_stream(comm)
+        for y in ys:
+            y.record_stream(main)
+    return torch.cat(ys) if len(ys) > 1 else ys[0]
+
+
+def _event(stream):
+    if stream is None:
+        return None
+    ev = torch.cuda.Event()
+    ev.record(stream)
+    return ev
