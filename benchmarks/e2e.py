@@ -583,7 +583,9 @@ def host_row(r: dict) -> dict:
             "tokens_per_rank": cfg["training"]["local_batch_size"] * cfg["training"]["seq_len"],
             "hidden": m.dim, "top_k": m.moe_args.top_k, "experts": m.moe_args.num_experts,
             "capacity_factor": float(arg_value(r["args"], "moe_echo.capacity_factor", me.get("capacity_factor", 1.25))),
-            "routing": f"hot{hot}" if hot else "natural", "step_ms": r["step_ms"],
+            "routing": f"hot{hot}" if hot else "natural",
+            "overlap_chunks": int(arg_value(r["args"], "moe_echo.overlap_chunks", me.get("overlap_chunks", 1))),
+            "step_ms": r["step_ms"],
             "tokens_per_s_per_gpu": r["tokens_per_s_per_gpu"], "variant": r.get("variant", ""),
             "label": r.get("label", ""), "rank_load": r.get("rank_load"), "replays": r.get("replays"),
             "graph": r.get("graph", ""), "date": r.get("date")}
@@ -599,7 +601,7 @@ def write_hosts(rows: list[dict], env: dict, out: str) -> None:
         with open(stem + ".json", "w") as f:
             json.dump({"env": env, "script": "benchmarks/e2e.py --hosts", "rows": hrows}, f, indent=1)
         cols = ["variant", "dispatcher", "echo", "routing", "hosts", "gpus_per_host", "capacity_factor",
-                "tokens_per_s_per_gpu", "step_ms", "rank_load", "replays", "graph"]
+                "overlap_chunks", "tokens_per_s_per_gpu", "step_ms", "rank_load", "replays", "graph"]
         with open(stem + ".md", "w") as f:
             f.write(f"e2e on {gpus} {env['gpu']} as emulated hosts (benchmarks/e2e.py --hosts; one torchrun agent "
                     f"per host, each its own NCCL_HOSTID)\n\n{markdown_table([shown(r) for r in hrows], cols)}\n")

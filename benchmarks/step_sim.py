@@ -1159,8 +1159,11 @@ def _num(v) -> float | None:
 def host_row(row: dict) -> dict | None:
     """A measured row normalised (ints, floats), or None when it lacks what the model needs: dispatcher,
     hosts, gpus_per_host, tokens_per_rank, hidden, top_k (+ capacity_factor unless alltoall) and at least
-    one positive measurement. Optional: experts, slots, routing, network_rows."""
+    one positive measurement. Optional: experts, slots, routing, network_rows. Rows of a pipelined layer
+    (``overlap_chunks`` > 1) are left out: the model has no overlap of communication with compute."""
     if not isinstance(row, dict) or row.get("dispatcher") not in DISPATCHERS:
+        return None
+    if (_num(row.get("overlap_chunks")) or 1) > 1:
         return None
     out = dict(row)
     for k in ("hosts", "gpus_per_host", "tokens_per_rank", "hidden", "top_k"):
