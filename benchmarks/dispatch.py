@@ -21,10 +21,19 @@ of the nvlink kernels, graphed, on the first and the last shape.
 once into every rank it goes to, no expert-major copy of the received tokens; the owner's per-token sums
 pulled back. Same bytes as nvlink's rows; ``gathered_rel_err`` compares its value (identity experts) with
 nvlink's dispatch + combine.
+
+SM budgets (``--sms 24,64``; the main table runs nvlink at the first): nvlink and DeepEP's intranode kernels
+(the ``deepep`` dispatcher, where ``deep_ep`` imports; eager only: its normal mode sizes buffers on the host)
+at each budget, eager, one row per shape and budget. nvlink's budget is its kernels' CTAs, DeepEP's the SMs of
+``deep_ep.Buffer.set_num_sms`` (one CTA each). ``nvlink_vs_deepep``: deepep_ms / nvlink_ms (over 1: nvlink
+faster); ``deepep_kernels_ms``: DeepEP's layout + dispatch + combine alone (no expansion to expert-major rows);
+``deepep_rel_err``: its combined tokens (identity experts) against nvlink's. ``--only-sms``: that table alone
+(``dispatch_ep<N>_<label>``, label ``sms`` by default), nothing else timed.
 """
 
 import argparse
 import copy
+import importlib
 import math
 import os
 import sys
@@ -35,6 +44,7 @@ import torch
 import torch.distributed as dist
 
 from benchmarks.common import beside, environment, host_ms, markdown_table, routing_ids, slowest, time_ms, write_results
+from components.moe_echo.deepep_dispatch import DeepEPDispatcher, _buffer, release_buffers
 from components.moe_echo.ep_dispatch import AllToAllDispatcher, PaddedDispatcher, padded_capacity
 from components.moe_echo.gathered_experts import _to_rows
 from components.moe_echo.nvlink_dispatch import NVLinkDispatcher, nvlink_capacity, owner_sums, send_tokens, sum_back
@@ -175,6 +185,32 @@ def vdev_ms(x_send, send_splits, group):
         return None, f"{type(err).__name__}: {str(err).splitlines()[0][:80]}"
 
 
+def deepep_missing() -> str:
+    """'' where ``deep_ep`` imports, else why not (one line)."""
+    try:
+        importlib.import_module("deep_ep")
+    except Exception as err:  # an ImportError, or a build that does not load here
+        return f"{type(err).__name__}: {str(err).splitlines()[0][:100] if str(err) else ''}"
+    return ""
+
+
+def deepep_kernels(x, ids, w, group, sms):
+    """DeepEP's own layout + dispatch + combine of the received tokens at ``sms`` SMs (no expert-major expansion)."""
+    import deep_ep
+
+    deep_ep.Buffer.set_num_sms(sms)
+    buf, cfg_d, cfg_c = _buffer(group, x.shape[1] * x.element_size())
+    ids = ids.to(deep_ep.topk_idx_t).contiguous()
+
+    def fn():
+        n_rank, _, n_expert, in_rank, _ = buf.get_dispatch_layout(ids, E)
+        recv_x, _, _, _, handle, _ = buf.dispatch(x, topk_idx=ids, topk_weights=w, num_tokens_per_rank=n_rank,
+                                                  is_token_in_rank=in_rank, num_tokens_per_expert=n_expert,
+                                                  config=cfg_d)
+        buf.combine(recv_x, handle, config=cfg_c)
+    return fn
+
+
 def profile_nvlink(T: int, D: int, sms: int, group, dev, iters: int = 5) -> list[dict]:
     """Kernel time per call of nvlink dispatch + combine + their backward (eager, balanced routing):
     rows {phase, kernel, ms, calls}, phase = the autograd node or forward op around the launch."""
@@ -234,18 +270,27 @@ def main():
     ap.add_argument("--out", default=None)
     ap.add_argument("--tokens", default="4096,16384")
     ap.add_argument("--hidden", default="2048,7168")
-    ap.add_argument("--sms", default="64", help="nvlink CTAs for the main table (the nvlink_sms default)")
+    ap.add_argument("--sms", default="64", help="SM budgets: nvlink CTAs for the main table (the first; the nvlink_sms "
+                    "default) and, for each, nvlink vs deepep eager (the SM-budget table)")
+    ap.add_argument("--only-sms", action="store_true", help="only the SM-budget table (nvlink, deepep, alltoall)")
+    ap.add_argument("--label", default="", help="results name: dispatch_ep<N>_<label> (--only-sms: sms by default)")
     ap.add_argument("--sweep", default="8,16,32,64,132", help="nvlink CTAs swept (graphed)")
     ap.add_argument("--block-t", default="1,2,4", help="nvlink tokens per CTA iteration swept (graphed)")
     ap.add_argument("--no-vdev", action="store_true")
     ap.add_argument("--profile", default="", help="TxD: also profile nvlink forward + backward there (kernel table)")
     a = ap.parse_args()
+    budgets = [int(s) for s in a.sms.split(",")]
+    main_sms = budgets[0]
     dist.init_process_group("nccl")
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.cuda.set_device(rank)
     dev = torch.device("cuda", rank)
     group = dist.group.WORLD
-    rows, sweep = [], []
+    rows, sweep, by_sms = [], [], []
+    no_deepep = deepep_missing()
+    if rank == 0 and no_deepep:
+        print(f"deepep: skipped (deep_ep does not import: {no_deepep})", flush=True)
+    by_budget = a.only_sms or len(budgets) > 1 or not no_deepep  # else the table would repeat the main one
     shapes = [(int(T), int(D)) for T in a.tokens.split(",") for D in a.hidden.split(",")]
     sweep_shapes = {shapes[0], shapes[-1]}
     vdev_note = ""
@@ -285,11 +330,6 @@ def main():
                     return timed(fn, graph, host)
 
                 t_a2a = bench(AllToAllDispatcher(E, group, world))
-                padded = PaddedDispatcher(E, group, world, cf)
-                with torch.no_grad():
-                    _, _, h = padded.dispatch(x, ids, w)
-                assert int(h.dropped) == 0
-                t_pad = bench(padded)
                 recv_rows = dest_counts.clone()
                 dist.all_reduce(recv_rows)  # rows each rank receives
                 cf_nv = max(1.0, math.ceil(float(recv_rows.max()) / (T * K) * 100) / 100)  # no drops
@@ -298,18 +338,50 @@ def main():
                     return NVLinkDispatcher(E, group, world, cf_nv, programs=sms, name="bench", block_t=block_t,
                                             copies=copies)
 
+                tok_gbs = lambda ms: tok_bytes / (ms * 1e-3) / 1e9  # nvlink's rows: one per (token, rank)
+                for sms in budgets if by_budget else []:  # nvlink vs deepep at each SM budget, eager (deepep: no graph)
+                    nv = nvlink(sms)
+                    with torch.no_grad():
+                        x_nd, _, h = nv.dispatch(x, ids, w)
+                        want = nv.combine(x_nd, h).float()
+                    assert int(h.dropped) == 0
+                    r = {"T": T, "D": D, "routing": kind, "ranks": world, "sms": sms,
+                         "remote_token_MB": tok_bytes / 2 / 1e6, "alltoall_ms": t_a2a, "nvlink_ms": bench(nv),
+                         "nvlink_graph_ms": bench(nv, graph=True)}
+                    r["nvlink_GBs"] = tok_gbs(r["nvlink_ms"])
+                    if not no_deepep:
+                        dp = DeepEPDispatcher(E, group, world, num_sms=sms)
+                        with torch.no_grad():
+                            x_nd, _, h = dp.dispatch(x, ids, w)
+                            got = dp.combine(x_nd, h).float()
+                        r["deepep_ms"] = bench(dp)
+                        r["deepep_kernels_ms"] = timed(deepep_kernels(x, ids, w, group, sms))
+                        r["deepep_GBs"] = tok_gbs(r["deepep_ms"])
+                        r["nvlink_vs_deepep"] = r["deepep_ms"] / r["nvlink_ms"]
+                        r["deepep_rel_err"] = float((got - want).norm() / want.norm())
+                    by_sms.append(r)
+                    if rank == 0:
+                        print(r, flush=True)
+                if a.only_sms:
+                    continue
+                padded = PaddedDispatcher(E, group, world, cf)
                 with torch.no_grad():
-                    _, _, h = nvlink(int(a.sms)).dispatch(x, ids, w)
+                    _, _, h = padded.dispatch(x, ids, w)
                 assert int(h.dropped) == 0
-                t_nv = bench(nvlink(int(a.sms)))
-                t_nv_host = bench(nvlink(int(a.sms)), host=True)
-                t_nv_g = bench(nvlink(int(a.sms)), graph=True)
-                t_nv_disp_g = bench(nvlink(int(a.sms)), graph=True, dispatch_only=True)
+                t_pad = bench(padded)
+
+                with torch.no_grad():
+                    _, _, h = nvlink(main_sms).dispatch(x, ids, w)
+                assert int(h.dropped) == 0
+                t_nv = bench(nvlink(main_sms))
+                t_nv_host = bench(nvlink(main_sms), host=True)
+                t_nv_g = bench(nvlink(main_sms), graph=True)
+                t_nv_disp_g = bench(nvlink(main_sms), graph=True, dispatch_only=True)
                 t_pad_g = bench(padded, graph=True)
                 # gathered experts' movement (no expert-major copy of the received tokens), checked against
                 # nvlink's dispatch + combine with identity experts (both sum bf16 rows in fp32; the owner's
                 # per-token sums are rounded to bf16 once before the pull)
-                gd = nvlink(int(a.sms))
+                gd = nvlink(main_sms)
                 with torch.no_grad():
                     x_nd, _, h = gd.dispatch(x, ids, w)
                     want = gd.combine(x_nd, h).float()
@@ -323,7 +395,7 @@ def main():
 
                 t_gat, t_gat_g = timed(gathered_fn), timed(gathered_fn, graph=True)
                 # token rows by the copy engines (nvlink_copy = "copy_engine"): same sums in the same order, bitwise equal
-                ce = nvlink(int(a.sms), copies="copy_engine")
+                ce = nvlink(main_sms, copies="copy_engine")
                 with torch.no_grad():
                     x_nd, _, h = ce.dispatch(x, ids, w)
                     ce_equal = torch.equal(ce.combine(x_nd, h).float(), want)
@@ -346,7 +418,7 @@ def main():
                             disp.combine(x_nd, h)
                     return fn
 
-                t_nv_gemm = beside_gemm(round_trip(nvlink(int(a.sms))), gemm, timed)
+                t_nv_gemm = beside_gemm(round_trip(nvlink(main_sms)), gemm, timed)
                 t_nv_ce_gemm = beside_gemm(round_trip(ce), gemm, timed)
                 ph = gathered_phases(gd, x, ids, w, y_ND, timed)
                 if (T, D) in sweep_shapes and kind == "balanced":
@@ -355,7 +427,7 @@ def main():
                             x_nd, _, h = disp.dispatch(x, ids, w)
                             return disp.combine(x_nd, h).clone()
 
-                    ref = combined(nvlink(int(a.sms), 1))
+                    ref = combined(nvlink(main_sms, 1))
                     for sms in map(int, a.sweep.split(",")):
                         for bt in map(int, a.block_t.split(",")):
                             same = torch.equal(combined(nvlink(sms, bt)), ref)  # same fp32 sums: bitwise equal
@@ -375,12 +447,11 @@ def main():
                                                                                          group)
                 vdev_note = vdev_note or note
                 gbs = lambda ms: nbytes / (ms * 1e-3) / 1e9 if ms else float("nan")  # per-choice rows
-                tok_gbs = lambda ms: tok_bytes / (ms * 1e-3) / 1e9  # nvlink's rows: one per (token, rank)
                 row = {
                     "T": T, "D": D, "routing": kind, "ranks": world, "remote_MB": nbytes / 2 / 1e6,
                     "remote_token_MB": tok_bytes / 2 / 1e6, "slot_copy_ms": t_slot_copy,
                     "padded_cf": cf, "padded_rows_per_peer": padded_capacity(T, K, world, cf),
-                    "alltoall_ms": t_a2a, "padded_ms": t_pad, "nvlink_ms": t_nv, "nvlink_host_ms": t_nv_host, "nvlink_sms": int(a.sms),
+                    "alltoall_ms": t_a2a, "padded_ms": t_pad, "nvlink_ms": t_nv, "nvlink_host_ms": t_nv_host, "nvlink_sms": main_sms,
                     "nvlink_graph_ms": t_nv_g, "nvlink_dispatch_graph_ms": t_nv_disp_g, "padded_graph_ms": t_pad_g,
                     "nvlink_GBs": tok_gbs(t_nv), "nvlink_graph_GBs": tok_gbs(t_nv_g), "nvlink_vs_alltoall": t_a2a / t_nv,
                     "nvlink_graph_vs_alltoall": t_a2a / t_nv_g, "nvlink_frac_of_ceiling": t_copy / t_nv,
@@ -406,13 +477,34 @@ def main():
                 rows.append(row)
                 if rank == 0:
                     print(row, flush=True)
-    kernels = profile_nvlink(*map(int, a.profile.split("x")), int(a.sms), group, dev) if a.profile else []
+    profile = a.profile and not a.only_sms
+    kernels = profile_nvlink(*map(int, a.profile.split("x")), main_sms, group, dev) if profile else []
+    sms_cols = ["T", "D", "routing", "sms", "remote_token_MB", "nvlink_ms"] + \
+        ([] if no_deepep else ["deepep_ms", "nvlink_vs_deepep", "deepep_kernels_ms"]) + \
+        ["nvlink_graph_ms", "alltoall_ms", "nvlink_GBs"] + ([] if no_deepep else ["deepep_GBs", "deepep_rel_err"])
+    sms_note = (f"nvlink vs deepep (DeepEP's intranode kernels, eager) at SM budgets {a.sms}"
+                + (f"; deepep skipped ({no_deepep})" if no_deepep else "") + ":\n\n")
+    if a.only_sms:
+        if rank == 0:
+            env = environment()
+            env["ranks"] = world
+            env["deepep"] = no_deepep or "ran"
+            table = sms_note + markdown_table(by_sms, sms_cols)
+            stem = write_results(f"dispatch_ep{world}_{a.label or 'sms'}", env, by_sms, table, a.out, gpus=world)
+            print(f"\ndispatch+combine by SM budget, EP={world}, {env['gpu']}, torch {env['torch']} ({stem}.json)\n"
+                  f"{table}")
+        if not no_deepep:
+            release_buffers()
+        dist.destroy_process_group()
+        return
     if rank == 0:
         env = environment()
         env["ranks"] = world
         env["nvlink_kernels"] = kernels
         env["vdev"] = vdev_note or "ran"
         env["nvlink_sms_sweep"] = sweep
+        env["sm_budgets"] = by_sms
+        env["deepep"] = no_deepep or "ran"
         cols = ["T", "D", "routing", "remote_MB", "remote_token_MB", "alltoall_ms", "padded_ms", "nvlink_ms", "nvlink_host_ms", "vdev_ms",
                 "slot_copy_ms", "peer_copy_ms", "padded_graph_ms", "nvlink_graph_ms", "nvlink_dispatch_graph_ms", "alltoall_GBs", "nvlink_GBs",
                 "nvlink_graph_GBs", "peer_copy_GBs", "nvlink_vs_alltoall", "nvlink_graph_vs_alltoall",
@@ -438,13 +530,18 @@ def main():
                                           "ce_equal"]))
         table += ("\n\nnvlink dispatch + combine (graphed) vs CTAs (≈ SMs) and tokens per CTA iteration:\n\n"
                   + markdown_table(sweep, ["T", "D", "routing", "nvlink_sms", "block_t", "graph_ms", "GBs", "equal"]))
+        if by_sms:
+            table += "\n\n" + sms_note + markdown_table(by_sms, sms_cols)
         if kernels:
             table += (f"\n\nnvlink forward + backward at {a.profile} (balanced, eager, rank 0's kernels, ms per "
                       "call; barriers include waiting for the peer):\n\n"
                       + markdown_table(kernels, ["phase", "kernel", "ms", "calls"]))
-        stem = write_results(f"dispatch_ep{world}", env, rows, table, a.out, gpus=world)
+        stem = write_results(f"dispatch_ep{world}" + (f"_{a.label}" if a.label else ""), env, rows, table, a.out,
+                             gpus=world)
         print(f"\ndispatch+combine, EP={world}, {env['gpu']}, torch {env['torch']} ({stem}.json); "
               f"all_to_all_vdev: {env['vdev']}\n{table}")
+    if not no_deepep:
+        release_buffers()
     dist.destroy_process_group()
 
 

@@ -1,5 +1,7 @@
-"""Expert parallelism on 2 GPUs (NCCL): sync-free padded dispatch, alltoall syncs, bf16 parity."""
+"""Expert parallelism on 2 GPUs (NCCL): sync-free padded dispatch, alltoall syncs, bf16 parity; the deepep
+dispatcher against alltoall where deep_ep is installed."""
 
+import importlib.util
 import os
 import subprocess
 import sys
@@ -18,3 +20,12 @@ def test_two_gpu_expert_parallel_checks():
                         os.path.join(ROOT, "tests", "gpu_ep_check.py")], capture_output=True, text=True, timeout=600)
     print(p.stdout[-3000:])
     assert p.returncode == 0 and "GPU-EP-OK" in p.stdout, p.stderr[-5000:]
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+@pytest.mark.skipif(importlib.util.find_spec("deep_ep") is None, reason="needs deep_ep (benchmarks/gpu/build_deepep.sh)")
+def test_two_gpu_deepep_matches_alltoall():
+    p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+                        os.path.join(ROOT, "tests", "gpu_deepep_check.py")], capture_output=True, text=True, timeout=600)
+    print(p.stdout[-3000:])
+    assert p.returncode == 0 and "GPU-DEEPEP-OK" in p.stdout, p.stderr[-5000:]

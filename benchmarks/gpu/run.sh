@@ -24,6 +24,10 @@
 #   configs     1    40 steps of each GPU config (RECIPES="debug_gpu ..." to pick)
 #   dispatch    2/4+ dispatch + combine at EP=2 on GPUs 0,1 and what a peer copy costs the SMs (copy engines vs
 #                    kernels), then EP=all GPUs (VDEV=1 adds NVSHMEM vdev)
+#   deepep      2    DeepEP's intranode kernels built from .deepep/src (benchmarks/gpu/build_deepep.sh, where deep_ep
+#                    does not import yet; kept in build/deepep), the deepep dispatcher's GPU test (== alltoall at EP=2,
+#                    24 and 64 SMs), then nvlink vs deepep dispatch + combine at 24 and 64 SMs, eager, 4096/16384 tokens
+#                    (PART=build | test | bench; default all, ~5 minutes) -> dispatch_ep2_deepep_2x<GPU>.md
 #   e2e         1-2  whole-run tokens/s, step ms and MFU vs torchtitan's trainer (no compile / compile), ours
 #                    eager and graphed (CONFIGS="debug_gpu ...", RUNS=..., PART=1gpu (PAR=1: config i on GPU i
 #                    at the same time, every run of a config on its GPU; VARIANTS as below) | ep2 | fill | variants:
@@ -207,6 +211,25 @@ print('largest step difference over steps 1-20: %.2e at step %d' % max(rel[:20])
     if [ "$N" -ge 4 ]; then
       timeout 130 torchrun --nproc_per_node $N benchmarks/dispatch.py --tokens 16384 $vdev --sweep 32,64,132 --out "$OUT" 2>&1 \
         | tee "$OUT/dispatch_ep$N.log" | noise | tail -14
+    fi ;;
+
+  deepep)  # -> dispatch_ep2_deepep_2x<GPU>.md: DeepEP built (once per machine), its dispatcher tested, then timed
+    export PYTHONPATH="$PWD/${DEEPEP_BUILD:-build/deepep}/lib:$PYTHONPATH"
+    if [ -z "${PART:-}" ] || [ "$PART" = build ]; then
+      if python3 -c "import deep_ep" 2> /dev/null; then
+        echo "deepep: deep_ep imports ($(python3 -c 'import deep_ep; print(deep_ep.__file__)'))"
+      else
+        OUT="$OUT" timeout ${TMO:-240} bash benchmarks/gpu/build_deepep.sh || exit 1
+      fi
+    fi
+    if [ -z "${PART:-}" ] || [ "$PART" = test ]; then
+      timeout 180 python3 -m pytest tests/test_gpu_ep.py -k deepep -p no:warnings -q -rfEs -s -o addopts= 2>&1 \
+        | tee "$OUT/deepep_tests.log" | grep -E "deepep|passed|failed|skipped|rror" | tail -8
+    fi
+    if [ -z "${PART:-}" ] || [ "$PART" = bench ]; then
+      CUDA_VISIBLE_DEVICES=0,1 timeout 170 torchrun --nproc_per_node 2 benchmarks/dispatch.py --only-sms --sms 24,64 \
+        --tokens 4096,16384 --hidden 2048,7168 --label deepep --out "$OUT" 2>&1 | tee "$OUT/dispatch_deepep.log" \
+        | noise | tail -26
     fi ;;
 
   e2e)  # -> e2e_<N>x<GPU>.md (rows merged into one table per GPU kind and count)
