@@ -30,6 +30,12 @@ category whose rule matches, innermost op first:
 
 Per category: milliseconds per step (kernel time summed, streams included) and the share of the
 summed kernel time; ``busy_ms`` is the union of kernel intervals per step (what overlap hides).
+
+Communication: the kernels that move data between GPUs, by name (NCCL's, the peer-memory kernels
+``_peer_*`` and barriers, peer-to-peer memcpys); ``comm_ms`` is the union of their intervals per step and
+``comm_exposed_ms`` the part of it when no other kernel runs (on any stream): communication that nothing
+hides. (``nvlink``'s pull of the combined rows runs in ``_gather_sum_kernel``, which also does local sums:
+it counts as dispatch work, not communication, so its exposed share is a lower bound.)
 """
 
 import argparse
@@ -73,6 +79,7 @@ KERNEL_RULES = [  # kernel names that say it all (no launching op found, e.g. Tr
 ]
 
 
+COMM_KERNEL = re.compile(r"^nccl|_peer_\w*kernel|barrier|PtoP", re.I)  # kernels that move data between GPUs
 BARRIER = re.compile(r"barrier", re.I)  # symmetric-memory / peer barriers: time a rank spends waiting for its peers
 
 
@@ -142,7 +149,7 @@ def breakdown(trace_path: str) -> dict:
         kernels = [k for k in kernels if k.get("args", {}).get("correlation") in launches]
 
     ms, top, wait = defaultdict(float), defaultdict(float), 0.0
-    intervals = []
+    intervals, comm, rest = [], [], []
     for k in kernels:
         corr = k.get("args", {}).get("correlation")
         stack = stacks.get(corr, [])
@@ -152,24 +159,53 @@ def breakdown(trace_path: str) -> dict:
         top[(cat, " < ".join(ops[-2:][::-1]), k.get("name", ""))] += k.get("dur", 0) / 1e3
         if BARRIER.search(k.get("name", "")):
             wait += k.get("dur", 0) / 1e3
-        intervals.append((k["ts"], k["ts"] + k.get("dur", 0)))
-    intervals.sort()
-    busy, end = 0.0, -1.0
-    for s, e in intervals:
-        if e > end:
-            busy += e - max(s, end)
-            end = e
+        span = (k["ts"], k["ts"] + k.get("dur", 0))
+        intervals.append(span)
+        (comm if COMM_KERNEL.search(k.get("name", "")) else rest).append(span)
+    busy = _length(_union(intervals))
+    comm_U = _union(comm)
+    comm_ms = _length(comm_U)
+    comm_exposed = comm_ms - _overlap(comm_U, _union(rest))
     # a graphed step is one replay; the profiler's window can hold one replay more than its steps
     # (the last step's replay launched before the window closes), so replays launched in it count the steps
     n = max(1, len(set(steps)), replays)
     total = sum(ms.values())
     ranked = sorted(top.items(), key=lambda kv: -kv[1])
     return {"steps": n, "kernel_ms": total / n, "busy_ms": busy / 1e3 / n, "barrier_ms": wait / n,
+            "comm_ms": comm_ms / 1e3 / n, "comm_exposed_ms": comm_exposed / 1e3 / n,
             "ms": {c: ms.get(c, 0.0) / n for c in CATEGORIES},
             "pct": {c: 100 * ms.get(c, 0.0) / total if total else 0.0 for c in CATEGORIES},
             "top": [{"category": c, "ops": o, "kernel": k, "ms": v / n} for (c, o, k), v in ranked[:30]],
             "by_category": {cat: [{"ops": o, "kernel": k, "ms": v / n} for (c, o, k), v in ranked if c == cat][:12]
                             for cat in CATEGORIES}}
+
+
+def _union(spans: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    """Sorted, disjoint intervals covering ``spans``."""
+    out = []
+    for s, e in sorted(spans):
+        if out and s <= out[-1][1]:
+            out[-1] = (out[-1][0], max(out[-1][1], e))
+        else:
+            out.append((s, e))
+    return out
+
+
+def _length(disjoint: list[tuple[float, float]]) -> float:
+    return sum(e - s for s, e in disjoint)
+
+
+def _overlap(a: list[tuple[float, float]], b: list[tuple[float, float]]) -> float:
+    """Length of the intersection of two sorted, disjoint interval lists."""
+    i = j = 0
+    total = 0.0
+    while i < len(a) and j < len(b):
+        total += max(0.0, min(a[i][1], b[j][1]) - max(a[i][0], b[j][0]))
+        if a[i][1] < b[j][1]:
+            i += 1
+        else:
+            j += 1
+    return total
 
 
 def table(rows: list[dict]) -> str:
@@ -179,6 +215,12 @@ def table(rows: list[dict]) -> str:
         lines.append(f"| {c} | " + " | ".join(f"{r['ms'][c]:.2f} | {r['pct'][c]:.1f}" for r in rows) + " |")
     lines.append("| **kernel time** | " + " | ".join(f"{r['kernel_ms']:.2f} | 100" for r in rows) + " |")
     lines.append("| GPU busy (union) | " + " | ".join(f"{r['busy_ms']:.2f} | " for r in rows) + " |")
+    if any(r.get("comm_ms") for r in rows):  # % of GPU busy time
+        lines.append("| communication (union) | " + " | ".join(
+            f"{r.get('comm_ms', 0.0):.2f} | {100 * r.get('comm_ms', 0.0) / r['busy_ms']:.1f}" for r in rows) + " |")
+        lines.append("| of which exposed (no other kernel running) | " + " | ".join(
+            f"{r.get('comm_exposed_ms', 0.0):.2f} | {100 * r.get('comm_exposed_ms', 0.0) / r['busy_ms']:.1f}"
+            for r in rows) + " |")
     if any(r.get("barrier_ms") for r in rows):  # inside dispatch: a rank spinning until its peers arrive
         lines.append("| of which barriers (a rank waiting for its peers) | "
                      + " | ".join(f"{r.get('barrier_ms', 0.0):.2f} | {100 * r.get('barrier_ms', 0.0) / r['kernel_ms']:.1f}"

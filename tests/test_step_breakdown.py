@@ -160,3 +160,24 @@ def test_barrier_waits_are_reported_inside_dispatch_and_json_keeps_full_names(tm
     assert any(t["kernel"] == long for t in r["top"])  # not cut to the table's width
     r["label"] = "x"
     assert "| of which barriers (a rank waiting for its peers) | 0.40 | 40.0 |" in table([r])
+
+
+def test_exposed_communication_is_what_no_other_kernel_covers(tmp_path):
+    """A GEMM 100-500 on one stream; NCCL 300-700 and a peer copy 650-900 on another; a barrier 950-1000:
+    communication covers 300-900 and 950-1000 (650 us), of which 500-900 and 950-1000 (450 us) run alone."""
+    from benchmarks.step_breakdown import table
+
+    events = [{"ph": "X", "cat": "user_annotation", "name": "ProfilerStep#1", "ts": 0, "dur": 100, "tid": 1}]
+    for corr, (ts, dur, name) in enumerate([(100, 400, "nvjet_sm90_tst_256x128"),
+                                            (300, 400, "ncclDevKernel_AllGather_RING_LL"),
+                                            (650, 250, "_peer_scatter_kernel"),
+                                            (950, 50, "c10d::symmetric_memory::barrier_kernel")], 1):
+        events += [_launch(corr, corr), _kernel(corr, ts, dur, name)]
+    r = breakdown(_trace(tmp_path, events))
+    assert abs(r["comm_ms"] - 0.65) < 1e-12 and abs(r["comm_exposed_ms"] - 0.45) < 1e-12
+    assert abs(r["busy_ms"] - 0.85) < 1e-12
+    r["label"] = "x"
+    assert "| of which exposed (no other kernel running) | 0.45 | 52.9 |" in table([r])
+    # a step without communication: no rows for it
+    r2 = breakdown(_trace(tmp_path, events[:3]))
+    assert r2["comm_ms"] == 0 and "communication" not in table([{**r2, "label": "y"}])
