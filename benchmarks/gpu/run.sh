@@ -10,7 +10,8 @@
 #   quack_unpack 1+  QuACK's MLIR library (benchmarks/gpu/quack_offline.sh; build/quack present) to /tmp: later runs
 #                    on the same machine (.whl present) install QuACK, so its tests and experts_gemm = "quack" run
 #   tests       1-2  every GPU test + the CPU tests of the step gate, profiler and checkpoints on this torch, in two
-#                    parts of under 10 minutes each: PART=a all but tests/test_gpu_train.py, PART=b that file
+#                    parts of under 10 minutes each: PART=a all but tests/test_gpu_train.py, PART=b its graphed ==
+#                    eager cases, PART=c the rest of it
 #   graph       4    two GPU pairs at once: graph == eager tests, overflow replay with re-capture (0,1);
 #                    EP tests, v2lite_1b EP=2 graphed with re-capture (2,3)
 #   sanitize    2    compute-sanitizer (memcheck x ECHO off/on x eager/graphed, racecheck, synccheck) on the EP=2
@@ -91,13 +92,15 @@ case $suite in
   tests)
     nvidia-smi --query-gpu=name --format=csv,noheader | tee "$OUT/gpus.txt"
     python3 -c "import torch; print('torch', torch.__version__)" | tee -a "$OUT/gpus.txt"
-    if [ "${PART:-a}" = a ]; then
-      files="tests/test_gpu.py tests/test_gpu_ep.py tests/test_profiling.py tests/test_checkpoint_verify.py
-             tests/test_reliability.py"
-    else
-      files="tests/test_gpu_train.py"   # 16 tests, ~20 recipe runs: ~9 minutes on 2 GPUs
-    fi
-    timeout ${TMO:-580} python3 -m pytest $files -k "not run_stops and not nonfinite_weights and not fresh_run and not bad" \
+    only="not run_stops and not nonfinite_weights and not fresh_run and not bad"
+    case "${PART:-a}" in
+      a) files="tests/test_gpu.py tests/test_gpu_ep.py tests/test_profiling.py tests/test_checkpoint_verify.py
+                tests/test_reliability.py" ;;
+      # tests/test_gpu_train.py, ~20 recipe runs on 2 GPUs: b the graphed == eager cases (~6 minutes), c the rest
+      b) files="tests/test_gpu_train.py"; only="$only and graph_equals_eager" ;;
+      *) files="tests/test_gpu_train.py"; only="$only and not graph_equals_eager" ;;
+    esac
+    timeout ${TMO:-580} python3 -m pytest $files -k "$only" \
       -p no:warnings -q -rfEs --durations=15 --junitxml="$OUT/gpu_tests_${PART:-a}.xml" 2>&1 | tee "$OUT/gpu_tests_${PART:-a}.log" | tail -40
     for f in /tmp/pytest-of-*/pytest-*/test_nvlink_capacity_grows*/grow/metrics.jsonl; do
       [ -f "$f" ] && python3 -c "
