@@ -289,3 +289,27 @@ def test_loss_match_reports_the_largest_and_tail_differences(tmp_path):
     assert abs(r["tail_mean_rel"] - 0.002) < 1e-9
     assert abs(r["tail_loss_rel"] - 0.002) < 1e-9  # every shared tail step 0.2% higher: the tail means too
     assert r["other_tail_loss"] > r["ref_tail_loss"]
+
+
+def test_loss_match_gates_on_the_noise_floor_and_plots(tmp_path):
+    """--floor: an offset within the control's per-step drift passes, one beyond it fails; --plot writes a PNG."""
+    import os
+    import subprocess
+    import sys
+
+    def write(name, factor):
+        path = tmp_path / name
+        path.write_text("".join(f'{{"step": {s}, "loss": {(10 / s + 1) * factor(s)}}}\n' for s in range(1, 301)))
+        return str(path)
+
+    ref = write("ref.jsonl", lambda s: 1.0)
+    control = write("control.jsonl", lambda s: 1.01 if s % 2 else 0.99)  # 1% drift each step, no offset
+    near = write("near.jsonl", lambda s: 1.005)  # 0.5% offset: inside the floor
+    far = write("far.jsonl", lambda s: 1.02)  # 2%: outside
+    script = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks", "loss_match.py")
+    for other, code in ((near, 0), (far, 1)):
+        p = subprocess.run([sys.executable, script, ref, other, "--floor", control, "--plot", str(tmp_path / "c.png")],
+                           capture_output=True, text=True)
+        assert p.returncode == code, p.stdout + p.stderr
+        assert ("within the floor" if code == 0 else "OUTSIDE the floor") in p.stdout
+    assert (tmp_path / "c.png").read_bytes()[:4] == b"\x89PNG"
