@@ -12,9 +12,9 @@ counters, the overflow flag). The wrapper:
    lazy init). They run on the current stream, like every eager step: warm-up on a side stream
    made the v2lite_6b ECHO + nvlink step at EP=4 read corrupted grouped-GEMM offsets (cause not
    pinned down; it passed with CUDA_LAUNCH_BLOCKING=1, and with warm-up on the current stream);
-2. then copies the batch into static input buffers and captures one call into a graph (the CUDA
+2. then copies the batch into static input buffers and captures one step into a graph (the CUDA
    RNG's seed/offset is registered by the capture itself, so random ops advance per replay);
-3. replays the graph for every later call (copy inputs in, replay, return the static outputs).
+3. replays the graph for every later step (copy inputs in, replay, return the static outputs).
 
 The optimizer must be capturable (``make_capturable``): tensor learning rate (the scheduler fills
 it in place), device step counters. When capture is impossible the wrapper says why once and
