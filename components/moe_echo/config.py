@@ -34,6 +34,11 @@ class MoEEchoConfig:
     per call. Measured on H200: layer 1.09–1.16× bf16 graphed, v2lite_1b step 1.01× (docs/performance.md);
     300-step losses within the drift of two equivalent bf16 runs."""
 
+    dispatch_precision: Literal["bf16", "fp8"] = "bf16"
+    """How token rows cross GPUs (and hosts) on dispatch. ``fp8``: in e4m3 with a power-of-two fp32 scale per
+    row, dequantised on arrival (D + 4 bytes a row instead of 2·D); combine and every gradient stay in bf16.
+    ``padded``, ``hierarchical`` and ``alltoall``."""
+
     experts_gemm: Literal["torch", "quack"] = "torch"
     """Kernels of the routed experts' bf16 GEMMs. ``torch``: ``torch._grouped_mm`` and fused SwiGLU
     kernels. ``quack``: QuACK's CuTe-DSL grouped GEMMs with SwiGLU and its backward in the GEMM

@@ -44,7 +44,7 @@ class _AllToAllBase(ExpertParallel):
     reentrant = True  # every buffer is a fresh tensor
 
     def _receive(self, x_send, recv_counts_Re, block_start_R, block_of_row_N, send_splits, recv_splits):
-        x_recv = all_to_all(x_send, recv_splits, send_splits, self.group)
+        x_recv = all_to_all(x_send, recv_splits, send_splits, self.group, self.wire)
         nd_of_recv, recv_of_nd, counts_e = expert_major_order(recv_counts_Re, block_start_R, block_of_row_N)
         x_ND = permute_rows(x_recv, recv_of_nd, nd_of_recv)
         return x_ND, counts_e, nd_of_recv, recv_of_nd
