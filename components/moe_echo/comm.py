@@ -1,32 +1,15 @@
 """Differentiable collectives for expert-parallel dispatch (NCCL or gloo).
 
-    all_to_all(x, out_splits, in_splits, group, wire="bf16")
-        rows of x to the ranks of group. ``wire = "fp8"``: each row crosses as D e4m3 bytes and its fp32
-        scale, a power of two (so a row already on the grid crosses again unchanged), and arrives
-        dequantised in x's dtype: D + 4 bytes a row instead of 2·D. The gradient goes back in its own
-        dtype, as if the rows had crossed exactly (straight through the quantisation).
+    all_to_all(x, out_splits, in_splits, group, wire="bf16", grad_wire="bf16")
+        rows of x to the ranks of group (the gradient goes back the reverse way). A ``"fp8"`` wire (forward:
+        ``wire``, backward: ``grad_wire``): each row crosses as D e4m3 bytes and its fp32 scale, a power of
+        two (so a row already on the grid crosses again unchanged), and arrives dequantised in the sent
+        dtype: D + 4 bytes a row instead of 2·D. Autograd sees the rows as if they had crossed exactly
+        (straight through the quantisation).
 """
 
 import torch
 import torch.distributed as dist
-
-
-class _AllToAll(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, out_splits, in_splits, group):
-        ctx.splits, ctx.group, ctx.in_rows = (out_splits, in_splits), group, x.shape[0]
-        rows = sum(out_splits) if out_splits is not None else x.shape[0]
-        out = x.new_empty((rows, *x.shape[1:]))
-        dist.all_to_all_single(out, x.contiguous(), out_splits, in_splits, group=group)
-        return out
-
-    @staticmethod
-    def backward(ctx, grad):
-        out_splits, in_splits = ctx.splits
-        grad_in = grad.new_empty((ctx.in_rows, *grad.shape[1:]))
-        dist.all_to_all_single(grad_in, grad.contiguous(), in_splits, out_splits, group=ctx.group)
-        return grad_in, None, None, None
-
 
 E4M3_MAX = 448.0
 
@@ -47,26 +30,32 @@ def rows_of_fp8(packed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return (q.view(torch.float8_e4m3fn).float() * scale).to(dtype)
 
 
-class _AllToAllFP8(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, out_splits, in_splits, group):
-        ctx.splits, ctx.group, ctx.in_rows = (out_splits, in_splits), group, x.shape[0]
-        packed = fp8_rows(x)
-        rows = sum(out_splits) if out_splits is not None else x.shape[0]
-        out = packed.new_empty((rows, packed.shape[1]))
-        dist.all_to_all_single(out, packed, out_splits, in_splits, group=group)
-        return rows_of_fp8(out, x.dtype)
+def _exchange(x: torch.Tensor, out_splits, in_splits, group, wire: str) -> torch.Tensor:
+    """One all_to_all_single of the rows of ``x`` (``wire = "fp8"``: packed by fp8_rows, then dequantised)."""
+    send = fp8_rows(x) if wire == "fp8" else x.contiguous()
+    rows = sum(out_splits) if out_splits is not None else x.shape[0]
+    out = send.new_empty((rows, *send.shape[1:]))
+    dist.all_to_all_single(out, send, out_splits, in_splits, group=group)
+    return rows_of_fp8(out, x.dtype) if wire == "fp8" else out
 
-    backward = staticmethod(_AllToAll.backward)
+
+class _AllToAll(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, out_splits, in_splits, group, wire, grad_wire):
+        ctx.splits, ctx.group, ctx.grad_wire = (out_splits, in_splits), group, grad_wire
+        return _exchange(x, out_splits, in_splits, group, wire)
+
+    @staticmethod
+    def backward(ctx, grad):
+        out_splits, in_splits = ctx.splits
+        return _exchange(grad, in_splits, out_splits, ctx.group, ctx.grad_wire), None, None, None, None, None
 
 
 def all_to_all(x: torch.Tensor, out_splits: list[int] | None, in_splits: list[int] | None, group,
-               wire: str = "bf16") -> torch.Tensor:
+               wire: str = "bf16", grad_wire: str = "bf16") -> torch.Tensor:
     """Rows of ``x`` split by ``in_splits`` go to the ranks of ``group``; ``None`` splits = equal blocks;
-    ``wire = "fp8"``: the rows cross in e4m3 with a scale each (see the module docstring)."""
-    if wire == "fp8":
-        return _AllToAllFP8.apply(x, out_splits, in_splits, group)
-    return _AllToAll.apply(x, out_splits, in_splits, group)
+    an ``"fp8"`` ``wire`` / ``grad_wire``: the rows / their gradients cross in e4m3 with a scale each."""
+    return _AllToAll.apply(x, out_splits, in_splits, group, wire, grad_wire)
 
 
 def exchange_counts(counts_Re: torch.Tensor, group) -> torch.Tensor:

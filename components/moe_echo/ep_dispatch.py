@@ -51,7 +51,7 @@ class _AllToAllBase(ExpertParallel):
 
     def combine(self, y_ND, handle: EPHandle):
         y_recv = permute_rows(y_ND, handle.nd_of_recv_N, handle.recv_of_nd_N)
-        y_back = all_to_all(y_recv, handle.send_splits, handle.recv_splits, self.group)
+        y_back = all_to_all(y_recv, handle.send_splits, handle.recv_splits, self.group, grad_wire=self.wire)
         return weighted_combine(y_back, handle.w_TK, handle.row_of_slot_TK).to(handle.out_dtype)
 
 

@@ -143,5 +143,5 @@ class HierarchicalDispatcher(FixedCapacity, ExpertParallel):
 
     def combine(self, y_ND, handle: HierarchicalHandle):
         part_recv = self.host_leg.combine(y_ND, handle.host)  # [H·C1, D]: per (token, host) weighted sums
-        part_back = all_to_all(part_recv, None, None, self.net_group)
+        part_back = all_to_all(part_recv, None, None, self.net_group, grad_wire=self.wire)
         return weighted_combine(part_back, handle.ones_TH, handle.row_TH).to(handle.out_dtype)
