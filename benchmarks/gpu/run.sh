@@ -206,9 +206,8 @@ print('largest step difference over steps 1-20: %.2e at step %d' % max(rel[:20])
         TMO=420 recipe f8_loss_bf16 1 --training.steps 500 --training.cuda_graph true
         TMO=420 recipe f8_loss_fp8 1 --training.steps 500 --training.cuda_graph true $F8
         TMO=480 recipe f8_loss_bf16_compile 1 --training.steps 500 --training.cuda_graph true --compile.enable true
-        for r in f8_loss_fp8 f8_loss_bf16_compile; do
-          echo "-- bf16 vs $r"; python3 benchmarks/loss_match.py "$OUT/f8_loss_bf16.jsonl" "$OUT/$r.jsonl" | tail -1
-        done ;;
+        python3 benchmarks/loss_match.py "$OUT/f8_loss_bf16.jsonl" "$OUT/f8_loss_fp8.jsonl" \
+          --floor "$OUT/f8_loss_bf16_compile.jsonl" --plot "$OUT/fp8_loss_v2lite_1b.png" | tail -2 ;;
       c)  # two GPUs: v2lite_6b_2gpu at EP=2, then the fp8 wire across 2 emulated hosts
         python3 benchmarks/e2e.py --configs v2lite_6b_2gpu --nproc 2 --runs ours_compile_graph --steps 20 \
           --label fp8_step --variants "bf16=;fp8=$F8" --out "$OUT" 2>&1 | noise | grep -E "^\| v2lite" | tail -4
