@@ -24,6 +24,11 @@ def test_config_keys_are_read_and_the_others_refused():
                        "--quantize.linear.float8.filter_fqns", "output,attention.wo"])
     assert float8.requested(cfg) and cfg.quantize.linear.float8.filter_fqns == ["output", "attention.wo"]
     assert not float8.requested(load_config([]))
+    # the routed experts follow the switch unless their key is set (or FP8 is emulated: they have no emulation)
+    assert load_config(["--model.converters", "float8"]).moe_echo.expert_precision == "fp8"
+    assert load_config(["--model.converters", "float8", "--moe_echo.expert_precision", "bf16"]
+                       ).moe_echo.expert_precision == "bf16"
+    assert cfg.moe_echo.expert_precision == "bf16" and load_config([]).moe_echo.expert_precision == "bf16"
     with pytest.raises(UserError, match=r"not supported by this recipe: \[quantize.linear.float8\] "
                                         r"enable_fsdp_float8_all_gather = True"):
         load_config([*EMULATED, "--quantize.linear.float8.enable_fsdp_float8_all_gather"])

@@ -26,7 +26,8 @@ class MoEEchoConfig:
     run's shape on this machine and use the fastest (cached)."""
 
     expert_precision: Literal["bf16", "fp8"] = "bf16"
-    """Precision of the routed experts' GEMMs. ``fp8``: e4m3 GEMMs for the forward and the input
+    """Precision of the routed experts' GEMMs (``fp8`` when ``[model] converters = ["float8"]`` without
+    ``emulate`` and this key is not set). ``fp8``: e4m3 GEMMs for the forward and the input
     gradient (power-of-two scales per row for activations, per expert for weights, computed on the
     device), bf16 GEMMs for the weight gradients; Hopper or newer GPUs. Master weights, router,
     dispatch and combine stay as they are. Without ECHO the optimizer step writes the weights' FP8

@@ -559,5 +559,8 @@ def load_config(argv: list[str] | None = None):
     for key, value in overrides:
         _apply_override(cls, table, key, value)
     cfg = _build(cls, table)
+    implied = cfg.model.converters and not cfg.quantize.linear.float8.emulate  # FP8 experts have no emulation
+    if implied and "expert_precision" not in table.get("moe_echo", {}):
+        cfg.moe_echo.expert_precision = "fp8"  # [model] converters = ["float8"]: the routed experts too, unless set
     validate(cfg)
     return cfg

@@ -11,8 +11,9 @@ Every ``nn.Linear`` of the model whose name matches none of ``filter_fqns`` and 
 are multiples of 16 becomes torchao's ``Float8Linear`` before parallelisation: attention projections,
 dense feed-forwards and the shared experts. Same parameters, same names (checkpoints load either way);
 the forward and both backward GEMMs run in FP8 with scales computed on the device. The routers' gates
-always stay as they are (top-k is decided on their logits), and so do the routed experts, which have
-their own switch (``[moe_echo] expert_precision``).
+always stay as they are (top-k is decided on their logits). The routed experts follow the same switch
+through their own key: ``[moe_echo] expert_precision`` becomes "fp8" unless the config sets it (or
+``emulate`` is on: the FP8 experts have no emulation).
 """
 
 import dataclasses
