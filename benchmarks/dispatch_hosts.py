@@ -1,6 +1,7 @@
-"""Dispatch + combine across hosts: ``hierarchical`` (one row per (token, destination host) on the network)
-vs flat ``padded`` (one fixed block per (source, destination) rank pair) vs flat ``alltoall`` (exact sizes,
-read on the host), on H hosts × L GPUs, plus NCCL's all_to_all bandwidth between the hosts.
+"""Dispatch + combine across hosts: ``hierarchical`` (one row per (token, destination host) on the network;
+``hierarchical_fp8``: its dispatch rows in e4m3 + a scale, ``dispatch_precision = "fp8"``) vs flat ``padded``
+(one fixed block per (source, destination) rank pair) vs flat ``alltoall`` (exact sizes, read on the host), on
+H hosts × L GPUs, plus NCCL's all_to_all bandwidth between the hosts.
 
     python benchmarks/dispatch_hosts.py --hosts 2 --gpus-per-host 2 [--out DIR]     (emulated hosts)
     torchrun --nnodes H ... benchmarks/dispatch_hosts.py --worker [--out DIR]     (a real cluster)
@@ -79,14 +80,17 @@ def worker(a):
                 "padded": (PaddedDispatcher(E, group, R, CF), 2 * (R - L) * C * D * 2),
                 "hierarchical": (HierarchicalDispatcher(E, group, R, CF, H, hosts.net_group, hosts.host_group,
                                                         hosts.host_rank), None),
+                "hierarchical_fp8": (HierarchicalDispatcher(E, group, R, CF, H, hosts.net_group, hosts.host_group,
+                                                            hosts.host_rank), None),  # dispatch_precision = "fp8"
             }
+            backends["hierarchical_fp8"][0].wire = "fp8"
             for name, (d, nbytes) in backends.items():
                 def round_trip(d=d):
                     x_ND, counts_e, h = d.dispatch(x, ids, w)
                     return d.combine(x_ND, h), h
 
                 y, h = round_trip()
-                if name == "hierarchical":
+                if name.startswith("hierarchical"):
                     nbytes = d.network_bytes(T, K, D, 2)
                     real = int(h.network_rows)
                     assert real == host_pairs, (real, host_pairs)
@@ -104,8 +108,8 @@ def worker(a):
                              "tokens_per_rank": T, "hidden": D, "top_k": K, "experts": E, "capacity_factor": CF,
                              "network_MB": float(net[0]) / 1e6, "network_rows": int(net[1]), "dropped": dropped,
                              "dispatch_combine_ms": ms, "graph_ms": graph_ms, "network_gbs": bw})
-            base = {r["dispatcher"]: r for r in rows[-3:]}
-            for r in rows[-3:]:
+            base = {r["dispatcher"]: r for r in rows[-len(backends):]}
+            for r in rows[-len(backends):]:
                 r["network_vs_padded"] = r["network_MB"] / base["padded"]["network_MB"]
                 r["speedup_vs_padded"] = base["padded"]["dispatch_combine_ms"] / r["dispatch_combine_ms"]
                 if r["graph_ms"] and base["padded"]["graph_ms"]:

@@ -781,6 +781,7 @@ class HostRun:
     slots: int = 0
     capacity_factor: float = 1.25
     compute_scale: float = 1.0
+    wire: str = "bf16"  # "fp8": rows toward the experts cross as D + 4 bytes (dispatch_precision)
 
 
 @dataclass
@@ -802,8 +803,10 @@ def hier_capacities(T: int, K: int, hosts: int, gpus_per_host: int, cf: float) -
 
 
 def dispatch_legs(dispatcher: str, cluster: Cluster, T: int, D: int, K: int, cf: float,
-                  traffic_RR: torch.Tensor | None = None) -> dict[str, list[Leg]]:
-    """{"dispatch": legs, "combine": legs} of one forward round trip, per rank, bf16 rows of D.
+                  traffic_RR: torch.Tensor | None = None, wire: str = "bf16") -> dict[str, list[Leg]]:
+    """{"dispatch": legs, "combine": legs} of one forward round trip, per rank, bf16 rows of D (``wire = "fp8"``:
+    the dispatch legs' rows are D e4m3 bytes + a 4-byte scale; the backward's legs toward the experts, the
+    output gradients, cross the same way, so the round trip stands for the backward too).
 
     padded: one collective each way; (R - L)·C rows to other hosts, (L - 1)·C over NVLink.
     hierarchical: dispatch = network leg ((H - 1)·C1 rows + K ids and K weights per row) then NVLink
@@ -813,19 +816,22 @@ def dispatch_legs(dispatcher: str, cluster: Cluster, T: int, D: int, K: int, cf:
     off-host entries of ``traffic_RR``, else (R - L)·T·K rows."""
     H, L = cluster.hosts, cluster.gpus_per_host
     R, row = H * L, D * BYTES
+    out = D + 4 if wire == "fp8" else row  # bytes of a row toward the experts
     if dispatcher == "padded":
         C = padded_capacity(T, K, R, cf)
         leg = Leg("all_to_all", (R - L) * C * row, (L - 1) * C * row, R * (R - L) * C * row)
-        return {"dispatch": [leg], "combine": [leg]}
+        there = Leg("all_to_all", (R - L) * C * out, (L - 1) * C * out, R * (R - L) * C * out)
+        return {"dispatch": [there], "combine": [leg]}
     if dispatcher == "hierarchical":
         C1, C2 = hier_capacities(T, K, H, L, cf)
         net_out, net_back = [], []
         if H > 1:
-            out_b, back_b = (H - 1) * C1 * (row + META_BYTES * K), (H - 1) * C1 * row
+            out_b, back_b = (H - 1) * C1 * (out + META_BYTES * K), (H - 1) * C1 * row
             net_out = [Leg("network", out_b, 0.0, R * out_b)]
             net_back = [Leg("network", back_b, 0.0, R * back_b)]
         host = [Leg("nvlink", 0.0, (L - 1) * C2 * row)] if L > 1 else []
-        return {"dispatch": net_out + host, "combine": host + net_back}
+        host_out = [Leg("nvlink", 0.0, (L - 1) * C2 * out)] if L > 1 else []
+        return {"dispatch": net_out + host_out, "combine": host + net_back}
     if dispatcher == "alltoall":
         if traffic_RR is None:
             n = T * K / R
@@ -835,7 +841,8 @@ def dispatch_legs(dispatcher: str, cluster: Cluster, T: int, D: int, K: int, cf:
             host_R = torch.arange(R) // L
             total = float((traffic_RR * (host_R[:, None] != host_R[None, :])).sum())
         leg = Leg("all_to_all", off * row, on * row, total * row)
-        return {"dispatch": [Leg("splits", 0.0, 0.0), leg], "combine": [leg]}
+        there = Leg("all_to_all", off * out, on * out, total * out)
+        return {"dispatch": [Leg("splits", 0.0, 0.0), there], "combine": [leg]}
     raise ValueError(f"unknown dispatcher {dispatcher!r}; expected one of {DISPATCHERS}")
 
 
@@ -997,7 +1004,7 @@ def host_layer_ms(layer: HostLayer, run: HostRun, cal: Calibration, shape: Model
     T, D, K, Hx = shape.tokens_per_rank, shape.dim, shape.top_k, shape.hidden
     lat = cl.collective_ms if cl.collective_ms is not None else default_collective_ms(cal)
     legs = dispatch_legs(run.dispatcher, cl, T, D, K, run.capacity_factor,
-                         layer.load.traffic_RR if run.dispatcher == "alltoall" else None)
+                         layer.load.traffic_RR if run.dispatcher == "alltoall" else None, run.wire)
     comm = 2 * round_trip_ms(legs, cl, lat)
     gemm_R = cal.gemm_ms(layer.load.rows_R, Hx) * run.compute_scale
     router = cal.router_ms * run.compute_scale
@@ -1099,14 +1106,14 @@ def predict_hosts(cal: Calibration, shape: ModelShape, gpus_per_host: int = 8, n
             layers = host_layers(cl, E, routing, [0, slots], steps, sh, seed)
             flat = {}
             for S in (0, slots):
-                for disp in ("padded", "hierarchical"):
-                    run = HostRun(cl, disp, E, S, capacity_factor)
+                for disp, wire in (("padded", "bf16"), ("hierarchical", "bf16"), ("hierarchical", "fp8")):
+                    run = HostRun(cl, disp, E, S, capacity_factor, wire=wire)
                     m = host_mean([host_step(ls, run, cal, sh) for ls in layers[S]], sh)
                     if disp == "padded":
                         flat[S] = m
                     rows.append({
                         "EP": ep, "hosts": f"{cl.hosts}x{gpus_per_host}", "E": E, "routing": name,
-                        "dispatch": "flat padded" if disp == "padded" else "hierarchical",
+                        "dispatch": "flat padded" if disp == "padded" else f"hierarchical{', fp8 wire' if wire == 'fp8' else ''}",
                         "ECHO": f"S={S}" if S else "off",
                         "load": f"{m['load_before']:.2f}" + (f" -> {m['load_after']:.2f}" if S else ""),
                         "fill": m["fill"], "net_GB": m["moe"]["network_gb"], "net_GB_real": m["moe"]["network_gb_real"],

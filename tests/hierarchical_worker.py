@@ -65,7 +65,8 @@ def grads(layer):
     return {n: local_of(p.grad).clone() for n, p in layer.named_parameters() if p.grad is not None}
 
 
-def run_case(case, echo, dtype, device, mesh, capacity_factor, tol, dispatcher="hierarchical", chunks=1):
+def run_case(case, echo, dtype, device, mesh, capacity_factor, tol, dispatcher="hierarchical", chunks=1,
+             wire="bf16", on_grid=False):
     from components.moe_echo.config import MoEEchoConfig
     from components.parallel.parallelize import apply_expert_parallel
 
@@ -77,10 +78,14 @@ def run_case(case, echo, dtype, device, mesh, capacity_factor, tol, dispatcher="
     common = dict(echo=echo, echo_slots_per_rank=2, bias_update_rate=0.0)
     apply_expert_parallel(ref, mesh, MoEEchoConfig(dispatcher="alltoall", **common))
     apply_expert_parallel(hier, mesh, MoEEchoConfig(dispatcher=dispatcher, capacity_factor=capacity_factor,
-                                                    overlap_chunks=chunks, **common))
+                                                    overlap_chunks=chunks, dispatch_precision=wire, **common))
     g = torch.Generator().manual_seed(100 + rank)
     x = torch.randn(1, TOKENS, D, generator=g, dtype=torch.float64).to(device=device, dtype=dtype)
     gy = torch.randn(1, TOKENS, D, generator=g, dtype=torch.float64).to(device=device, dtype=dtype)
+    if on_grid:  # token rows e4m3 can hold exactly (times a power of two): the fp8 wire is lossless for them
+        from components.moe_echo.comm import fp8_rows, rows_of_fp8
+
+        x = rows_of_fp8(fp8_rows(x.view(TOKENS, D)), dtype).view_as(x)
     out = {}
     for name, layer in (("alltoall", ref), ("hierarchical", hier)):
         xi = x.clone().requires_grad_()
@@ -167,6 +172,7 @@ def main():
     check_equal(out, tol, "overflow replayed")
     checks += 1
     checks += pipelined_checks(dtype, device, mesh, tol, hosts)
+    checks += fp8_wire_checks(dtype, device, mesh, tol)
     if a.sync_check:
         for chunks in (1, 2):  # bf16: the grouped-GEMM experts (fp32 loops over experts on the host)
             sync_free_step(device, torch.bfloat16, mesh, chunks)
@@ -196,6 +202,33 @@ def pipelined_checks(dtype, device, mesh, tol, hosts) -> int:
     dropped = layer.overflow_count.clone().view(1)
     dist.all_reduce(dropped)
     assert int(dropped) > 0 and float(layer.capacity_need) > 0.25, "3 chunks at capacity 0.25: no overflow counted"
+    return checks + 1
+
+
+def _rel(a, b) -> float:
+    return float((a.double() - b.double()).norm() / b.double().norm())
+
+
+def fp8_wire_checks(dtype, device, mesh, tol) -> int:
+    """``dispatch_precision = "fp8"``: token rows on the e4m3 grid cross exactly, so the layer's output equals
+    the exact ``alltoall`` one, ECHO off and on; the output gradients sent to the experts cross in e4m3 too, so
+    the gradients are within its rounding, not equal; rows off the grid give outputs within e4m3's rounding."""
+    checks = 0
+    for dispatcher in ("hierarchical", "padded"):
+        for echo in (False, True):
+            what = f"{dispatcher} fp8 wire echo={echo}"
+            _, layer, *_, out = run_case("one_hot_per_host", echo, dtype, device, mesh, float(K), tol, dispatcher,
+                                         wire="fp8", on_grid=True)
+            assert layer.dispatcher.wire == "fp8" and int(layer.overflow_count) == 0, what
+            (ya, gxa, gwa), (yf, gxf, gwf) = out["alltoall"], out["hierarchical"]
+            torch.testing.assert_close(yf, ya, rtol=tol, atol=tol, msg=lambda m: f"{what}: output: {m}")
+            assert 1e-6 < _rel(gxf, gxa) < 0.1, f"{what}: input gradient off by {_rel(gxf, gxa)}"
+            for n in ("experts.w1", "experts.w2", "experts.w3"):
+                assert _rel(gwf[n], gwa[n]) < 0.1, f"{what}: {n} gradient off by {_rel(gwf[n], gwa[n])}"
+            checks += 1
+    *_, out = run_case("random", False, dtype, device, mesh, float(K), tol, "hierarchical", wire="fp8")
+    rel = _rel(out["hierarchical"][0], out["alltoall"][0])
+    assert 1e-6 < rel < 0.1, f"fp8 wire off the grid: relative error {rel}"
     return checks + 1
 
 

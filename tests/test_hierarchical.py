@@ -27,7 +27,7 @@ def _run(ranks_per_host, *args, gpus=False):
 
 def test_hierarchical_equals_alltoall_on_two_hosts_cpu():
     lines = _run(2)
-    assert all(l.split()[2] == "18" and l.endswith("hosts 2") for l in lines), lines
+    assert all(l.split()[2] == "23" and l.endswith("hosts 2") for l in lines), lines
 
 
 @pytest.mark.gpu
@@ -35,7 +35,7 @@ def test_hierarchical_equals_alltoall_on_two_hosts_cpu():
 def test_hierarchical_equals_alltoall_on_two_hosts_gpu():
     per_host = 2 if torch.cuda.device_count() >= 4 else 1
     lines = _run(per_host, "--gpu", "--sync-check", gpus=True)
-    assert all(l.split()[2] == "20" for l in lines), lines
+    assert all(l.split()[2] == "25" for l in lines), lines
 
 
 def _recipe(dump, per_host, *extra):

@@ -239,7 +239,7 @@ def test_nothing_to_do_prints_one_line_and_writes_nothing(tmp_path):
         (("--checkpoint.async_mode", "async"), None, "not supported by this recipe: [checkpoint] async_mode"),
         (("--validation.enable",), None, "not supported by this recipe: [validation] enable"),
         (("--metrics.enable_wandb",), None, "not supported by this recipe: [metrics] enable_wandb"),
-        (("--model.converters", "float8"), None, "not supported by this recipe: [model] converters"),
+        (("--model.converters", "mx"), None, "[model] converters = ['mx']: 'mx' is not applied by this recipe"),
         (("--training.global_batch_size", "64"), None, "global_batch_size"),
         (("--optimizer.implementation", "foreach"), None, "fused"),
         (("--compile.components", "model,optimizer"), None, "'optimizer' is not compiled by this recipe"),

@@ -417,3 +417,14 @@ def test_read_host_rows_skips_missing_files_and_incomplete_rows(tmp_path):
     # on a shared link all ranks together move (R - L)·T·K = 2·4096·6 rows, whatever the busiest rank sends
     ms = sim.predicted_round_trip_ms(sim.host_row(a2a), 50.0, 0.1, shared_network=True)
     assert ms == pytest.approx(3 * 0.1 + 2 * max(2 * 4096 * 6 * 4096 / 50, 500 * 4096 / 400) / 1e6)
+
+
+def test_fp8_wire_shrinks_only_the_legs_toward_the_experts():
+    """dispatch_precision = "fp8" in the model: the dispatch legs' rows are D + 4 bytes, the combine legs keep 2·D."""
+    cl = sim.Cluster(2, 4)
+    for disp in ("padded", "hierarchical", "alltoall"):
+        bf, f8 = (sim.dispatch_legs(disp, cl, 4096, 2048, 6, 1.25, wire=w) for w in ("bf16", "fp8"))
+        assert [l.network_bytes for l in f8["combine"]] == [l.network_bytes for l in bf["combine"]]
+        out_bf, out_f8 = (sum(l.network_bytes + l.nvlink_bytes for l in legs["dispatch"]) for legs in (bf, f8))
+        meta = 0 if disp != "hierarchical" else (2 - 1) * sim.hier_capacities(4096, 6, 2, 4, 1.25)[0] * sim.META_BYTES * 6
+        assert abs((out_f8 - meta) / (out_bf - meta) - (2048 + 4) / (2 * 2048)) < 1e-12, disp

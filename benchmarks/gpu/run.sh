@@ -64,6 +64,9 @@
 #   ep4_padded  4    v2lite_1b EP=4 padded, 60 steps, ECHO off/on x routing
 #   ep4_6b      4    v2lite_6b EP=4 nvlink: PART=a natural routing ECHO off/on; b 8 hot experts; c graphed
 #   scaling     1/2/4 v2lite_1b tokens/s per GPU at 1, 2, 4 GPUs (EP = GPUs, padded, ECHO on) -> scaling_4x<GPU>.md
+#   fp8_step    1/2  FP8 on the whole step ([model] converters = ["float8"] + FP8 experts): PART=a tests and
+#                    v2lite_1b bf16 vs FP8 beside torchtitan's float8 (compiled); b 500-step loss parity; c (2 GPUs)
+#                    v2lite_6b_2gpu EP=2 and the fp8 dispatch wire across 2 emulated hosts
 #   guard       1    cost of the non-finite guard: v2lite_1b (CONFIGS=...), eager and graphed, on vs off
 #   titan       2    torchtitan's own trainer with our TrainSpec (EP=2, ECHO) vs the recipe: per-step losses
 #   overlap_profile 2  the graphed v2lite_1b step at EP=2 profiled: nvlink, padded, padded in 2 chunks
@@ -186,6 +189,34 @@ print('largest step difference over steps 1-20: %.2e at step %d' % max(rel[:20])
       tests/test_megatron_layer.py tests/test_fp8_experts.py -p no:warnings 2>&1 \
       | tee "$OUT/layer_tests.log" | tail -15
     CUDA_VISIBLE_DEVICES=0 python3 benchmarks/moe_layer.py --out "$OUT" ${BENCH_ARGS:-} 2>&1 | tee "$OUT/moe_layer.log" | tail -40 ;;
+
+  fp8_step)  # -> e2e_<N>x<GPU>.md (labels fp8_step, titan_fp8), loss curves, dispatch_hosts_fp8_wire_*.md
+    F8="--model.converters float8 --quantize.linear.float8.recipe_name ${RECIPE:-rowwise} --moe_echo.expert_precision fp8"
+    T8="--model.converters quantize.linear.float8 --quantize.linear.float8.recipe_name ${RECIPE:-rowwise}"
+    case "${PART:-a}" in
+      a)  # one GPU: the FP8 tests, then v2lite_1b bf16 vs FP8 (dense + experts), and torchtitan's float8 beside
+        python3 -m pytest tests/test_float8.py tests/test_fp8_wire.py tests/test_fp8_experts.py -p no:warnings -q \
+          -rfEs 2>&1 | tail -4
+        python3 -m pytest tests/test_gpu_train.py -k float8 -p no:warnings -q -rfEs 2>&1 | tail -3
+        python3 benchmarks/e2e.py --configs v2lite_1b_gpu --runs ours_compile_graph --steps 30 --label fp8_step \
+          --variants "bf16=;fp8=$F8" --out "$OUT" 2>&1 | noise | grep -E "^\| v2lite" | tail -4
+        python3 benchmarks/e2e.py --configs v2lite_1b_gpu --runs torchtitan_compile --steps 30 --label titan_fp8 \
+          --titan "$T8" --out "$OUT" 2>&1 | noise | grep -E "^\| v2lite" | tail -2 ;;
+      b)  # loss parity, 500 steps: bf16, FP8, and bf16 compiled (two equivalent bf16 runs: the noise floor)
+        TMO=420 recipe f8_loss_bf16 1 --training.steps 500 --training.cuda_graph true
+        TMO=420 recipe f8_loss_fp8 1 --training.steps 500 --training.cuda_graph true $F8
+        TMO=480 recipe f8_loss_bf16_compile 1 --training.steps 500 --training.cuda_graph true --compile.enable true
+        python3 benchmarks/loss_match.py "$OUT/f8_loss_bf16.jsonl" "$OUT/f8_loss_fp8.jsonl" \
+          --floor "$OUT/f8_loss_bf16_compile.jsonl" --plot "$OUT/fp8_loss_v2lite_1b.png" | tail -2 ;;
+      c)  # two GPUs: v2lite_6b_2gpu at EP=2, then the fp8 wire across 2 emulated hosts
+        python3 benchmarks/e2e.py --configs v2lite_6b_2gpu --nproc 2 --runs ours_compile_graph --steps 20 \
+          --label fp8_step --variants "bf16=;fp8=$F8" --out "$OUT" 2>&1 | noise | grep -E "^\| v2lite" | tail -4
+        timeout 240 python3 benchmarks/dispatch_hosts.py --hosts 2 --gpus-per-host 1 --label fp8_wire --out "$OUT" \
+          2>&1 | noise | tail -12
+        python3 benchmarks/e2e.py --configs v2lite_1b_gpu --nproc 2 --hosts 2 --runs ours_graph --steps 16 \
+          --label hosts_fp8_wire --ours "--parallelism.expert_parallel_degree 2 --moe_echo.dispatcher hierarchical" \
+          --variants "bf16=;fp8=--moe_echo.dispatch_precision fp8" --out "$OUT" 2>&1 | grep -E "^\{" | cut -c1-200 ;;
+    esac ;;
 
   fp8)  # -> fp8_experts_1x<GPU>.md: FP8 experts tested, 300 steps of v2lite_1b bf16 vs fp8 (loss curves), e2e rows
     python3 -m pytest tests/test_fp8_experts.py -p no:warnings -q -rfEs 2>&1 | tee "$OUT/fp8_tests.log" | tail -5

@@ -26,13 +26,20 @@ class MoEEchoConfig:
     run's shape on this machine and use the fastest (cached)."""
 
     expert_precision: Literal["bf16", "fp8"] = "bf16"
-    """Precision of the routed experts' GEMMs. ``fp8``: e4m3 GEMMs for the forward and the input
+    """Precision of the routed experts' GEMMs (``fp8`` when ``[model] converters = ["float8"]`` without
+    ``emulate`` and this key is not set). ``fp8``: e4m3 GEMMs for the forward and the input
     gradient (power-of-two scales per row for activations, per expert for weights, computed on the
     device), bf16 GEMMs for the weight gradients; Hopper or newer GPUs. Master weights, router,
     dispatch and combine stay as they are. Without ECHO the optimizer step writes the weights' FP8
     copies from the fp32 masters (2 bytes per expert weight element, resident); with ECHO they are cast
     per call. Measured on H200: layer 1.09–1.16× bf16 graphed, v2lite_1b step 1.01× (docs/performance.md);
     300-step losses within the drift of two equivalent bf16 runs."""
+
+    dispatch_precision: Literal["bf16", "fp8"] = "bf16"
+    """How token rows cross GPUs (and hosts) toward the experts. ``fp8``: in e4m3 with a power-of-two fp32 scale
+    per row, dequantised on arrival (D + 4 bytes a row instead of 2·D): the tokens on dispatch and, in backward,
+    the output gradients sent to the experts; the combined outputs and the gradients back to the tokens stay
+    bf16. ``padded``, ``hierarchical`` and ``alltoall``."""
 
     experts_gemm: Literal["torch", "quack"] = "torch"
     """Kernels of the routed experts' bf16 GEMMs. ``torch``: ``torch._grouped_mm`` and fused SwiGLU

@@ -44,14 +44,14 @@ class _AllToAllBase(ExpertParallel):
     reentrant = True  # every buffer is a fresh tensor
 
     def _receive(self, x_send, recv_counts_Re, block_start_R, block_of_row_N, send_splits, recv_splits):
-        x_recv = all_to_all(x_send, recv_splits, send_splits, self.group)
+        x_recv = all_to_all(x_send, recv_splits, send_splits, self.group, self.wire)
         nd_of_recv, recv_of_nd, counts_e = expert_major_order(recv_counts_Re, block_start_R, block_of_row_N)
         x_ND = permute_rows(x_recv, recv_of_nd, nd_of_recv)
         return x_ND, counts_e, nd_of_recv, recv_of_nd
 
     def combine(self, y_ND, handle: EPHandle):
         y_recv = permute_rows(y_ND, handle.nd_of_recv_N, handle.recv_of_nd_N)
-        y_back = all_to_all(y_recv, handle.send_splits, handle.recv_splits, self.group)
+        y_back = all_to_all(y_recv, handle.send_splits, handle.recv_splits, self.group, grad_wire=self.wire)
         return weighted_combine(y_back, handle.w_TK, handle.row_of_slot_TK).to(handle.out_dtype)
 
 

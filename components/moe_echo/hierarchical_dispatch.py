@@ -80,6 +80,14 @@ class HierarchicalDispatcher(FixedCapacity, ExpertParallel):
         self.host_leg = PaddedDispatcher(self.per_host, host_group, self.ranks_per_host, capacity_factor)
 
     @property
+    def wire(self) -> str:
+        return self.host_leg.wire
+
+    @wire.setter
+    def wire(self, wire: str) -> None:  # both legs' token rows cross the same way
+        self.host_leg.wire = wire
+
+    @property
     def capacity_factor(self) -> float:
         return self._cf
 
@@ -90,9 +98,11 @@ class HierarchicalDispatcher(FixedCapacity, ExpertParallel):
             self.host_leg.capacity_factor = cf
 
     def network_bytes(self, num_tokens: int, top_k: int, hidden: int, itemsize: int) -> int:
-        """Bytes this rank sends to other hosts per dispatch + combine (padding included)."""
+        """Bytes this rank sends to other hosts per dispatch + combine (padding included; dispatch rows of
+        ``hidden + 4`` bytes with the fp8 wire)."""
         rows = (self.hosts - 1) * host_capacity(num_tokens, top_k, self.hosts, self.capacity_factor)
-        return rows * (2 * hidden * itemsize + 2 * top_k * 4)
+        out = hidden + 4 if self.wire == "fp8" else hidden * itemsize
+        return rows * (out + hidden * itemsize + 2 * top_k * 4)
 
     def dispatch(self, x_TD, ids_TK, w_TK):
         T, K = ids_TK.shape
@@ -115,7 +125,7 @@ class HierarchicalDispatcher(FixedCapacity, ExpertParallel):
         meta_THK = torch.cat([w_TK.to(w_dtype).unsqueeze(1) * on_THK, local_THK.to(w_dtype)], dim=2)  # [T, H, 2K]
         empty = torch.cat([meta_THK.new_zeros(1, K), meta_THK.new_full((1, K), -1.0)], dim=1)
         meta_send = torch.cat([meta_THK.reshape(T * H, 2 * K), empty]).index_select(0, src_of_row)
-        x_recv = all_to_all(x_send, None, None, self.net_group)  # [H·C1, D]: block g from host g's source
+        x_recv = all_to_all(x_send, None, None, self.net_group, self.wire)  # [H·C1, D]: block g from host g's source
         meta_recv = all_to_all(meta_send, None, None, self.net_group)
         w_recv, ids_recv = meta_recv[:, :K], meta_recv[:, K:].detach().long()
 
@@ -133,5 +143,5 @@ class HierarchicalDispatcher(FixedCapacity, ExpertParallel):
 
     def combine(self, y_ND, handle: HierarchicalHandle):
         part_recv = self.host_leg.combine(y_ND, handle.host)  # [H·C1, D]: per (token, host) weighted sums
-        part_back = all_to_all(part_recv, None, None, self.net_group)
+        part_back = all_to_all(part_recv, None, None, self.net_group, grad_wire=self.wire)
         return weighted_combine(part_back, handle.ones_TH, handle.row_TH).to(handle.out_dtype)

@@ -23,6 +23,7 @@ import torch
 from torchtitan.config.job_config import JobConfig as TitanJobConfig
 from torchtitan.config.manager import ConfigManager
 
+from . import float8
 from . import job_config as ours
 from components.errors import UserError
 
@@ -321,6 +322,7 @@ def check_model(m):
 def validate(cfg) -> None:
     _check_numbers(cfg)
     check_supported(cfg, ours.JobConfig)
+    float8.requested(cfg)  # an unknown [model] converters entry: one line, before any work
     _check_dump_folder(cfg.job.dump_folder)
     t, o, s, m, e, p = cfg.training, cfg.optimizer, cfg.lr_scheduler, cfg.model, cfg.moe_echo, cfg.parallelism
     model_args = check_model(m)
@@ -559,5 +561,8 @@ def load_config(argv: list[str] | None = None):
     for key, value in overrides:
         _apply_override(cls, table, key, value)
     cfg = _build(cls, table)
+    implied = cfg.model.converters and not cfg.quantize.linear.float8.emulate  # FP8 experts have no emulation
+    if implied and "expert_precision" not in table.get("moe_echo", {}):
+        cfg.moe_echo.expert_precision = "fp8"  # [model] converters = ["float8"]: the routed experts too, unless set
     validate(cfg)
     return cfg

@@ -30,7 +30,7 @@ from components.parallel.grad_norm import clip_grad_norm_
 from components.parallel.mesh import Meshes, ParallelDims, build_mesh, parallel_dims
 from components.parallel.parallelize import parallelize
 
-from . import checkpoint
+from . import checkpoint, float8
 from .config import check_global_batch, load_config
 from .data import TokenBatchLoader, build_token_stream
 from .hf_weights import load_initial_weights
@@ -106,6 +106,8 @@ def start(argv: list[str]) -> Run:
     rank, world, device = init_distributed(cfg.comm.init_timeout_seconds)
     if cfg.moe_echo.expert_precision == "fp8":
         check_fp8_supported(device)
+    if float8.requested(cfg):
+        float8.check_float8(cfg, device)
     if cfg.moe_echo.experts_gemm == "quack" and cfg.moe_echo.expert_precision == "bf16":
         check_quack_supported(device)
     dims = parallel_dims(cfg.parallelism, world, moe_args.num_experts if moe_args else None)
@@ -145,6 +147,12 @@ def build_parallel_model(run: Run, tokenizer):
                         f"{tokenizer.get_vocab_size()} ids but the model has vocab_size {vocab}; "
                         f"set --model.vocab_size {tokenizer.get_vocab_size()} (or more) or use a smaller tokenizer")
     n_params, flops_per_token = model.model_args.get_nparams_and_flops(model, t.seq_len)
+    if float8.requested(cfg):
+        swapped = float8.convert_float8(model, cfg)
+        f8 = cfg.quantize.linear.float8
+        run.say(f"float8: {len(swapped)} linear layers in FP8 ({f8.recipe_name or 'tensorwise'}"
+                f"{', emulated' if f8.emulate else ''}); kept: router gates, "
+                f"{', '.join(f8.filter_fqns or float8.DEFAULT_KEPT)}")
     model = parallelize(model, run.mesh, run.dims, cfg, run.device)
     if m.print_after_conversion:
         run.say(str(model))

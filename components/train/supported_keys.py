@@ -18,7 +18,8 @@ HONOURED: dict[str, set[str]] = {
                   "enable_memory_snapshot", "save_memory_snapshot_folder"},
     # no colour is ever printed, so either value of disable_color_printing holds
     "metrics": {"log_freq", "enable_tensorboard", "save_tb_folder", "disable_color_printing"},
-    "model": {"name", "flavor", "hf_assets_path", "print_after_conversion"},
+    "model": {"name", "flavor", "hf_assets_path", "print_after_conversion", "converters"},  # converters: float8.py
+    "quantize.linear.float8": {"recipe_name", "filter_fqns", "emulate"},
     "optimizer": {"name", "lr", "beta1", "beta2", "eps", "weight_decay", "implementation"},
     "lr_scheduler": {"warmup_steps", "total_steps", "decay_ratio", "decay_type", "min_lr_factor"},
     # global_batch_size: only the value without gradient accumulation (checked in config.validate)
@@ -46,7 +47,6 @@ _REASONS = {
     "experimental": _TITAN_TRAINER,
     "metrics.save_for_all_ranks": "rank 0 writes the logs",
     "metrics.enable_wandb": "TensorBoard is the supported logger ([metrics] enable_tensorboard)",
-    "model.converters": 'FP8/quantisation converters are not applied (FP8 experts: [moe_echo] expert_precision = "fp8")',
     "model.tokenizer_path": "deprecated by torchtitan; use [model] hf_assets_path",
     "optimizer.early_step_in_backward": "the optimizer steps after backward (it is gated on the device)",
     "training.dtype": "use [training] mixed_precision_param",
@@ -70,7 +70,8 @@ _REASONS = {
     "checkpoint.exclude_from_loading": "a resume loads every state it saved",
     "checkpoint.create_seed_checkpoint": "every rank builds the same initial weights from the seed",
     "activation_checkpoint": "only mode, selective_ac_option and preserve_rng_state are applied",
-    "quantize": 'torchao\'s float8/MX training is not applied (FP8 experts: [moe_echo] expert_precision = "fp8")',
+    "quantize": 'of torchao\'s quantised training only [quantize.linear.float8] recipe_name, filter_fqns and emulate '
+                'are applied (with [model] converters = ["float8"]; FP8 routed experts: [moe_echo] expert_precision)',
     "comm": "the NCCL flight recorder and fake/local communication modes are not set up by this recipe",
     "memory_estimation": "memory estimation is not implemented",
     "fault_tolerance": "TorchFT is not integrated; a stopped run resumes from its last checkpoint",
@@ -96,6 +97,8 @@ def refusal_reason(section: str, key: str) -> str:
 def is_refused(section: str, key: str, ours) -> bool:
     """True for a key of torchtitan's schema this recipe does not honour (``section`` may be dotted;
     ``ours``: moe-echo's own JobConfig, whose keys are all honoured)."""
+    if key in HONOURED.get(section, set()):  # a key of a nested section honoured by its full name
+        return False
     top, _, sub = section.partition(".")
     own = {f.name: f.type for f in dataclasses.fields(ours)}
     if top in own and (sub or key) in {f.name for f in dataclasses.fields(own[top])}:

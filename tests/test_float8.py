@@ -1,0 +1,88 @@
+"""[model] converters = ["float8"]: torchao's FP8 linear layers (emulated on CPU), the keys it reads, and one-line
+errors where it cannot run."""
+
+import copy
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from components.errors import UserError
+from components.train import float8
+from components.train.config import load_config
+from conftest import ROOT
+
+pytest.importorskip("torchao.float8")
+
+EMULATED = ["--model.converters", "float8", "--quantize.linear.float8.emulate"]
+
+
+def test_config_keys_are_read_and_the_others_refused():
+    cfg = load_config([*EMULATED, "--quantize.linear.float8.recipe_name", "rowwise",
+                       "--quantize.linear.float8.filter_fqns", "output,attention.wo"])
+    assert float8.requested(cfg) and cfg.quantize.linear.float8.filter_fqns == ["output", "attention.wo"]
+    assert not float8.requested(load_config([]))
+    # the routed experts follow the switch unless their key is set (or FP8 is emulated: they have no emulation)
+    assert load_config(["--model.converters", "float8"]).moe_echo.expert_precision == "fp8"
+    assert load_config(["--model.converters", "float8", "--moe_echo.expert_precision", "bf16"]
+                       ).moe_echo.expert_precision == "bf16"
+    assert cfg.moe_echo.expert_precision == "bf16" and load_config([]).moe_echo.expert_precision == "bf16"
+    with pytest.raises(UserError, match=r"not supported by this recipe: \[quantize.linear.float8\] "
+                                        r"enable_fsdp_float8_all_gather = True"):
+        load_config([*EMULATED, "--quantize.linear.float8.enable_fsdp_float8_all_gather"])
+    with pytest.raises(UserError, match=r"'mx' is not applied by this recipe; the one it applies is \"float8\""):
+        float8.requested(load_config(["--model.converters", "mx"]))
+
+
+def test_where_it_cannot_run_is_one_line(monkeypatch):
+    cpu = torch.device("cpu")
+    with pytest.raises(UserError, match=r"needs a CUDA GPU of compute capability 8.9 or newer \(this run is on cpu\); "
+                                        r"remove it, or set \[quantize.linear.float8\] emulate = true"):
+        float8.check_float8(load_config(["--model.converters", "float8"]), cpu)
+    with pytest.raises(UserError, match=r"emulate = true does not work with torch.compile"):
+        float8.check_float8(load_config([*EMULATED, "--compile.enable"]), cpu)
+    float8.check_float8(load_config(EMULATED), cpu)
+    monkeypatch.setitem(sys.modules, "torchao.float8", None)
+    with pytest.raises(UserError, match=r'needs torchao: pip install "moe-echo\[float8\]"'):
+        float8.check_float8(load_config(EMULATED), cpu)
+
+
+def test_dense_linears_go_fp8_the_head_and_router_gates_stay():
+    from torchao.float8.float8_linear import Float8Linear
+
+    from components.moe_echo.models import build_model
+
+    cfg = load_config(EMULATED)
+    # 16 experts: the router gates' dimensions are multiples of 16 too, so only the rule keeps them
+    model = build_model("deepseek_v3", "tiny", cfg.moe_echo, seq_len=32, device=torch.device("cpu"), seed=0,
+                        overrides={"num_experts": 16})
+    ref = copy.deepcopy(model)
+    swapped = float8.convert_float8(model, cfg)
+    kinds = {fqn: type(m) for fqn, m in model.named_modules()}
+    assert swapped and all(kinds[f] is Float8Linear for f in swapped)
+    assert kinds["output"] is torch.nn.Linear
+    assert any(f.endswith("attention.wo") for f in swapped) and any("shared_experts" in f for f in swapped)
+    gates = [f for f in kinds if f.endswith("router.gate")]
+    assert gates and all(kinds[f] is torch.nn.Linear for f in gates)
+    # same parameters and names (checkpoints load either way)
+    assert [n for n, _ in model.named_parameters()] == [n for n, _ in ref.named_parameters()]
+    tokens = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(0))
+    out, want = model(tokens), ref(tokens)
+    rel = ((out - want).norm() / want.norm()).item()
+    assert 1e-4 < rel < 0.1, rel  # quantised (not the same numbers), close to the unconverted model
+    out.float().square().mean().backward()
+    assert all(model.get_submodule(f).weight.grad is not None for f in swapped)
+
+
+def test_recipe_trains_with_emulated_float8(tmp_path):
+    cmd = [sys.executable, os.path.join(ROOT, "recipes", "pretrain.py"), "--job.config_file",
+           os.path.join(ROOT, "train_configs", "debug_cpu.toml"), "--job.dump_folder", str(tmp_path),
+           "--training.max_corpus_mb", "1", "--training.seq_len", "64", "--training.local_batch_size", "4",
+           "--training.steps", "3", "--metrics.log_freq", "1", "--checkpoint.enable", "false", *EMULATED]
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "2"})
+    assert p.returncode == 0, p.stderr[-3000:]
+    line = next(l for l in p.stdout.splitlines() if l.startswith("float8:"))
+    assert "linear layers in FP8 (tensorwise, emulated); kept: router gates, output" in line, line
+    assert "loss" in p.stdout

@@ -1,0 +1,55 @@
+"""The fp8 wire of the NCCL/gloo dispatchers (``[moe_echo] dispatch_precision = "fp8"``): rows packed as e4m3 and
+a power-of-two scale each, against fp64."""
+
+import pytest
+import torch
+
+from components.moe_echo.comm import fp8_rows, rows_of_fp8
+
+
+def _rows(gen):
+    x = torch.randn(64, 256, generator=gen, dtype=torch.float64)
+    x[1] *= 1e-6  # tiny row
+    x[2] *= 1e4  # large row
+    x[3] = 0.0  # zero row
+    x[4, :128] *= 1e-3  # a row spanning six decades
+    return x
+
+
+def test_rows_cross_as_d_plus_4_bytes_within_e4m3_rounding():
+    x = _rows(torch.Generator().manual_seed(0))
+    packed = fp8_rows(x)
+    assert packed.dtype == torch.uint8 and packed.shape == (64, 256 + 4)  # vs 2 * 256 bytes in bf16
+    back = rows_of_fp8(packed, torch.float64)
+    assert torch.equal(back[3], x[3])
+    scale = packed[:, -4:].contiguous().view(torch.float32).double().view(-1)
+    assert torch.equal(torch.log2(scale), torch.round(torch.log2(scale)))  # powers of two
+    amax = x.abs().amax(1)
+    assert torch.all(amax[amax > 0] / scale[amax > 0] <= 448) and torch.all(amax[amax > 0] / scale[amax > 0] > 224)
+    # e4m3: 3 mantissa bits, so a normal value is off by at most 2^-4 of itself; below 2^-6 (subnormal) by at
+    # most half its spacing, 2^-10, times the row's scale
+    err = (back - x).abs()
+    bound = torch.maximum(x.abs() * 2.0 ** -4, scale.view(-1, 1) * 2.0 ** -10)
+    assert torch.all(err <= bound * (1 + 1e-9)), (err / bound).max()
+    assert err.max() > 0  # it does quantise
+
+
+def test_a_row_on_the_grid_crosses_unchanged():
+    x = rows_of_fp8(fp8_rows(_rows(torch.Generator().manual_seed(1))), torch.float64)
+    assert torch.equal(rows_of_fp8(fp8_rows(x), torch.float64), x)
+    assert torch.equal(rows_of_fp8(fp8_rows(x.bfloat16()), torch.float64), x)  # bf16 holds e4m3 values exactly
+
+
+@pytest.mark.parametrize("backend", ["nvlink", "deepep"])
+def test_backends_without_the_wire_refuse_it(backend):
+    from components.errors import UserError
+    from components.moe_echo.backends import build_dispatcher
+    from components.moe_echo.config import MoEEchoConfig
+
+    class Group:
+        def size(self):
+            return 2
+
+    with pytest.raises(UserError, match=r"dispatch_precision = 'fp8' needs dispatcher 'padded', 'hierarchical' or "
+                                        r"'alltoall'"):
+        build_dispatcher(MoEEchoConfig(dispatcher=backend, dispatch_precision="fp8"), 8, Group(), 2, on_cuda=True)
