@@ -153,7 +153,7 @@ def test_overlap_chunks_is_refused_where_it_cannot_run():
     class Fresh:
         communicates, reentrant = True, True
 
-    with pytest.raises(UserError, match=r"overlap_chunks = 2 needs a dispatcher without per-layer buffers.*PerLayer"):
+    with pytest.raises(UserError, match=r"overlap_chunks = 2 needs a dispatcher that can have chunks in flight.*PerLayer"):
         check_overlap(MoEEchoConfig(overlap_chunks=2), PerLayerBuffers())
     with pytest.raises(UserError, match="echo_recompute"):
         check_overlap(MoEEchoConfig(overlap_chunks=2, echo=True, echo_recompute=True), Fresh())

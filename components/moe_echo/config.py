@@ -90,8 +90,8 @@ class MoEEchoConfig:
     overlap_chunks: int = 1
     """Split each MoE layer's tokens into this many chunks and pipeline them: while the experts compute chunk
     i, chunk i + 1 is dispatched and chunk i − 1 combined on a communication stream (forward and backward;
-    components/moe_echo/pipelined.py). Capacities are sized per chunk. 1: one dispatch per layer. Needs a
-    dispatcher without per-layer buffers (``padded``, ``hierarchical``, ``alltoall``); ignored at EP=1."""
+    components/moe_echo/pipelined.py). Capacities are sized per chunk. 1: one dispatch per layer. ``nvlink``,
+    ``padded``, ``hierarchical`` and ``alltoall`` (not ``deepep``); ignored at EP=1."""
 
     aux_loss_coeff: float = 0.0
     """Coefficient of the sequence-level auxiliary balance loss (0 disables it)."""
