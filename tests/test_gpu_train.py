@@ -47,8 +47,9 @@ CASES["fp8_copies_nvlink_2gpu"] = (2, CASES["padded_2gpu"][1][:2] + ["--moe_echo
 # the tokens of each layer in 2 pipelined chunks (dispatch beside the experts on a side stream), ECHO on
 CASES["overlap_echo_padded_2gpu"] = (2, CASES["padded_2gpu"][1] + ["--moe_echo.overlap_chunks", "2",
                                                                    "--moe_echo.echo", "true"])
-# torchao's FP8 linear layers ([model] converters = ["float8"], rowwise scaling) beside bf16 experts
+# the whole step in FP8: torchao's rowwise Float8Linear for the dense layers, FP8 routed experts
 CASES["float8_rowwise_1gpu"] = (1, ["--model.converters", "float8", "--quantize.linear.float8.recipe_name", "rowwise"])
+CASES["overlap_echo_nvlink_2gpu"] = (2, CASES["echo_nvlink_2gpu"][1] + ["--moe_echo.overlap_chunks", "2"])
 CASES["echo_nvlink_quack_2gpu"] = (2, CASES["echo_nvlink_2gpu"][1] + ["--moe_echo.experts_gemm", "quack"])
 CASES["gathered_quack_1gpu"] = (1, ["--moe_echo.experts_gemm", "quack", "--moe_echo.gathered_experts", "true"])
 CASES["gathered_echo_nvlink_quack_2gpu"] = (2, CASES["echo_nvlink_quack_2gpu"][1] + ["--moe_echo.gathered_experts", "true"])

@@ -153,9 +153,30 @@ def test_overlap_chunks_is_refused_where_it_cannot_run():
     class Fresh:
         communicates, reentrant = True, True
 
-    with pytest.raises(UserError, match=r"overlap_chunks = 2 needs a dispatcher without per-layer buffers.*PerLayer"):
+    with pytest.raises(UserError, match=r"overlap_chunks = 2 needs a dispatcher that can have chunks in flight.*PerLayer"):
         check_overlap(MoEEchoConfig(overlap_chunks=2), PerLayerBuffers())
     with pytest.raises(UserError, match="echo_recompute"):
         check_overlap(MoEEchoConfig(overlap_chunks=2, echo=True, echo_recompute=True), Fresh())
     check_overlap(MoEEchoConfig(overlap_chunks=2), Fresh())
     check_overlap(MoEEchoConfig(overlap_chunks=1), PerLayerBuffers())
+
+
+def test_overlap_chunks_auto_splits_where_the_network_is():
+    from components.moe_echo.pipelined import chunks_for
+
+    class Dispatcher:
+        communicates, reentrant, crosses_hosts = True, True, False
+
+    class AcrossHosts(Dispatcher):
+        crosses_hosts = True
+
+    class Local(Dispatcher):
+        communicates = False
+
+    auto = MoEEchoConfig()
+    assert auto.overlap_chunks == "auto"
+    assert chunks_for(auto, AcrossHosts(), 4096) == 2 and chunks_for(auto, Dispatcher(), 4096) == 1
+    assert chunks_for(MoEEchoConfig(echo=True, echo_recompute=True), AcrossHosts(), 4096) == 1
+    assert chunks_for(MoEEchoConfig(overlap_chunks=4), Dispatcher(), 4096) == 4
+    assert chunks_for(MoEEchoConfig(overlap_chunks=4), Dispatcher(), 3) == 3
+    assert chunks_for(MoEEchoConfig(overlap_chunks=4), Local(), 4096) == 1

@@ -285,7 +285,7 @@ def test_nvlink_weight_multicast_and_gradient_reduce_back(shape, into):
 @pytest.mark.parametrize("gathered, copies", [(False, "kernel"), (True, "kernel"), (False, "copy_engine"),
                                             (True, "copy_engine")],
                          ids=["dispatched", "gathered", "dispatched-ce", "gathered-ce"])
-def test_echo_layer_over_nvlink_equals_ep1(R, routing, recompute, gathered, copies):
+def test_echo_layer_over_nvlink_equals_ep1(R, routing, recompute, gathered, copies, chunks=1):
     """The whole MoE layer with ECHO on the nvlink backend (plan, rewrite, peer dispatch, clone
     weights and gradient reduce-back over peer memory, combine) against the same layer at EP=1:
     outputs, input gradients, expert gradients and replicated gradients, fp64 to 1e-12. With
@@ -324,7 +324,7 @@ def test_echo_layer_over_nvlink_equals_ep1(R, routing, recompute, gathered, copi
 
     def rank_fn(rank, ws):
         layer = layers[rank]
-        layer.cfg = dataclasses.replace(layer.cfg, gathered_experts=gathered)
+        layer.cfg = dataclasses.replace(layer.cfg, gathered_experts=gathered, overlap_chunks=chunks)
         for name in ("w1", "w2", "w3"):
             full = getattr(layer.experts, name).data
             setattr(layer.experts, name, torch.nn.Parameter(full[rank * e:(rank + 1) * e].clone()))
@@ -357,6 +357,16 @@ def test_echo_layer_over_nvlink_equals_ep1(R, routing, recompute, gathered, copi
             torch.testing.assert_close(sum(o[2][name] for o in outs), p.grad, **tol)
     if routing in ("all_to_one", "more_hot_than_slots") or float(outs[0][3][0]) > 1.2:
         assert clones >= 1  # ECHO really cloned (and so the multicast really ran)
+
+
+@pytest.mark.parametrize("R, routing, recompute", [(2, "random", False), (4, "one_hot_per_rank", False),
+                                                   (4, "all_to_one", "poison")])
+@pytest.mark.parametrize("copies", ["kernel", "copy_engine"])
+def test_pipelined_echo_layer_over_nvlink_equals_ep1(R, routing, recompute, copies):
+    """The same layer with its tokens in 3 pipelined chunks (``overlap_chunks``): each chunk dispatches into
+    buffers of its own while the others are in flight; equal to EP=1 to 1e-12, also after every shared buffer
+    was poisoned."""
+    test_echo_layer_over_nvlink_equals_ep1(R, routing, recompute, False, copies, chunks=3)
 
 
 _LAUNCHES = r"""

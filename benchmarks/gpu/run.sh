@@ -69,7 +69,7 @@
 #                    v2lite_6b_2gpu EP=2 and the fp8 dispatch wire across 2 emulated hosts
 #   guard       1    cost of the non-finite guard: v2lite_1b (CONFIGS=...), eager and graphed, on vs off
 #   titan       2    torchtitan's own trainer with our TrainSpec (EP=2, ECHO) vs the recipe: per-step losses
-#   overlap_profile 2  the graphed v2lite_1b step at EP=2 profiled: nvlink, padded, padded in 2 chunks
+#   overlap_profile 2  the graphed v2lite_1b step at EP=2 profiled: nvlink and padded, whole and in 2 chunks
 #                    (overlap_chunks); communication kernels and the part no other kernel hides
 #                    -> step_breakdown_v2lite_1b_gpu_overlap_ep2_2x<GPU>.md
 #   graph_profile 2  the graphed + compiled v2lite_1b step profiled at EP=2 (nvlink) and EP=1, one table; the
@@ -395,11 +395,11 @@ print('largest step difference over steps 1-20: %.2e at step %d' % max(rel[:20])
     PROF="--training.steps 14 --metrics.log_freq 2 --profiling.enable_profiling true --profiling.profile_freq 12
           --profiling.profiler_warmup 8 --profiling.profiler_active 4 --training.cuda_graph true
           --parallelism.expert_parallel_degree 2 --moe_echo.capacity_factor 2"
-    for v in "nvlink:nvlink 1" "padded:padded 1" "padded_c2:padded 2"; do
+    for v in "nvlink:nvlink 1" "nvlink_c2:nvlink 2" "padded:padded 1" "padded_c2:padded 2"; do
       name=${v%%:*}; set -- ${v#*:}
       TMO=170 FROM=6 recipe "ov_$name" 2 $PROF --moe_echo.dispatcher $1 --moe_echo.overlap_chunks $2 | tail -2
     done
-    python3 benchmarks/step_breakdown.py $(for n in nvlink padded padded_c2; do
+    python3 benchmarks/step_breakdown.py $(for n in nvlink nvlink_c2 padded padded_c2; do
       echo "$n=$(ls /tmp/run_ov_$n/profile_traces/iteration_*/rank0_trace.json | tail -1)"; done) \
       --name "v2lite_1b_gpu_overlap_ep2" --gpus 2 --out "$OUT" | head -20 ;;
 

@@ -45,7 +45,7 @@ from .dispatcher import Dispatcher, LocalDispatcher
 from .echo import echo_stats
 from .experts import GroupedExperts, SwiGLU
 from .gathered_experts import gathered_rows
-from .pipelined import check_overlap, pipelined_routed
+from .pipelined import check_overlap, chunks_for, pipelined_routed
 from .router import TopKRouter, sequence_aux_loss, updated_expert_bias
 
 
@@ -148,7 +148,7 @@ class MoELayer(nn.Module):
             with torch.no_grad():
                 ids_TK, plan = self.echo.route(ids_TK, r.counts_E)
                 self.echo_stats.copy_(echo_stats(plan))
-        chunks = min(self.cfg.overlap_chunks, x_TD.shape[0]) if self.dispatcher.communicates else 1
+        chunks = chunks_for(self.cfg, self.dispatcher, x_TD.shape[0])
         if self.cfg.gathered_experts:
             y_TD = self._gathered(x_TD, ids_TK, r.topk_w_TK, plan)
         elif chunks > 1:

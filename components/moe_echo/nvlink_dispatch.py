@@ -44,6 +44,7 @@ backward buffer is rewritten only after a barrier that every reader of its previ
 """
 
 import contextlib
+import copy
 import functools
 import itertools
 from dataclasses import dataclass
@@ -118,8 +119,22 @@ class NVLinkDispatcher(FixedCapacity, ExpertParallel):
         # buffer names must agree across ranks: layers are built in the same order on every rank
         self.name = name or f"nvlink{next(_instance_ids)}"
 
+    def chunk_view(self, i: int) -> "NVLinkDispatcher":
+        """This dispatcher with buffers of its own for token chunk ``i`` of a pipelined layer (``overlap_chunks``:
+        the chunks of one layer are in flight at once): its forward buffers, and the backward buffers the layers
+        share, one set per chunk index (a chunk's output gradient stays in one until its experts' backward has
+        read it, while the other chunks' combines run their backward)."""
+        if i == 0:
+            return self
+        view = copy.copy(self)
+        view.name, view.chunk = f"{self.name}/chunk{i}", i
+        return view
+
+    chunk = 0  # chunk_view's index: which set of the layers' shared backward buffers this one uses
+
     def _shared(self, role: str, shape: tuple, dtype, device) -> SymmBuffer:
-        return self.ws.buffer(f"shared/{role}/{'x'.join(map(str, shape))}/{dtype}", shape, dtype, device)
+        tag = f"chunk{self.chunk}/" if self.chunk else ""
+        return self.ws.buffer(f"shared/{tag}{role}/{'x'.join(map(str, shape))}/{dtype}", shape, dtype, device)
 
     def _ranks_TR(self, T: int, device) -> tuple[torch.Tensor, torch.Tensor]:
         """([T, R] = r: the destination column of the token routes, [T, R] = r·T + t: the staging row of a

@@ -15,8 +15,9 @@ capacity it needed are counted per chunk into the layer's buffers (the step gate
 result equals the layer's one dispatch wherever neither overflows. ECHO's plan covers the whole layer (it is
 made once, before the split); its clone weights are fetched once and shared by the chunks (their gradients
 sum over the chunks before going home). No host read is added, and the stream fork and join are event waits,
-so the step stays capturable. Dispatchers with per-layer buffers (``nvlink``, ``deepep``) cannot have two
-dispatches of a layer alive at once: only those marked ``reentrant`` are split.
+so the step stays capturable. A dispatcher with per-layer buffers cannot have two dispatches of a layer alive
+at once: those marked ``reentrant`` (no such buffers) are split as they are, ``nvlink`` through a
+``chunk_view(i)`` per chunk (buffers of its own), ``deepep`` not at all.
 """
 
 import contextlib
@@ -27,18 +28,40 @@ from components.errors import UserError
 from components.streams import side_stream
 
 
+AUTO_ACROSS_HOSTS = 2  # emulated hosts: 1.08x the unsplit step; on one host splitting cost 3-7% (padded)
+
+
+def _can_split(cfg, dispatcher) -> bool:
+    return ((dispatcher.reentrant or hasattr(dispatcher, "chunk_view")) and not cfg.gathered_experts
+            and not cfg.echo_recompute)
+
+
+def chunks_for(cfg, dispatcher, tokens: int) -> int:
+    """How many chunks a layer of ``tokens`` tokens goes in: ``overlap_chunks``, at most ``tokens``; ``"auto"``:
+    2 where the dispatcher crosses hosts (``hierarchical``) and the layer can split, else 1; 1 where nothing
+    crosses GPUs."""
+    chunks = cfg.overlap_chunks
+    if not dispatcher.communicates:
+        return 1
+    if chunks == "auto":
+        chunks = AUTO_ACROSS_HOSTS if getattr(dispatcher, "crosses_hosts", False) and _can_split(cfg, dispatcher) else 1
+    return max(1, min(chunks, tokens))
+
+
 def check_overlap(cfg, dispatcher) -> None:
     """One-line error where ``[moe_echo] overlap_chunks`` cannot apply to this layer (``cfg``: MoEEchoConfig)."""
     chunks = cfg.overlap_chunks
+    if chunks == "auto":
+        return
     if chunks < 1:
         raise UserError(f"[moe_echo] overlap_chunks = {chunks}: must be >= 1 (1: no split)")
     if chunks == 1 or not dispatcher.communicates:
         return
     fix = "set overlap_chunks = 1"
-    if not dispatcher.reentrant:
-        raise UserError(f"[moe_echo] overlap_chunks = {chunks} needs a dispatcher without per-layer buffers "
-                        f"('padded', 'hierarchical' or 'alltoall'; this run's is {type(dispatcher).__name__}); "
-                        f"choose one of them or {fix}")
+    if not (dispatcher.reentrant or hasattr(dispatcher, "chunk_view")):
+        raise UserError(f"[moe_echo] overlap_chunks = {chunks} needs a dispatcher that can have chunks in flight "
+                        f"('nvlink', 'padded', 'hierarchical' or 'alltoall'; this run's is "
+                        f"{type(dispatcher).__name__}); choose one of them or {fix}")
     if cfg.gathered_experts:
         raise UserError(f"[moe_echo] overlap_chunks = {chunks} does not apply to gathered_experts = true; {fix}")
     if cfg.echo_recompute:
@@ -66,6 +89,8 @@ def pipelined_routed(dispatcher, experts, count, x_TD, ids_TK, w_TK, chunks: int
     ``experts(x_ND, counts_e, extend) -> y_ND`` and ``count(handle)`` (overflow bookkeeping) are the layer's;
     on CUDA, dispatch and combine run on the ``moe_comm`` side stream (on CPU: in order, one stream)."""
     xs, ids, ws = x_TD.chunk(chunks), ids_TK.chunk(chunks), w_TK.chunk(chunks)
+    view = getattr(dispatcher, "chunk_view", None)
+    ds = [view(i) if view is not None else dispatcher for i in range(len(xs))]
     extend = fetched_once(extend)
     comm = side_stream(x_TD.device, "moe_comm") if x_TD.is_cuda else None
     main = torch.cuda.current_stream(x_TD.device) if comm is not None else None
@@ -77,7 +102,7 @@ def pipelined_routed(dispatcher, experts, count, x_TD, ids_TK, w_TK, chunks: int
 
     def dispatched(i):
         with on_comm():
-            x_ND, counts_e, handle = dispatcher.dispatch(xs[i], ids[i], ws[i])
+            x_ND, counts_e, handle = ds[i].dispatch(xs[i], ids[i], ws[i])
             count(handle)
             done = _event(comm)
         return x_ND, counts_e, handle, done
@@ -97,7 +122,7 @@ def pipelined_routed(dispatcher, experts, count, x_TD, ids_TK, w_TK, chunks: int
             if comm is not None:
                 comm.wait_event(computed)
                 y_ND.record_stream(comm)
-            ys.append(dispatcher.combine(y_ND, handle))
+            ys.append(ds[i].combine(y_ND, handle))
     if comm is not None:  # join
         main.wait_stream(comm)
         for y in ys:
