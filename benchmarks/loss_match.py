@@ -89,6 +89,8 @@ def main():
     ap.add_argument("--tail-rel", type=float, default=0.01)
     ap.add_argument("--floor", default=None, metavar="CONTROL", help="a run equivalent to the reference")
     ap.add_argument("--plot", default=None, metavar="PNG")
+    ap.add_argument("--names", default="reference,other,control",
+                    help="the three runs' names in the plot's legend (reference, other, control)")
     a = ap.parse_args()
     ref, other = losses(a.reference), losses(a.other)
     r = compare(ref, other)
@@ -105,8 +107,9 @@ def main():
               f"{100 * control['tail_mean_rel']:.2f}%; the other run's mean loss there is off by "
               f"{100 * r['tail_loss_rel']:+.2f}%: {'within' if ok else 'OUTSIDE'} the floor")
     if a.plot:
-        runs = {"reference": ref, **({"control": losses(a.floor)} if a.floor else {}), "other": other}
-        plot(a.plot, runs, "reference")
+        n_ref, n_other, n_control = a.names.split(",")
+        runs = {n_ref: ref, **({n_control: losses(a.floor)} if a.floor else {}), n_other: other}
+        plot(a.plot, runs, n_ref)
     sys.exit(0 if ok else 1)
 
 

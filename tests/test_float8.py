@@ -44,6 +44,9 @@ def test_where_it_cannot_run_is_one_line(monkeypatch):
     with pytest.raises(UserError, match=r"emulate = true does not work with torch.compile"):
         float8.check_float8(load_config([*EMULATED, "--compile.enable"]), cpu)
     float8.check_float8(load_config(EMULATED), cpu)
+    assert "set [compile] enable = true" in float8.uncompiled_note(load_config(["--model.converters", "float8"]))
+    assert float8.uncompiled_note(load_config(["--model.converters", "float8", "--compile.enable"])) is None
+    assert float8.uncompiled_note(load_config(EMULATED)) is None
     monkeypatch.setitem(sys.modules, "torchao.float8", None)
     with pytest.raises(UserError, match=r'needs torchao: pip install "moe-echo\[float8\]"'):
         float8.check_float8(load_config(EMULATED), cpu)

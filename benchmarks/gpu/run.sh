@@ -65,13 +65,14 @@
 #   ep4_6b      4    v2lite_6b EP=4 nvlink: PART=a natural routing ECHO off/on; b 8 hot experts; c graphed
 #   scaling     1/2/4 v2lite_1b tokens/s per GPU at 1, 2, 4 GPUs (EP = GPUs, padded, ECHO on) -> scaling_4x<GPU>.md
 #   fp8_step    1/2  FP8 on the whole step ([model] converters = ["float8"] + FP8 experts): PART=a tests and
-#                    v2lite_1b bf16 vs FP8 beside torchtitan's float8 (compiled); b 500-step loss parity; c (2 GPUs)
-#                    v2lite_6b_2gpu EP=2 and the fp8 dispatch wire across 2 emulated hosts
+#                    v2lite_1b bf16 vs FP8 beside torchtitan's float8; b (2 GPUs) 500-step loss parity, eager and
+#                    compiled FP8; c (2 GPUs) v2lite_6b_2gpu EP=2, the fp8 dispatch wire at EP=2 and across 2
+#                    emulated hosts
 #   guard       1    cost of the non-finite guard: v2lite_1b (CONFIGS=...), eager and graphed, on vs off
 #   titan       2    torchtitan's own trainer with our TrainSpec (EP=2, ECHO) vs the recipe: per-step losses
 #   overlap_profile 2  the graphed v2lite_1b step at EP=2 profiled: nvlink and padded, whole and in 2 chunks
 #                    (overlap_chunks); communication kernels and the part no other kernel hides
-#                    -> step_breakdown_v2lite_1b_gpu_overlap_ep2_2x<GPU>.md
+#                    -> step_breakdown_v2lite_1b_gpu_overlap_ep2_2x<GPU>.md (PART=nvlink: nvlink only)
 #   graph_profile 2  the graphed + compiled v2lite_1b step profiled at EP=2 (nvlink) and EP=1, one table; the
 #                    one-GPU e2e row ep1_ref -> step_breakdown_v2lite_1b_gpu_graph_compile_ep1_vs_ep2_2x<GPU>.md
 #   before_after 2   this tree against an older one checked out at PREV (git worktree add build/prev REV; copy
@@ -195,27 +196,34 @@ print('largest step difference over steps 1-20: %.2e at step %d' % max(rel[:20])
     T8="--model.converters quantize.linear.float8 --quantize.linear.float8.recipe_name ${RECIPE:-rowwise}"
     case "${PART:-a}" in
       a)  # one GPU: the FP8 tests, then v2lite_1b bf16 vs FP8 (dense + experts), and torchtitan's float8 beside
+        export CUDA_VISIBLE_DEVICES=${CUDA_VISIBLE_DEVICES:-0}
         python3 -m pytest tests/test_float8.py tests/test_fp8_wire.py tests/test_fp8_experts.py -p no:warnings -q \
           -rfEs 2>&1 | tail -4
         python3 -m pytest tests/test_gpu_train.py -k float8 -p no:warnings -q -rfEs 2>&1 | tail -3
         python3 benchmarks/e2e.py --configs v2lite_1b_gpu --runs ours_compile_graph --steps 30 --label fp8_step \
           --variants "bf16=;fp8=$F8" --out "$OUT" 2>&1 | noise | grep -E "^\| v2lite" | tail -4
-        python3 benchmarks/e2e.py --configs v2lite_1b_gpu --runs torchtitan_compile --steps 30 --label titan_fp8 \
+        python3 benchmarks/e2e.py --configs v2lite_1b_gpu --runs torchtitan_compile,torchtitan --steps 30 --label titan_fp8 \
           --titan "$T8" --out "$OUT" 2>&1 | noise | grep -E "^\| v2lite" | tail -2 ;;
-      b)  # loss parity, 500 steps: bf16, FP8, and bf16 compiled (two equivalent bf16 runs: the noise floor)
-        TMO=420 recipe f8_loss_bf16 1 --training.steps 500 --training.cuda_graph true
-        TMO=420 recipe f8_loss_fp8 1 --training.steps 500 --training.cuda_graph true $F8
-        TMO=480 recipe f8_loss_bf16_compile 1 --training.steps 500 --training.cuda_graph true --compile.enable true
-        python3 benchmarks/loss_match.py "$OUT/f8_loss_bf16.jsonl" "$OUT/f8_loss_fp8.jsonl" \
-          --floor "$OUT/f8_loss_bf16_compile.jsonl" --plot "$OUT/fp8_loss_v2lite_1b.png" | tail -2 ;;
-      c)  # two GPUs: v2lite_6b_2gpu at EP=2, then the fp8 wire across 2 emulated hosts
+      b)  # loss parity, 500 steps, two GPUs side by side: bf16 then bf16 compiled (two equivalent bf16 runs: the
+          # noise floor) on one, FP8 then FP8 compiled on the other -> docs/img/fp8_loss.png
+        G="--training.steps 500 --training.cuda_graph true"
+        (export CUDA_VISIBLE_DEVICES=0 PET_MASTER_PORT=29511; TMO=280 recipe f8_loss_bf16 1 $G
+         TMO=280 recipe f8_loss_bf16_compile 1 $G --compile.enable true) &
+        (export CUDA_VISIBLE_DEVICES=1 PET_MASTER_PORT=29522; TMO=280 recipe f8_loss_fp8 1 $G $F8
+         TMO=280 recipe f8_loss_fp8_compile 1 $G $F8 --compile.enable true) &
+        wait
+        for r in f8_loss_fp8 f8_loss_fp8_compile; do
+          python3 benchmarks/loss_match.py "$OUT/f8_loss_bf16.jsonl" "$OUT/$r.jsonl" --floor "$OUT/f8_loss_bf16_compile.jsonl" \
+            --plot "$OUT/$r.png" --names "bf16,$r,bf16 compiled" | tail -2
+        done ;;
+      c)  # two GPUs: v2lite_6b_2gpu at EP=2, the fp8 wire at EP=2 (padded, bf16 vs fp8 rows), then across 2 emulated hosts
         python3 benchmarks/e2e.py --configs v2lite_6b_2gpu --nproc 2 --runs ours_compile_graph --steps 20 \
           --label fp8_step --variants "bf16=;fp8=$F8" --out "$OUT" 2>&1 | noise | grep -E "^\| v2lite" | tail -4
+        python3 benchmarks/e2e.py --configs v2lite_1b_gpu --nproc 2 --runs ours_graph --steps 20 --label fp8_wire \
+          --ours "--parallelism.expert_parallel_degree 2 --moe_echo.dispatcher padded --moe_echo.capacity_factor 2.0" \
+          --variants "bf16_wire=;fp8_wire=--moe_echo.dispatch_precision fp8" --out "$OUT" 2>&1 | noise | grep -E "^\| v2lite"
         timeout 240 python3 benchmarks/dispatch_hosts.py --hosts 2 --gpus-per-host 1 --label fp8_wire --out "$OUT" \
-          2>&1 | noise | tail -12
-        python3 benchmarks/e2e.py --configs v2lite_1b_gpu --nproc 2 --hosts 2 --runs ours_graph --steps 16 \
-          --label hosts_fp8_wire --ours "--parallelism.expert_parallel_degree 2 --moe_echo.dispatcher hierarchical" \
-          --variants "bf16=;fp8=--moe_echo.dispatch_precision fp8" --out "$OUT" 2>&1 | grep -E "^\{" | cut -c1-200 ;;
+          2>&1 | noise | tail -12 ;;
     esac ;;
 
   fp8)  # -> fp8_experts_1x<GPU>.md: FP8 experts tested, 300 steps of v2lite_1b bf16 vs fp8 (loss curves), e2e rows
@@ -395,13 +403,17 @@ print('largest step difference over steps 1-20: %.2e at step %d' % max(rel[:20])
     PROF="--training.steps 14 --metrics.log_freq 2 --profiling.enable_profiling true --profiling.profile_freq 12
           --profiling.profiler_warmup 8 --profiling.profiler_active 4 --training.cuda_graph true
           --parallelism.expert_parallel_degree 2 --moe_echo.capacity_factor 2"
+    # PART=nvlink: nvlink unsplit and in 2 chunks only -> step_breakdown_v2lite_1b_gpu_overlap_nvlink_ep2_2x<GPU>.md
+    runs="nvlink nvlink_c2 padded padded_c2"; name=v2lite_1b_gpu_overlap_ep2
+    [ "${PART:-}" = nvlink ] && { runs="nvlink nvlink_c2"; name=v2lite_1b_gpu_overlap_nvlink_ep2; }
     for v in "nvlink:nvlink 1" "nvlink_c2:nvlink 2" "padded:padded 1" "padded_c2:padded 2"; do
-      name=${v%%:*}; set -- ${v#*:}
-      TMO=170 FROM=6 recipe "ov_$name" 2 $PROF --moe_echo.dispatcher $1 --moe_echo.overlap_chunks $2 | tail -2
+      [[ " $runs " == *" ${v%%:*} "* ]] || continue
+      r=${v%%:*}; set -- ${v#*:}
+      TMO=170 FROM=6 recipe "ov_$r" 2 $PROF --moe_echo.dispatcher $1 --moe_echo.overlap_chunks $2 | tail -2
     done
-    python3 benchmarks/step_breakdown.py $(for n in nvlink nvlink_c2 padded padded_c2; do
+    python3 benchmarks/step_breakdown.py $(for n in $runs; do
       echo "$n=$(ls /tmp/run_ov_$n/profile_traces/iteration_*/rank0_trace.json | tail -1)"; done) \
-      --name "v2lite_1b_gpu_overlap_ep2" --gpus 2 --out "$OUT" | head -20 ;;
+      --name "$name" --gpus 2 --out "$OUT" | head -20 ;;
 
   sync)
     python3 recipes/pretrain.py --job.config_file train_configs/debug_gpu.toml --training.steps 4 --training.sync_debug true \

@@ -58,6 +58,15 @@ def check_float8(cfg, device: torch.device) -> None:
                         f"({where}); remove it, or set [quantize.linear.float8] emulate = true to test")
 
 
+def uncompiled_note(cfg) -> str | None:
+    """The advice printed where FP8 runs without torch.compile (measured: the step at 0.56x bf16's)."""
+    f8, compiled = cfg.quantize.linear.float8, cfg.compile.enable and "model" in cfg.compile.components
+    if f8.emulate or compiled:
+        return None
+    return ("float8: without torch.compile torchao scales each tensor in kernels of its own and the step runs "
+            "slower than bf16; set [compile] enable = true")
+
+
 def torchao_config(cfg):
     """torchao's Float8LinearConfig for ``[quantize.linear.float8]`` (recipe_name, emulate)."""
     from torchao.float8 import Float8LinearConfig

@@ -153,6 +153,8 @@ def build_parallel_model(run: Run, tokenizer):
         run.say(f"float8: {len(swapped)} linear layers in FP8 ({f8.recipe_name or 'tensorwise'}"
                 f"{', emulated' if f8.emulate else ''}); kept: router gates, "
                 f"{', '.join(f8.filter_fqns or float8.DEFAULT_KEPT)}")
+        if note := float8.uncompiled_note(cfg):
+            run.say(note)
     model = parallelize(model, run.mesh, run.dims, cfg, run.device)
     if m.print_after_conversion:
         run.say(str(model))
