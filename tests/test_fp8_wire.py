@@ -53,3 +53,23 @@ def test_backends_without_the_wire_refuse_it(backend):
     with pytest.raises(UserError, match=r"dispatch_precision = 'fp8' needs dispatcher 'padded', 'hierarchical' or "
                                         r"'alltoall'"):
         build_dispatcher(MoEEchoConfig(dispatcher=backend, dispatch_precision="fp8"), 8, Group(), 2, on_cuda=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("D", [2048, 258])  # 258: the scale bytes start off a 4-byte boundary
+def test_fp8_wire_kernel_on_gpu_equals_the_torch_path(dtype, D):
+    """On CUDA the rows are quantised by the Triton kernel: bit for bit the CPU (torch) path's bytes, both ways."""
+    x = torch.randn(300, D, generator=torch.Generator().manual_seed(2), dtype=torch.float64)
+    x[1] *= 1e-6
+    x[2] *= 1e4
+    x[3] = 0.0
+    x[4, : D // 2] *= 1e-3
+    x = x.to(dtype)
+    x[5] = rows_of_fp8(fp8_rows(x[5:6]), dtype)[0]  # a row already on the grid
+    packed = fp8_rows(x.cuda())
+    assert torch.equal(packed.cpu(), fp8_rows(x))
+    back = rows_of_fp8(packed, dtype)
+    assert torch.equal(back.cpu(), rows_of_fp8(fp8_rows(x), dtype)) and torch.equal(back[5].cpu(), x[5])
+    assert fp8_rows(x[:0].cuda()).shape == (0, D + 4)

@@ -11,23 +11,24 @@
 import torch
 import torch.distributed as dist
 
-E4M3_MAX = 448.0
+from kernels.fp8 import quant_rows
+
 
 
 def fp8_rows(x_ND: torch.Tensor) -> torch.Tensor:
     """[N, D + 4] uint8: each row in e4m3 after division by its power-of-two scale (its absolute max / 448,
-    rounded up to a power of two; 1 for a zero row), then the scale's four fp32 bytes."""
-    x = x_ND.float()
-    amax = x.abs().amax(dim=1, keepdim=True)
-    scale = torch.where(amax > 0, torch.exp2(torch.ceil(torch.log2(amax / E4M3_MAX))), torch.ones_like(amax))
-    q = (x / scale).to(torch.float8_e4m3fn).view(torch.uint8)
-    return torch.cat([q, scale.view(torch.uint8).view(-1, 4)], dim=1)
+    rounded up to a power of two; 1 for a zero row), then the scale's four fp32 bytes. On CUDA the rows
+    are quantised by one Triton kernel (kernels/fp8.py ``quant_rows``), then packed."""
+    q_ND, s_N = quant_rows(x_ND)
+    return torch.cat([q_ND.view(torch.uint8), s_N.view(torch.uint8).view(-1, 4)], dim=1)
 
 
 def rows_of_fp8(packed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """[N, D] in ``dtype``: fp8_rows' rows dequantised."""
-    q, scale = packed[:, :-4].contiguous(), packed[:, -4:].contiguous().view(torch.float32)
-    return (q.view(torch.float8_e4m3fn).float() * scale).to(dtype)
+    """[N, D] in ``dtype``: fp8_rows' rows dequantised (exact in bf16 and wider: the scales are powers of two)."""
+    D = packed.shape[1] - 4
+    scale_N1 = packed[:, D:] if D % 4 == 0 else packed[:, D:].contiguous()
+    out = packed[:, :D].view(torch.float8_e4m3fn).to(dtype)
+    return out.mul_(scale_N1.view(torch.float32).to(dtype))
 
 
 def _exchange(x: torch.Tensor, out_splits, in_splits, group, wire: str) -> torch.Tensor:
