@@ -26,9 +26,11 @@ def fp8_rows(x_ND: torch.Tensor) -> torch.Tensor:
 def rows_of_fp8(packed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """[N, D] in ``dtype``: fp8_rows' rows dequantised (exact in bf16 and wider: the scales are powers of two)."""
     D = packed.shape[1] - 4
-    scale_N1 = packed[:, D:] if D % 4 == 0 else packed[:, D:].contiguous()
+    tail_N4 = packed[:, D:]
+    if tail_N4.storage_offset() % 4 or (tail_N4.shape[0] > 1 and tail_N4.stride(0) % 4):  # not viewable as fp32
+        tail_N4 = torch.empty_like(tail_N4, memory_format=torch.contiguous_format).copy_(tail_N4)
     out = packed[:, :D].view(torch.float8_e4m3fn).to(dtype)
-    return out.mul_(scale_N1.view(torch.float32).to(dtype))
+    return out.mul_(tail_N4.view(torch.float32).to(dtype))
 
 
 def _exchange(x: torch.Tensor, out_splits, in_splits, group, wire: str) -> torch.Tensor:
