@@ -40,6 +40,7 @@ BENCHMARKS = {
     "ep4_training": "benchmarks/gpu/run.sh ep4_padded",
     "ep4_v2lite_6b": "benchmarks/gpu/run.sh ep4_6b",
     "ep_scaling_cpu": "benchmarks/ep_scaling_cpu.py",
+    "fp8_bound": "benchmarks/fp8_bound.py",
     "fp8_experts": "benchmarks/gpu/run.sh fp8",
     "gate_up_gemm": "benchmarks/gate_up_gemm.py",
     "gather_gemm": "benchmarks/gather_gemm.py",
