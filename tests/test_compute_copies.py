@@ -340,3 +340,10 @@ def test_echo_clones_land_in_the_copies_spare_rows_without_copying_the_home_expe
     w = torch.zeros(4, 3)
     with pytest.raises(ValueError, match="must hold w_eX"):
         extend_with_clones(w, None, SimpleNamespace(S=S), 0, torch.zeros(4 + S, 3))
+
+
+def test_the_optimizer_refuses_to_be_built_without_the_copies():
+    """Without ``copies`` the experts' weights (gradients in their copies, never in .grad) would silently stay put."""
+    ge = GroupedExperts(16, 12, 4)
+    with pytest.raises(TypeError, match="copies"):
+        AdamWWithCopies(ge.parameters(), fused=True, **HP)

@@ -112,9 +112,11 @@ class AdamWWithCopies(torch.optim.AdamW):
     reads (``copy.compute``) is written in the same pass: no per-step cast of those weights or their
     gradients. Honours ``found_inf`` like the fused step."""
 
-    def __init__(self, params, *args, copies: WeightCopies | None = None, **kwargs):
+    def __init__(self, params, *args, copies: WeightCopies, **kwargs):
+        """``copies`` is required: without it the weights with compute copies (whose gradients never reach
+        ``.grad``) would silently not be updated."""
         super().__init__(params, *args, **kwargs)
-        self.copies = copies if copies is not None else WeightCopies()
+        self.copies = copies
 
     def _grad_of(self, p: torch.Tensor) -> torch.Tensor | None:
         """``p``'s gradient in the compute dtype (undivided), or None."""
