@@ -347,3 +347,24 @@ def test_the_optimizer_refuses_to_be_built_without_the_copies():
     ge = GroupedExperts(16, 12, 4)
     with pytest.raises(TypeError, match="copies"):
         AdamWWithCopies(ge.parameters(), fused=True, **HP)
+
+
+def test_nan_fault_reaches_the_weight_and_the_copy_the_forward_reads(monkeypatch):
+    """The non-finite-weights fault (components/train/faults.py) on experts whose w1 copy is a strided half of
+    [w1; w3]: both the weight and that copy get their NaN, and nothing else changes."""
+    import types
+
+    from components.train.faults import inject
+
+    ge = GroupedExperts(16, 12, 4)
+    ge.init_weights(0.02)
+    ge.compute_dtype = torch.bfloat16
+    ge.enable_compute_copies()
+    c1 = ge.copies[ge.w1].compute
+    assert not c1.is_contiguous()
+    monkeypatch.setenv("MOE_ECHO_FAULT_NAN_AT_STEP", "3")
+    inject(2, None, [("layers.1.moe", types.SimpleNamespace(experts=ge))], 0, 1)
+    assert torch.isfinite(ge.w1).all() and torch.isfinite(c1).all()
+    inject(3, None, [("layers.1.moe", types.SimpleNamespace(experts=ge))], 0, 1)
+    assert torch.isnan(ge.w1).sum() == 1 and torch.isnan(c1).sum() == 1
+    assert torch.isfinite(ge.copies[ge.w3].compute).all()

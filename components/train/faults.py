@@ -25,9 +25,8 @@ def inject(step: int, model: torch.nn.Module, layers, rank: int, world: int) -> 
         experts = layers[0][1].experts
         w1, copy = experts.w1, experts.copies.get(experts.w1)
         with torch.no_grad():
-            local = local_of(w1)
-            local.view(-1)[0] = float("nan")
-            if copy is not None and copy.compute is not None:  # what the forward reads (AdamWWithCopies)
-                copy.compute.view(-1)[0] = float("nan")
+            for t in (local_of(w1), copy.compute if copy is not None else None):  # compute: what the forward reads
+                if t is not None:  # (a view of half of [w1; w3] in QuACK's layout: indexed, not flattened)
+                    t[(0,) * t.dim()] = float("nan")
     if _at("MOE_ECHO_FAULT_STOP_AT_STEP", step) and rank == world - 1 and world > 1:
         os.kill(os.getpid(), signal.SIGSTOP)
