@@ -25,6 +25,8 @@ category whose rule matches, innermost op first:
     router          scores, top-k, bias, normalisation of the gate
     norms           RMSNorm (fused or composite)
     loss            cross-entropy / log-softmax / NLL (also kernels/cross_entropy.py's fused kernels)
+    fp8 scaling     what FP8 costs besides its GEMMs: amax reductions and casts to e4m3 (torchao's Float8Linear,
+                    inductor's fused kernels, kernels/fp8.py's row quantisation); FP8 GEMMs stay GEMMs
     casts/copies    ``_to_copy``, ``copy_``, ``cat``, ``stack``, contiguous copies
     other           the rest (elementwise, reductions, ...)
 
@@ -47,8 +49,8 @@ from collections import defaultdict
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-CATEGORIES = ("optimizer", "routed experts", "dense GEMMs", "attention", "dispatch", "collectives", "echo", "router",
-              "norms", "loss", "casts/copies", "other")
+CATEGORIES = ("optimizer", "routed experts", "dense GEMMs", "fp8 scaling", "attention", "dispatch", "collectives", "echo",
+              "router", "norms", "loss", "casts/copies", "other")
 COLLECTIVE = re.compile(r"^nccl", re.I)  # decided by the kernel alone: FSDP launches them under copy ops
 ECHO = re.compile(r"echo_route|ExtendWithClones|PeerMulticast")  # any enclosing op: ECHO's cost, whatever ran inside
 ECHO_KERNEL = re.compile(r"^_(fill|select|quota|greedy_slots)_kernel$")  # kernels/echo_plan.py
@@ -57,7 +59,8 @@ RULES = [
     ("optimizer", re.compile(r"Optimizer\.(step|zero_grad)|_fused_adamw|_foreach_")),
     ("routed experts", re.compile(r"_grouped_mm|GroupedMm|grouped_swiglu|experts|quack", re.I)),
     ("attention", re.compile(r"attention|flash|sdpa|_efficient_attention|_cudnn_attention", re.I)),
-    ("dense GEMMs", re.compile(r"aten::(mm|addmm|bmm|linear|matmul|baddbmm)$|MmBackward|AddmmBackward")),
+    ("dense GEMMs", re.compile(r"aten::(mm|addmm|bmm|linear|matmul|baddbmm|_scaled_mm)$|MmBackward|AddmmBackward")),
+    ("fp8 scaling", re.compile(r"float8|fp8|amax|quant", re.I)),
     ("norms", re.compile(r"rms_norm|RmsNorm|layer_norm", re.I)),
     ("loss", re.compile(r"cross_?entropy|log_softmax|nll_loss|LogSoftmax|NllLoss", re.I)),
     ("router", re.compile(r"topk|router|sigmoid|softmax|TopkBackward|gate", re.I)),
@@ -73,6 +76,7 @@ KERNEL_RULES = [  # kernel names that say it all (no launching op found, e.g. Tr
     ("routed experts", re.compile(r"grouped|swiglu|PtrArray|GroupProblemShape|quack", re.I)),
     ("attention", re.compile(r"flash|fmha|attention", re.I)),
     ("dense GEMMs", re.compile(r"gemm|sm90_xmma|cutlass|nvjet", re.I)),
+    ("fp8 scaling", re.compile(r"float8|fp8|e4m3|amax|quant", re.I)),  # torchao's (inductor's) and ours
     ("dispatch", re.compile(r"rows|permute|scatter|gather|histogram|radix|sort|_peer_|barrier", re.I)),
     ("norms", re.compile(r"rms|norm", re.I)),
     ("casts/copies", re.compile(r"copy|cat", re.I)),

@@ -181,3 +181,17 @@ def test_exposed_communication_is_what_no_other_kernel_covers(tmp_path):
     # a step without communication: no rows for it
     r2 = breakdown(_trace(tmp_path, events[:3]))
     assert r2["comm_ms"] == 0 and "communication" not in table([{**r2, "label": "y"}])
+
+
+def test_fp8_scaling_is_its_own_category_and_fp8_gemms_stay_gemms(tmp_path):
+    events = [
+        {"ph": "X", "cat": "user_annotation", "name": "ProfilerStep#1", "ts": 0, "dur": 1000, "tid": 1},
+        _launch(1, 20), _kernel(1, 100, 100, "triton_red_fused__to_copy_abs_amax_clamp_0"),  # inductor, no op
+        _launch(2, 30), _kernel(2, 200, 300, "sm90_xmma_gemm_e4m3e4m3_e4m3f32_f32_tn_n_tilesize128x128x128"),
+        _launch(3, 40), _kernel(3, 500, 50, "_quant_rows_kernel"),
+        _op("aten::_scaled_mm", 50, 10), _launch(4, 55), _kernel(4, 600, 200, "nvjet_sm90_qqtst_128x256"),
+        _launch(5, 70), _kernel(5, 800, 40, "triton_poi_fused__to_copy_1"),  # a plain cast stays a cast
+    ]
+    r = breakdown(_trace(tmp_path, events))
+    assert abs(r["ms"]["fp8 scaling"] - 0.15) < 1e-12
+    assert abs(r["ms"]["dense GEMMs"] - 0.5) < 1e-12 and abs(r["ms"]["casts/copies"] - 0.04) < 1e-12

@@ -67,7 +67,8 @@
 #   fp8_step    1/2  FP8 on the whole step ([model] converters = ["float8"] + FP8 experts): PART=a tests and
 #                    v2lite_1b bf16 vs FP8 beside torchtitan's float8; b (2 GPUs) 500-step loss parity, eager and
 #                    compiled FP8; c (2 GPUs) v2lite_6b_2gpu EP=2, the fp8 dispatch wire at EP=2 and across 2
-#                    emulated hosts
+#                    emulated hosts; d (1 GPU) FP8 by part and scaling, bf16 and FP8 profiled; e (2 GPUs)
+#                    v2lite_6b_2gpu 500-step loss parity (RUNS= bf16 fp8 bf16_compile, a subset per invocation)
 #   guard       1    cost of the non-finite guard: v2lite_1b (CONFIGS=...), eager and graphed, on vs off
 #   titan       2    torchtitan's own trainer with our TrainSpec (EP=2, ECHO) vs the recipe: per-step losses
 #   overlap_profile 2  the graphed v2lite_1b step at EP=2 profiled: nvlink and padded, whole and in 2 chunks
@@ -224,6 +225,29 @@ print('largest step difference over steps 1-20: %.2e at step %d' % max(rel[:20])
           --variants "bf16_wire=;fp8_wire=--moe_echo.dispatch_precision fp8" --out "$OUT" 2>&1 | noise | grep -E "^\| v2lite"
         timeout 240 python3 benchmarks/dispatch_hosts.py --hosts 2 --gpus-per-host 1 --label fp8_wire --out "$OUT" \
           2>&1 | noise | tail -12 ;;
+      d)  # one GPU, v2lite_1b compiled + graphed: which part of FP8 pays (dense only, experts only, both; tensorwise and
+          # rowwise), then bf16 and FP8 profiled -> step_breakdown_v2lite_1b_gpu_fp8_vs_bf16_1x<GPU>.md
+        export CUDA_VISIBLE_DEVICES=${CUDA_VISIBLE_DEVICES:-0}
+        D8="--model.converters float8 --moe_echo.expert_precision bf16 --quantize.linear.float8.recipe_name"
+        python3 benchmarks/e2e.py --configs v2lite_1b_gpu --runs ours_compile_graph --steps 30 --label fp8_parts \
+          --variants "bf16=;experts=--moe_echo.expert_precision fp8;dense_rowwise=$D8 rowwise;dense_tensorwise=$D8 tensorwise;both_tensorwise=$F8 --quantize.linear.float8.recipe_name tensorwise" \
+          --out "$OUT" 2>&1 | noise | grep -E "^\| v2lite" | tail -6
+        PROF="--training.steps 14 --metrics.log_freq 2 --profiling.enable_profiling true --profiling.profile_freq 12
+              --profiling.profiler_warmup 8 --profiling.profiler_active 4 --training.cuda_graph true --compile.enable true"
+        TMO=200 FROM=6 recipe prof_bf16 1 $PROF | tail -1
+        TMO=200 FROM=6 recipe prof_fp8 1 $PROF $F8 | tail -1
+        python3 benchmarks/step_breakdown.py $(for n in bf16 fp8; do
+          echo "$n=$(ls /tmp/run_prof_$n/profile_traces/iteration_*/rank0_trace.json | tail -1)"; done) \
+          --name v2lite_1b_gpu_fp8_vs_bf16 --gpus 1 --out "$OUT" | head -40 ;;
+      e)  # two GPUs: v2lite_6b_2gpu at EP=2, 500 steps, bf16 / FP8 / bf16 compiled (RUNS= a subset; each run ~3.5 min)
+        G="--training.steps 500 --training.cuda_graph true"
+        for r in ${RUNS:-bf16 fp8 bf16_compile}; do
+          case $r in bf16) a="";; fp8) a="$F8";; bf16_compile) a="--compile.enable true";; esac
+          CFG=train_configs/v2lite_6b_2gpu.toml TMO=290 recipe "f8_6b_$r" 2 $G $a | cut -c1-300
+        done
+        [ -f "$OUT/f8_6b_bf16_compile.jsonl" ] && python3 benchmarks/loss_match.py "$OUT/f8_6b_bf16.jsonl" \
+          "$OUT/f8_6b_fp8.jsonl" --floor "$OUT/f8_6b_bf16_compile.jsonl" --plot "$OUT/fp8_loss_v2lite_6b.png" \
+          --names "bf16,FP8,bf16 compiled" | tail -2 ;;
     esac ;;
 
   fp8)  # -> fp8_experts_1x<GPU>.md: FP8 experts tested, 300 steps of v2lite_1b bf16 vs fp8 (loss curves), e2e rows
