@@ -36,7 +36,7 @@ summed kernel time; ``busy_ms`` is the union of kernel intervals per step (what 
 Communication: the kernels that move data between GPUs, by name (NCCL's, the peer-memory kernels
 ``_peer_*`` and barriers, peer-to-peer memcpys); ``comm_ms`` is the union of their intervals per step and
 ``comm_exposed_ms`` the part of it when no other kernel runs (on any stream): communication that nothing
-hides. (``nvlink``'s pull of the combined rows runs in ``_gather_sum_kernel``, which also does local sums:
+hides; ``comm_by_kernel`` splits it by kernel name. (``nvlink``'s pull of the combined rows runs in ``_gather_sum_kernel``, which also does local sums:
 it counts as dispatch work, not communication, so its exposed share is a lower bound.)
 """
 
@@ -153,7 +153,7 @@ def breakdown(trace_path: str) -> dict:
         kernels = [k for k in kernels if k.get("args", {}).get("correlation") in launches]
 
     ms, top, wait = defaultdict(float), defaultdict(float), 0.0
-    intervals, comm, rest = [], [], []
+    intervals, comm, rest, comm_named = [], [], [], []
     for k in kernels:
         corr = k.get("args", {}).get("correlation")
         stack = stacks.get(corr, [])
@@ -166,10 +166,16 @@ def breakdown(trace_path: str) -> dict:
         span = (k["ts"], k["ts"] + k.get("dur", 0))
         intervals.append(span)
         (comm if COMM_KERNEL.search(k.get("name", "")) else rest).append(span)
+        if COMM_KERNEL.search(k.get("name", "")):
+            comm_named.append((span, k.get("name", "")))
     busy = _length(_union(intervals))
-    comm_U = _union(comm)
+    comm_U, rest_U = _union(comm), _union(rest)
     comm_ms = _length(comm_U)
-    comm_exposed = comm_ms - _overlap(comm_U, _union(rest))
+    comm_exposed = comm_ms - _overlap(comm_U, rest_U)
+    by_kernel = defaultdict(lambda: [0.0, 0.0])  # name -> [kernel time, the part no non-communication kernel covers]
+    for span, name in comm_named:
+        by_kernel[name][0] += span[1] - span[0]
+        by_kernel[name][1] += span[1] - span[0] - _overlap([span], rest_U)
     # a graphed step is one replay; the profiler's window can hold one replay more than its steps
     # (the last step's replay launched before the window closes), so replays launched in it count the steps
     n = max(1, len(set(steps)), replays)
@@ -177,6 +183,8 @@ def breakdown(trace_path: str) -> dict:
     ranked = sorted(top.items(), key=lambda kv: -kv[1])
     return {"steps": n, "kernel_ms": total / n, "busy_ms": busy / 1e3 / n, "barrier_ms": wait / n,
             "comm_ms": comm_ms / 1e3 / n, "comm_exposed_ms": comm_exposed / 1e3 / n,
+            "comm_by_kernel": [{"kernel": k, "ms": v[0] / 1e3 / n, "exposed_ms": v[1] / 1e3 / n}
+                               for k, v in sorted(by_kernel.items(), key=lambda kv: -kv[1][1])[:12]],
             "ms": {c: ms.get(c, 0.0) / n for c in CATEGORIES},
             "pct": {c: 100 * ms.get(c, 0.0) / total if total else 0.0 for c in CATEGORIES},
             "top": [{"category": c, "ops": o, "kernel": k, "ms": v / n} for (c, o, k), v in ranked[:30]],
@@ -264,6 +272,12 @@ def main():
         text += f"\n\nLargest kernels of {r['label']} (ms per step; innermost op < its parent):\n\n"
         text += "| ms | category | ops | kernel |\n|---|---|---|---|\n"
         text += "\n".join(f"| {t['ms']:.2f} | {t['category']} | {t['ops']} | {t['kernel'][:70]} |" for t in r["top"][:20])
+    for r in rows:
+        if r.get("comm_by_kernel"):
+            text += (f"\n\nCommunication kernels of {r['label']}, most exposed first (ms per step; exposed: no other "
+                     "kernel but communication runs; kernels on two streams at once each count):\n\n")
+            text += "| exposed ms | ms | kernel |\n|---|---|---|\n"
+            text += "\n".join(f"| {t['exposed_ms']:.2f} | {t['ms']:.2f} | {t['kernel'][:70]} |" for t in r["comm_by_kernel"])
     for cat in a.detail:
         for r in rows:
             text += f"\n\nLargest {cat} kernels of {r['label']} (ms per step; innermost op < its parent):\n\n"

@@ -176,6 +176,12 @@ def test_exposed_communication_is_what_no_other_kernel_covers(tmp_path):
     r = breakdown(_trace(tmp_path, events))
     assert abs(r["comm_ms"] - 0.65) < 1e-12 and abs(r["comm_exposed_ms"] - 0.45) < 1e-12
     assert abs(r["busy_ms"] - 0.85) < 1e-12
+    # by kernel: NCCL 300-700 exposed 500-700; the peer copy 650-900 all of it (its overlap with NCCL counts for
+    # both); the barrier all of it
+    by = {t["kernel"]: (round(t["ms"], 9), round(t["exposed_ms"], 9)) for t in r["comm_by_kernel"]}
+    assert by == {"ncclDevKernel_AllGather_RING_LL": (0.4, 0.2), "_peer_scatter_kernel": (0.25, 0.25),
+                  "c10d::symmetric_memory::barrier_kernel": (0.05, 0.05)}
+    assert r["comm_by_kernel"][0]["kernel"] == "_peer_scatter_kernel"  # most exposed first
     r["label"] = "x"
     assert "| of which exposed (no other kernel running) | 0.45 | 52.9 |" in table([r])
     # a step without communication: no rows for it
