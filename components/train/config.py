@@ -421,6 +421,17 @@ def check_global_batch(cfg, world: int) -> None:
 _MORE_DOCS = {
     "optimizer": {"beta1": "Exponential moving average coefficient of the gradient (Adam's first moment)."},
     "compile": {"backend": 'torch.compile backend, e.g. "inductor" (default), "aot_eager" or "eager".'},
+    "model": {"converters": 'Model converters; this recipe applies "float8" (or "quantize.linear.float8"): the dense '
+                            "linear layers become torchao's Float8Linear before parallelisation (pip install "
+                            '"moe-echo[float8]"; Hopper, with [compile] enable = true to pay), and the routed experts '
+                            'go FP8 too unless [moe_echo] expert_precision is set. Others are refused.'},
+    "quantize.linear.float8": {
+        "recipe_name": 'torchao\'s scaling of the dense FP8 layers: "tensorwise" (the default when unset), "rowwise" '
+                       'or "rowwise_with_gw_hp". The routed experts keep their own scaling (one scale per token row '
+                       "and one per expert).",
+        "filter_fqns": 'Names (substrings) of the linear layers to keep in bf16. Empty: the output head is kept; a list '
+                       'without "output" converts the head too. Router gates are always kept, and so is any layer '
+                       "with a dimension not a multiple of 16."},
 }
 _WIDTH = 100  # --help wraps descriptions at this column
 
