@@ -29,9 +29,9 @@ def test_config_keys_are_read_and_the_others_refused():
     assert load_config(["--model.converters", "float8", "--moe_echo.expert_precision", "bf16"]
                        ).moe_echo.expert_precision == "bf16"
     assert cfg.moe_echo.expert_precision == "bf16" and load_config([]).moe_echo.expert_precision == "bf16"
-    with pytest.raises(UserError, match=r"not supported by this recipe: \[quantize.linear.float8\] "
-                                        r"enable_fsdp_float8_all_gather = True"):
-        load_config([*EMULATED, "--quantize.linear.float8.enable_fsdp_float8_all_gather"])
+    with pytest.raises(UserError, match=r"not supported by this recipe: \[quantize.grouped_mm.float8\] "
+                                        r"fqns = \['experts'\]"):
+        load_config([*EMULATED, "--quantize.grouped_mm.float8.fqns", "experts"])
     with pytest.raises(UserError, match=r"'mx' is not applied by this recipe; the one it applies is \"float8\""):
         float8.requested(load_config(["--model.converters", "mx"]))
 
@@ -89,3 +89,51 @@ def test_recipe_trains_with_emulated_float8(tmp_path):
     line = next(l for l in p.stdout.splitlines() if l.startswith("float8:"))
     assert "linear layers in FP8 (tensorwise, emulated); kept: router gates, output" in line, line
     assert "loss" in p.stdout
+
+
+def test_fp8_all_gather_keys_need_tensorwise_and_each_other():
+    with pytest.raises(UserError, match=r"enable_fsdp_float8_all_gather = true needs recipe_name = \"tensorwise\""):
+        load_config([*EMULATED, "--quantize.linear.float8.recipe_name", "rowwise",
+                     "--quantize.linear.float8.enable_fsdp_float8_all_gather"])
+    with pytest.raises(UserError, match=r"precompute_float8_dynamic_scale_for_fsdp = true needs "
+                                        r"enable_fsdp_float8_all_gather = true"):
+        load_config([*EMULATED, "--quantize.linear.float8.precompute_float8_dynamic_scale_for_fsdp"])
+    cfg = load_config([*EMULATED, "--quantize.linear.float8.enable_fsdp_float8_all_gather"])
+    assert float8.fp8_all_gather(cfg, fsdp=True) and not float8.fp8_all_gather(cfg, fsdp=False)
+    assert float8.torchao_config(cfg, fsdp=True).enable_fsdp_float8_all_gather
+    assert not float8.torchao_config(cfg, fsdp=False).enable_fsdp_float8_all_gather
+
+
+def test_precomputed_fsdp_scales_are_written_in_place():
+    """One FSDP rank (gloo): the scales precomputed for the FP8 all-gather are 448 / amax of each weight, and a
+    second call writes the new values into the first call's tensors (what a captured step reads on replay)."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torchao.float8.float8_linear import Float8Linear
+
+    from components.moe_echo.models import build_model
+    from emulated_hosts import free_port
+
+    cfg = load_config([*EMULATED, "--quantize.linear.float8.enable_fsdp_float8_all_gather",
+                       "--quantize.linear.float8.precompute_float8_dynamic_scale_for_fsdp"])
+    model = build_model("deepseek_v3", "tiny", cfg.moe_echo, seq_len=32, device=torch.device("cpu"), seed=0,
+                        overrides={"num_experts": 16})
+    swapped = float8.convert_float8(model, cfg, fsdp=True)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    try:
+        fully_shard(model, mesh=init_device_mesh("cpu", (1,)))
+        assert float8.precompute_scales_(model) == len(swapped)
+        linears = [m for m in model.modules() if isinstance(m, Float8Linear)]
+        first = [m.weight._local_tensor._precomputed_scale for m in linears]
+        with torch.no_grad():
+            for i, m in enumerate(linears):
+                m.weight.mul_(1.0 + i)
+        float8.precompute_scales_(model)
+        for m, s in zip(linears, first):
+            now = m.weight._local_tensor._precomputed_scale
+            assert now is s
+            want = torch.finfo(torch.float8_e4m3fn).max / m.weight.to_local().detach().float().abs().max()
+            torch.testing.assert_close(now, want.reshape(now.shape), rtol=1e-6, atol=0)
+    finally:
+        dist.destroy_process_group()

@@ -67,7 +67,8 @@
 #   fp8_step    1/2  FP8 on the whole step ([model] converters = ["float8"] + FP8 experts): PART=a tests and
 #                    v2lite_1b bf16 vs FP8 beside torchtitan's float8; b (2 GPUs) 500-step loss parity, eager and
 #                    compiled FP8; c (2 GPUs) v2lite_6b_2gpu EP=2, the fp8 dispatch wire at EP=2 and across 2
-#                    emulated hosts; d (1 GPU) FP8 by part and scaling, bf16 and FP8 profiled; e (2 GPUs)
+#                    emulated hosts; d (1 GPU) FP8 by part and scaling; p (1 GPU) bf16 and FP8 profiled; g (2 GPUs,
+#                    RECIPE=tensorwise) the FSDP FP8 all-gather tested and measured beside torchtitan's; e (2 GPUs)
 #                    v2lite_6b_2gpu 500-step loss parity (RUNS= bf16 fp8 bf16_compile, a subset per invocation)
 #   guard       1    cost of the non-finite guard: v2lite_1b (CONFIGS=...), eager and graphed, on vs off
 #   titan       2    torchtitan's own trainer with our TrainSpec (EP=2, ECHO) vs the recipe: per-step losses
@@ -226,12 +227,15 @@ print('largest step difference over steps 1-20: %.2e at step %d' % max(rel[:20])
         timeout 240 python3 benchmarks/dispatch_hosts.py --hosts 2 --gpus-per-host 1 --label fp8_wire --out "$OUT" \
           2>&1 | noise | tail -12 ;;
       d)  # one GPU, v2lite_1b compiled + graphed: which part of FP8 pays (dense only, experts only, both; tensorwise and
-          # rowwise), then bf16 and FP8 profiled -> step_breakdown_v2lite_1b_gpu_fp8_vs_bf16_1x<GPU>.md
+          # rowwise)
         export CUDA_VISIBLE_DEVICES=${CUDA_VISIBLE_DEVICES:-0}
         D8="--model.converters float8 --moe_echo.expert_precision bf16 --quantize.linear.float8.recipe_name"
         python3 benchmarks/e2e.py --configs v2lite_1b_gpu --runs ours_compile_graph --steps 30 --label fp8_parts \
-          --variants "bf16=;experts=--moe_echo.expert_precision fp8;dense_rowwise=$D8 rowwise;dense_tensorwise=$D8 tensorwise;both_tensorwise=$F8 --quantize.linear.float8.recipe_name tensorwise" \
-          --out "$OUT" 2>&1 | noise | grep -E "^\| v2lite" | tail -6
+          --variants "bf16=;experts=--moe_echo.expert_precision fp8;dense_rowwise=$D8 rowwise;dense_tensorwise=$D8 tensorwise;both_rowwise=$F8;both_tensorwise=$F8 --quantize.linear.float8.recipe_name tensorwise" \
+          --out "$OUT" 2>&1 | noise | grep -E "^\| v2lite" | tail -7 ;;
+      p)  # one GPU, v2lite_1b compiled + graphed: bf16 and FP8 (RECIPE, rowwise by default) profiled
+          # -> step_breakdown_v2lite_1b_gpu_fp8_vs_bf16_1x<GPU>.md
+        export CUDA_VISIBLE_DEVICES=${CUDA_VISIBLE_DEVICES:-0}
         PROF="--training.steps 14 --metrics.log_freq 2 --profiling.enable_profiling true --profiling.profile_freq 12
               --profiling.profiler_warmup 8 --profiling.profiler_active 4 --training.cuda_graph true --compile.enable true"
         TMO=200 FROM=6 recipe prof_bf16 1 $PROF | tail -1
@@ -239,6 +243,19 @@ print('largest step difference over steps 1-20: %.2e at step %d' % max(rel[:20])
         python3 benchmarks/step_breakdown.py $(for n in bf16 fp8; do
           echo "$n=$(ls /tmp/run_prof_$n/profile_traces/iteration_*/rank0_trace.json | tail -1)"; done) \
           --name v2lite_1b_gpu_fp8_vs_bf16 --gpus 1 --out "$OUT" | head -40 ;;
+      g)  # two GPUs, tensorwise: the FSDP FP8 all-gather tested, then v2lite_6b_2gpu at EP=2 without and with it, and
+          # torchtitan's float8 with the same keys (compiled); torchtitan's tensorwise float8 on v2lite_1b (one GPU)
+        G8="--quantize.linear.float8.enable_fsdp_float8_all_gather --quantize.linear.float8.precompute_float8_dynamic_scale_for_fsdp"
+        python3 -m pytest tests/test_float8.py -p no:warnings -q -rfEs 2>&1 | tail -2
+        python3 -m pytest tests/test_gpu_train.py -k float8_all_gather -p no:warnings -q -rfEs -s 2>&1 | grep -E \
+          "float8 all-gather|passed|failed|Error" | tail -4
+        python3 benchmarks/e2e.py --configs v2lite_6b_2gpu --nproc 2 --runs ours_compile_graph --steps 20 --label fp8_gather \
+          --variants "fp8=$F8;fp8_gather=$F8 $G8" --out "$OUT" 2>&1 | noise | grep -E "^\| v2lite" | tail -2
+        python3 benchmarks/e2e.py --configs v2lite_6b_2gpu --nproc 2 --runs torchtitan_compile --steps 20 \
+          --label titan_fp8_gather --titan "$T8 $G8" --out "$OUT" 2>&1 | noise | grep -E "^\| v2lite" | tail -1
+        CUDA_VISIBLE_DEVICES=0 timeout ${TMO:-150} python3 benchmarks/e2e.py --configs v2lite_1b_gpu --runs torchtitan_compile \
+          --steps 30 --label titan_fp8_tensorwise --titan "$T8" --out "$OUT" 2>&1 | noise | grep -E "^\| v2lite" \
+          | tail -1 ;;
       e)  # two GPUs: v2lite_6b_2gpu at EP=2, 500 steps, bf16 / FP8 / bf16 compiled (RUNS= a subset; each run ~3.5 min)
         G="--training.steps 500 --training.cuda_graph true"
         for r in ${RUNS:-bf16 fp8 bf16_compile}; do

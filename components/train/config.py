@@ -323,6 +323,7 @@ def validate(cfg) -> None:
     _check_numbers(cfg)
     check_supported(cfg, ours.JobConfig)
     float8.requested(cfg)  # an unknown [model] converters entry: one line, before any work
+    float8.check_keys(cfg)
     _check_dump_folder(cfg.job.dump_folder)
     t, o, s, m, e, p = cfg.training, cfg.optimizer, cfg.lr_scheduler, cfg.model, cfg.moe_echo, cfg.parallelism
     model_args = check_model(m)
@@ -431,7 +432,12 @@ _MORE_DOCS = {
                        "and one per expert).",
         "filter_fqns": 'Names (substrings) of the linear layers to keep in bf16. Empty: the output head is kept; a list '
                        'without "output" converts the head too. Router gates are always kept, and so is any layer '
-                       "with a dimension not a multiple of 16."},
+                       "with a dimension not a multiple of 16.",
+        "enable_fsdp_float8_all_gather": "With FSDP and tensorwise scaling: each weight shard is cast to FP8 before "
+                                         "FSDP's all-gather (half the bytes). No effect without FSDP.",
+        "precompute_float8_dynamic_scale_for_fsdp": "With the FP8 all-gather: every weight's scale from one "
+                                                    "all-reduce after the optimizer step instead of one per weight "
+                                                    "in the forward."},
 }
 _WIDTH = 100  # --help wraps descriptions at this column
 

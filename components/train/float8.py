@@ -3,9 +3,11 @@
     [model]
     converters = ["float8"]            # or torchtitan 0.2's name, "quantize.linear.float8"
     [quantize.linear.float8]
-    recipe_name = "rowwise"            # torchao's recipes: "tensorwise" (default), "rowwise", "rowwise_with_gw_hp"
+    recipe_name = "tensorwise"         # torchao's recipes: "tensorwise" (default), "rowwise", "rowwise_with_gw_hp"
     filter_fqns = ["output"]           # linear layers left in bf16 (default: the output head)
     emulate = false                    # true: FP8 emulated in higher precision (CPU tests; not with compile)
+    enable_fsdp_float8_all_gather = true               # tensorwise + FSDP: weights all-gathered in FP8
+    precompute_float8_dynamic_scale_for_fsdp = true    # their scales from one all-reduce after the optimizer step
 
 Every ``nn.Linear`` of the model whose name matches none of ``filter_fqns`` and whose both dimensions
 are multiples of 16 becomes torchao's ``Float8Linear`` before parallelisation: attention projections,
@@ -14,6 +16,11 @@ the forward and both backward GEMMs run in FP8 with scales computed on the devic
 always stay as they are (top-k is decided on their logits). The routed experts follow the same switch
 through their own key: ``[moe_echo] expert_precision`` becomes "fp8" unless the config sets it (or
 ``emulate`` is on: the FP8 experts have no emulation).
+
+With FSDP and tensorwise scaling, ``enable_fsdp_float8_all_gather`` casts each weight shard to FP8 before
+FSDP's all-gather (half the bytes of bf16), and ``precompute_float8_dynamic_scale_for_fsdp`` computes all of
+their scales after the optimizer step with one all-reduce instead of one per weight in the forward. Those
+scales are written into the same tensors every step, so a captured step's replays read the new ones.
 """
 
 import dataclasses
@@ -58,6 +65,22 @@ def check_float8(cfg, device: torch.device) -> None:
                         f"({where}); remove it, or set [quantize.linear.float8] emulate = true to test")
 
 
+def check_keys(cfg) -> None:
+    """One-line error for ``[quantize.linear.float8]`` keys that cannot go together (read at config time)."""
+    f8 = cfg.quantize.linear.float8
+    if f8.enable_fsdp_float8_all_gather and (f8.recipe_name or "tensorwise") != "tensorwise":
+        raise UserError(f"[quantize.linear.float8] enable_fsdp_float8_all_gather = true needs recipe_name = "
+                        f"\"tensorwise\" (one scale per weight), not {f8.recipe_name!r}; set one or the other")
+    if f8.precompute_float8_dynamic_scale_for_fsdp and not f8.enable_fsdp_float8_all_gather:
+        raise UserError("[quantize.linear.float8] precompute_float8_dynamic_scale_for_fsdp = true needs "
+                        "enable_fsdp_float8_all_gather = true (the scales it computes are the all-gather's)")
+
+
+def fp8_all_gather(cfg, fsdp: bool) -> bool:
+    """True where the dense FP8 weights are all-gathered in FP8: asked for, and FSDP shards them."""
+    return fsdp and cfg.quantize.linear.float8.enable_fsdp_float8_all_gather
+
+
 def uncompiled_note(cfg) -> str | None:
     """The advice printed where FP8 runs without torch.compile (measured: the step at 0.56x bf16's)."""
     f8, compiled = cfg.quantize.linear.float8, cfg.compile.enable and "model" in cfg.compile.components
@@ -67,13 +90,14 @@ def uncompiled_note(cfg) -> str | None:
             "slower than bf16; set [compile] enable = true")
 
 
-def torchao_config(cfg):
-    """torchao's Float8LinearConfig for ``[quantize.linear.float8]`` (recipe_name, emulate)."""
+def torchao_config(cfg, fsdp: bool = False):
+    """torchao's Float8LinearConfig for ``[quantize.linear.float8]`` (recipe_name, emulate; the FP8
+    all-gather where ``fsdp``)."""
     from torchao.float8 import Float8LinearConfig
 
     f8 = cfg.quantize.linear.float8
     config = Float8LinearConfig.from_recipe_name(f8.recipe_name or "tensorwise")
-    return dataclasses.replace(config, emulate=f8.emulate) if f8.emulate else config
+    return dataclasses.replace(config, emulate=f8.emulate, enable_fsdp_float8_all_gather=fp8_all_gather(cfg, fsdp))
 
 
 def kept(fqn: str, module: nn.Module, filter_fqns) -> bool:
@@ -86,13 +110,32 @@ def kept(fqn: str, module: nn.Module, filter_fqns) -> bool:
     return module.in_features % 16 != 0 or module.out_features % 16 != 0
 
 
-def convert_float8(model: nn.Module, cfg) -> list[str]:
+def convert_float8(model: nn.Module, cfg, fsdp: bool = False) -> list[str]:
     """Swap the model's dense linear layers for torchao's Float8Linear in place (see ``kept``); returns the
-    names of the swapped layers."""
+    names of the swapped layers. ``fsdp``: FSDP will shard them (their weights may then be all-gathered in FP8)."""
     from torchao.float8 import convert_to_float8_training
 
     filter_fqns = tuple(cfg.quantize.linear.float8.filter_fqns) or DEFAULT_KEPT
     swapped = [fqn for fqn, m in model.named_modules() if not kept(fqn, m, filter_fqns)]
-    convert_to_float8_training(model, config=torchao_config(cfg),
+    convert_to_float8_training(model, config=torchao_config(cfg, fsdp),
                                module_filter_fn=lambda m, fqn: not kept(fqn, m, filter_fqns))
     return swapped
+
+
+def precompute_scales_(model: nn.Module) -> int:
+    """After the optimizer step: the FP8 all-gather scales of every FSDP-sharded Float8Linear weight from one
+    all-reduce of their amaxes (torchao's ``precompute_float8_dynamic_scale_for_fsdp``), written into the
+    scale tensors of the previous call where there are any, so a CUDA graph captured around this call and the
+    forward that reads them stays right on replay. Returns how many weights it scaled. No host read."""
+    from torchao.float8.float8_linear import Float8Linear
+    from torchao.float8.fsdp_utils import precompute_float8_dynamic_scale_for_fsdp
+
+    shards = [m.weight._local_tensor for m in model.modules()
+              if isinstance(m, Float8Linear) and hasattr(m.weight, "_local_tensor")]
+    before = [getattr(w, "_precomputed_scale", None) for w in shards]
+    precompute_float8_dynamic_scale_for_fsdp(model)
+    for w, old in zip(shards, before):
+        if old is not None and w._precomputed_scale is not old:
+            old.copy_(w._precomputed_scale)
+            w._precomputed_scale = old
+    return sum(getattr(w, "_precomputed_scale", None) is not None for w in shards)

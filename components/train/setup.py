@@ -148,10 +148,13 @@ def build_parallel_model(run: Run, tokenizer):
                         f"set --model.vocab_size {tokenizer.get_vocab_size()} (or more) or use a smaller tokenizer")
     n_params, flops_per_token = model.model_args.get_nparams_and_flops(model, t.seq_len)
     if float8.requested(cfg):
-        swapped = float8.convert_float8(model, cfg)
+        swapped = float8.convert_float8(model, cfg, fsdp=run.dims.fsdp)
         f8 = cfg.quantize.linear.float8
+        gather = ("; all-gathered in FP8" if float8.fp8_all_gather(cfg, run.dims.fsdp) else
+                  "; enable_fsdp_float8_all_gather has no effect without FSDP" if f8.enable_fsdp_float8_all_gather
+                  else "")
         run.say(f"float8: {len(swapped)} linear layers in FP8 ({f8.recipe_name or 'tensorwise'}"
-                f"{', emulated' if f8.emulate else ''}); kept: router gates, "
+                f"{', emulated' if f8.emulate else ''}{gather}); kept: router gates, "
                 f"{', '.join(f8.filter_fqns or float8.DEFAULT_KEPT)}")
         if note := float8.uncompiled_note(cfg):
             run.say(note)
@@ -187,6 +190,9 @@ def build_training(run: Run, model: torch.nn.Module, loader: TokenBatchLoader) -
                 + ("" if n == len(layers) else "; the others cast their weights per call (ECHO's clones, or no "
                    "optimizer that writes copies)"))
     optimizer = build_optimizer(model, cfg.optimizer, gated=gated, master_dtype=torch.bfloat16 if master else None)
+    if float8.requested(cfg) and float8.fp8_all_gather(cfg, run.dims.fsdp) and \
+            cfg.quantize.linear.float8.precompute_float8_dynamic_scale_for_fsdp:
+        optimizer.register_step_post_hook(lambda *_: float8.precompute_scales_(model))  # inside the captured step
     scale_into = optimizer if device.type == "cuda" and (master or cfg.optimizer.implementation == "fused") else None
     scheduler = build_lr_scheduler(optimizer, cfg.lr_scheduler, t.steps)
     state = TrainState(loader)

@@ -19,7 +19,8 @@ HONOURED: dict[str, set[str]] = {
     # no colour is ever printed, so either value of disable_color_printing holds
     "metrics": {"log_freq", "enable_tensorboard", "save_tb_folder", "disable_color_printing"},
     "model": {"name", "flavor", "hf_assets_path", "print_after_conversion", "converters"},  # converters: float8.py
-    "quantize.linear.float8": {"recipe_name", "filter_fqns", "emulate"},
+    "quantize.linear.float8": {"recipe_name", "filter_fqns", "emulate", "enable_fsdp_float8_all_gather",
+                               "precompute_float8_dynamic_scale_for_fsdp"},
     "optimizer": {"name", "lr", "beta1", "beta2", "eps", "weight_decay", "implementation"},
     "lr_scheduler": {"warmup_steps", "total_steps", "decay_ratio", "decay_type", "min_lr_factor"},
     # global_batch_size: only the value without gradient accumulation (checked in config.validate)
@@ -70,8 +71,8 @@ _REASONS = {
     "checkpoint.exclude_from_loading": "a resume loads every state it saved",
     "checkpoint.create_seed_checkpoint": "every rank builds the same initial weights from the seed",
     "activation_checkpoint": "only mode, selective_ac_option and preserve_rng_state are applied",
-    "quantize": 'of torchao\'s quantised training only [quantize.linear.float8] recipe_name, filter_fqns and emulate '
-                'are applied (with [model] converters = ["float8"]; FP8 routed experts: [moe_echo] expert_precision)',
+    "quantize": 'of torchao\'s quantised training only [quantize.linear.float8] is applied (with [model] '
+                'converters = ["float8"]; FP8 routed experts: [moe_echo] expert_precision)',
     "comm": "the NCCL flight recorder and fake/local communication modes are not set up by this recipe",
     "memory_estimation": "memory estimation is not implemented",
     "fault_tolerance": "TorchFT is not integrated; a stopped run resumes from its last checkpoint",
