@@ -67,8 +67,8 @@
 #   fp8_step    1/2  FP8 on the whole step ([model] converters = ["float8"] + FP8 experts): PART=a tests and
 #                    v2lite_1b bf16 vs FP8 beside torchtitan's float8; b (2 GPUs) 500-step loss parity, eager and
 #                    compiled FP8; c (2 GPUs) v2lite_6b_2gpu EP=2, the fp8 dispatch wire at EP=2 and across 2
-#                    emulated hosts; d (1 GPU) FP8 by part and scaling; p (1 GPU) bf16 and FP8 profiled; g (2 GPUs,
-#                    RECIPE=tensorwise) the FSDP FP8 all-gather tested and measured beside torchtitan's; e (2 GPUs)
+#                    emulated hosts; d (1 GPU) FP8 by part and scaling; p (1 GPU) bf16 and FP8 profiled; g (2 GPUs)
+#                    the FSDP FP8 all-gather tested and measured beside torchtitan's; e (2 GPUs)
 #                    v2lite_6b_2gpu 500-step loss parity (RUNS= bf16 fp8 bf16_compile, a subset per invocation)
 #   guard       1    cost of the non-finite guard: v2lite_1b (CONFIGS=...), eager and graphed, on vs off
 #   titan       2    torchtitan's own trainer with our TrainSpec (EP=2, ECHO) vs the recipe: per-step losses
@@ -193,9 +193,10 @@ print('largest step difference over steps 1-20: %.2e at step %d' % max(rel[:20])
       | tee "$OUT/layer_tests.log" | tail -15
     CUDA_VISIBLE_DEVICES=0 python3 benchmarks/moe_layer.py --out "$OUT" ${BENCH_ARGS:-} 2>&1 | tee "$OUT/moe_layer.log" | tail -40 ;;
 
-  fp8_step)  # -> e2e_<N>x<GPU>.md (labels fp8_step, titan_fp8), loss curves, dispatch_hosts_fp8_wire_*.md
-    F8="--model.converters float8 --quantize.linear.float8.recipe_name ${RECIPE:-rowwise} --moe_echo.expert_precision fp8"
-    T8="--model.converters quantize.linear.float8 --quantize.linear.float8.recipe_name ${RECIPE:-rowwise}"
+  fp8_step)  # -> e2e_<N>x<GPU>.md (labels fp8_*, titan_fp8*), loss curves, dispatch_hosts_fp8_wire_*.md
+    # RECIPE: the dense layers' scaling (tensorwise, torchao's default; the rows labelled fp8_step ran RECIPE=rowwise)
+    F8="--model.converters float8 --quantize.linear.float8.recipe_name ${RECIPE:-tensorwise} --moe_echo.expert_precision fp8"
+    T8="--model.converters quantize.linear.float8 --quantize.linear.float8.recipe_name ${RECIPE:-tensorwise}"
     case "${PART:-a}" in
       a)  # one GPU: the FP8 tests, then v2lite_1b bf16 vs FP8 (dense + experts), and torchtitan's float8 beside
         export CUDA_VISIBLE_DEVICES=${CUDA_VISIBLE_DEVICES:-0}
@@ -218,9 +219,13 @@ print('largest step difference over steps 1-20: %.2e at step %d' % max(rel[:20])
           python3 benchmarks/loss_match.py "$OUT/f8_loss_bf16.jsonl" "$OUT/$r.jsonl" --floor "$OUT/f8_loss_bf16_compile.jsonl" \
             --plot "$OUT/$r.png" --names "bf16,$r,bf16 compiled" | tail -2
         done ;;
-      c)  # two GPUs: v2lite_6b_2gpu at EP=2, the fp8 wire at EP=2 (padded, bf16 vs fp8 rows), then across 2 emulated hosts
+      c)  # two GPUs: v2lite_6b_2gpu at EP=2 (with torchtitan's float8, compiled), the fp8 wire at EP=2 (padded, bf16
+          # vs fp8 rows), then across 2 emulated hosts
+        label=$([ "${RECIPE:-tensorwise}" = rowwise ] && echo fp8_step || echo fp8_${RECIPE:-tensorwise})
         python3 benchmarks/e2e.py --configs v2lite_6b_2gpu --nproc 2 --runs ours_compile_graph --steps 20 \
-          --label fp8_step --variants "bf16=;fp8=$F8" --out "$OUT" 2>&1 | noise | grep -E "^\| v2lite" | tail -4
+          --label $label --variants "bf16=;fp8=$F8" --out "$OUT" 2>&1 | noise | grep -E "^\| v2lite" | tail -4
+        python3 benchmarks/e2e.py --configs v2lite_6b_2gpu --nproc 2 --runs torchtitan_compile --steps 20 --label titan_fp8 \
+          --titan "$T8" --out "$OUT" 2>&1 | noise | grep -E "^\| v2lite" | tail -1
         python3 benchmarks/e2e.py --configs v2lite_1b_gpu --nproc 2 --runs ours_graph --steps 20 --label fp8_wire \
           --ours "--parallelism.expert_parallel_degree 2 --moe_echo.dispatcher padded --moe_echo.capacity_factor 2.0" \
           --variants "bf16_wire=;fp8_wire=--moe_echo.dispatch_precision fp8" --out "$OUT" 2>&1 | noise | grep -E "^\| v2lite"
@@ -231,9 +236,9 @@ print('largest step difference over steps 1-20: %.2e at step %d' % max(rel[:20])
         export CUDA_VISIBLE_DEVICES=${CUDA_VISIBLE_DEVICES:-0}
         D8="--model.converters float8 --moe_echo.expert_precision bf16 --quantize.linear.float8.recipe_name"
         python3 benchmarks/e2e.py --configs v2lite_1b_gpu --runs ours_compile_graph --steps 30 --label fp8_parts \
-          --variants "bf16=;experts=--moe_echo.expert_precision fp8;dense_rowwise=$D8 rowwise;dense_tensorwise=$D8 tensorwise;both_rowwise=$F8;both_tensorwise=$F8 --quantize.linear.float8.recipe_name tensorwise" \
+          --variants "bf16=;experts=--moe_echo.expert_precision fp8;dense_rowwise=$D8 rowwise;dense_tensorwise=$D8 tensorwise;both_rowwise=$F8 --quantize.linear.float8.recipe_name rowwise;both_tensorwise=$F8 --quantize.linear.float8.recipe_name tensorwise" \
           --out "$OUT" 2>&1 | noise | grep -E "^\| v2lite" | tail -7 ;;
-      p)  # one GPU, v2lite_1b compiled + graphed: bf16 and FP8 (RECIPE, rowwise by default) profiled
+      p)  # one GPU, v2lite_1b compiled + graphed: bf16 and FP8 profiled (the committed profile ran RECIPE=rowwise)
           # -> step_breakdown_v2lite_1b_gpu_fp8_vs_bf16_1x<GPU>.md
         export CUDA_VISIBLE_DEVICES=${CUDA_VISIBLE_DEVICES:-0}
         PROF="--training.steps 14 --metrics.log_freq 2 --profiling.enable_profiling true --profiling.profile_freq 12
@@ -244,7 +249,8 @@ print('largest step difference over steps 1-20: %.2e at step %d' % max(rel[:20])
           echo "$n=$(ls /tmp/run_prof_$n/profile_traces/iteration_*/rank0_trace.json | tail -1)"; done) \
           --name v2lite_1b_gpu_fp8_vs_bf16 --gpus 1 --out "$OUT" | head -40 ;;
       g)  # two GPUs, tensorwise: the FSDP FP8 all-gather tested, then v2lite_6b_2gpu at EP=2 without and with it, and
-          # torchtitan's float8 with the same keys (compiled); torchtitan's tensorwise float8 on v2lite_1b (one GPU)
+          # torchtitan's float8 with the same keys (compiled; it takes them only with recipe_name unset, which is
+          # tensorwise); torchtitan's tensorwise float8 on v2lite_1b (one GPU)
         G8="--quantize.linear.float8.enable_fsdp_float8_all_gather --quantize.linear.float8.precompute_float8_dynamic_scale_for_fsdp"
         python3 -m pytest tests/test_float8.py -p no:warnings -q -rfEs 2>&1 | tail -2
         python3 -m pytest tests/test_gpu_train.py -k float8_all_gather -p no:warnings -q -rfEs -s 2>&1 | grep -E \
@@ -252,7 +258,7 @@ print('largest step difference over steps 1-20: %.2e at step %d' % max(rel[:20])
         python3 benchmarks/e2e.py --configs v2lite_6b_2gpu --nproc 2 --runs ours_compile_graph --steps 20 --label fp8_gather \
           --variants "fp8=$F8;fp8_gather=$F8 $G8" --out "$OUT" 2>&1 | noise | grep -E "^\| v2lite" | tail -2
         python3 benchmarks/e2e.py --configs v2lite_6b_2gpu --nproc 2 --runs torchtitan_compile --steps 20 \
-          --label titan_fp8_gather --titan "$T8 $G8" --out "$OUT" 2>&1 | noise | grep -E "^\| v2lite" | tail -1
+          --label titan_fp8_gather --titan "--model.converters quantize.linear.float8 $G8" --out "$OUT" 2>&1 | noise | grep -E "^\| v2lite" | tail -1
         CUDA_VISIBLE_DEVICES=0 timeout ${TMO:-150} python3 benchmarks/e2e.py --configs v2lite_1b_gpu --runs torchtitan_compile \
           --steps 30 --label titan_fp8_tensorwise --titan "$T8" --out "$OUT" 2>&1 | noise | grep -E "^\| v2lite" \
           | tail -1 ;;
