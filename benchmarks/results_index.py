@@ -47,6 +47,7 @@ BENCHMARKS = {
     "gpu_tests": "benchmarks/gpu/run.sh graph",
     "moe_layer": "benchmarks/moe_layer.py",
     "nonfinite_guard": "benchmarks/gpu/run.sh guard",
+    "nvlink_bound": "benchmarks/nvlink_bound.py",
     "optimizer_pass": "benchmarks/optimizer_pass.py",
     "planner_quality": "benchmarks/planner.py",
     "planner_time": "benchmarks/planner.py --time",
