@@ -163,13 +163,16 @@ def ep2_run(tmp_path_factory):
     return dump
 
 
-@pytest.mark.parametrize("backend", ["padded", "alltoall"])
+@pytest.mark.parametrize("backend", ["padded", "alltoall", "padded_never_reshard"])
 def test_training_at_ep2_matches_ep1(tmp_path, ep1_losses, ep2_run, backend):
+    """padded_never_reshard: FSDP keeps the dense weights gathered from forward to backward (no second all-gather)."""
     if backend == "padded":
         got = losses(ep2_run)
     else:
+        extra = (["--parallelism.fsdp_reshard_after_forward", "never"] if backend == "padded_never_reshard"
+                 else ["--moe_echo.dispatcher", "alltoall"])
         recipe(tmp_path, 2, "--training.local_batch_size", "4", "--parallelism.expert_parallel_degree", "2",
-               "--moe_echo.dispatcher", "alltoall", "--checkpoint.enable", "false")
+               "--checkpoint.enable", "false", *extra)
         got = losses(tmp_path)
     assert sorted(got) == [1, 2, 3, 4, 5]
     for step, want in ep1_losses.items():

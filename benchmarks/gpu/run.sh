@@ -63,7 +63,8 @@
 #   ep4         4    dispatch at EP=4; v2lite_1b EP=4 nvlink, 100 steps, sync_debug, ECHO off/on x routing
 #   ep4_padded  4    v2lite_1b EP=4 padded, 60 steps, ECHO off/on x routing
 #   ep4_6b      4    v2lite_6b EP=4 nvlink: PART=a natural routing ECHO off/on; b 8 hot experts; c graphed
-#   scaling     1/2/4 v2lite_1b tokens/s per GPU at 1, 2, 4 GPUs (EP = GPUs, padded, ECHO on) -> scaling_4x<GPU>.md
+#   scaling     1/2/4 v2lite_1b tokens/s per GPU at 1, 2, 4 GPUs (EP = GPUs, padded, ECHO on) -> scaling_4x<GPU>.md;
+#                    PART=b compiled + graphed, nvlink, one invocation: default, fsdp_reshard_after_forward never, 2 chunks
 #   fp8_step    1/2  FP8 on the whole step ([model] converters = ["float8"] + FP8 experts): PART=a tests and
 #                    v2lite_1b bf16 vs FP8 beside torchtitan's float8; b (2 GPUs) 500-step loss parity, eager and
 #                    compiled FP8; c (2 GPUs) v2lite_6b_2gpu EP=2, the fp8 dispatch wire at EP=2 and across 2
@@ -533,13 +534,24 @@ print('largest step difference over steps 1-20: %.2e at step %d' % max(rel[:20])
            --moe_echo.echo true --training.cuda_graph true --training.steps 30 --metrics.log_freq 1 ;;
     esac ;;
 
-  scaling)  # -> scaling_4xH200.md (padded was then the EP>1 default; it is named here)
-    export FROM=60 TMO=${TMO:-80}
-    recipe g1 1 --training.steps 100 --metrics.log_freq 20
-    recipe g2_ep2_echo 2 --training.steps 100 --metrics.log_freq 20 --parallelism.expert_parallel_degree 2 \
-      --moe_echo.dispatcher padded --moe_echo.echo true --moe_echo.capacity_factor 1.5
-    recipe g4_ep4_echo 4 --training.steps 100 --metrics.log_freq 20 --parallelism.expert_parallel_degree 4 \
-      --moe_echo.dispatcher padded --moe_echo.echo true --moe_echo.capacity_factor 1.5 ;;
+  scaling)  # PART=a -> scaling_4xH200.md (padded was then the EP>1 default; it is named here)
+    case ${PART:-a} in
+      a)
+        export FROM=60 TMO=${TMO:-80}
+        recipe g1 1 --training.steps 100 --metrics.log_freq 20
+        recipe g2_ep2_echo 2 --training.steps 100 --metrics.log_freq 20 --parallelism.expert_parallel_degree 2 \
+          --moe_echo.dispatcher padded --moe_echo.echo true --moe_echo.capacity_factor 1.5
+        recipe g4_ep4_echo 4 --training.steps 100 --metrics.log_freq 20 --parallelism.expert_parallel_degree 4 \
+          --moe_echo.dispatcher padded --moe_echo.echo true --moe_echo.capacity_factor 1.5 ;;
+      b)  # v2lite_1b compiled + graphed at 1, 2 (and 4) GPUs in one invocation, EP = GPUs: per-GPU scaling of the
+          # default and of options that cut communication (dense weights kept gathered from forward to backward;
+          # the layer in 2 chunks) -> e2e_<N>x<GPU>.md label scaling_opts
+        P=$([ "$(ngpus)" -ge 4 ] && echo 1,2,4 || echo 1,2)
+        python3 benchmarks/e2e.py --configs v2lite_1b_gpu --nproc $P --runs ours_compile_graph --label scaling_opts \
+          --ours "--parallelism.expert_parallel_degree {nproc}" --out "$OUT" \
+          --variants "default=;noreshard=--parallelism.fsdp_reshard_after_forward never;chunks2=--moe_echo.overlap_chunks 2" \
+          2>&1 | noise | grep -E "^\| v2lite" ;;
+    esac ;;
 
   ep8)  # not run yet; PART=a: on the nvlink-push branch test_gpu_ep also checks fp32 nvlink push == alltoall
     N=$(ngpus); echo "GPUs: $N"
