@@ -106,7 +106,7 @@ def test_fp8_all_gather_keys_need_tensorwise_and_each_other():
 
 def test_precomputed_fsdp_scales_are_written_in_place():
     """One FSDP rank (gloo): the scales precomputed for the FP8 all-gather are 448 / amax of each weight, and a
-    second call writes the new values into the first call's tensors (what a captured step reads on replay)."""
+    second precompute writes the new values into the first one's tensors (what a captured step reads on replay)."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard

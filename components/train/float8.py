@@ -124,9 +124,9 @@ def convert_float8(model: nn.Module, cfg, fsdp: bool = False) -> list[str]:
 
 def precompute_scales_(model: nn.Module) -> int:
     """After the optimizer step: the FP8 all-gather scales of every FSDP-sharded Float8Linear weight from one
-    all-reduce of their amaxes (torchao's ``precompute_float8_dynamic_scale_for_fsdp``), written into the
-    scale tensors of the previous call where there are any, so a CUDA graph captured around this call and the
-    forward that reads them stays right on replay. Returns how many weights it scaled. No host read."""
+    all-reduce of their amaxes (torchao's ``precompute_float8_dynamic_scale_for_fsdp``), written into the scale
+    tensors that already exist, so a CUDA graph that captured the optimizer step and the forward reading those
+    tensors stays right on replay. Returns how many weights it scaled. No host read."""
     from torchao.float8.float8_linear import Float8Linear
     from torchao.float8.fsdp_utils import precompute_float8_dynamic_scale_for_fsdp
 
