@@ -14,7 +14,6 @@ import torch.distributed as dist
 from kernels.fp8 import quant_rows
 
 
-
 def fp8_rows(x_ND: torch.Tensor) -> torch.Tensor:
     """[N, D + 4] uint8: each row in e4m3 after division by its power-of-two scale (its absolute max / 448,
     rounded up to a power of two; 1 for a zero row), then the scale's four fp32 bytes. On CUDA the rows

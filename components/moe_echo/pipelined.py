@@ -31,9 +31,13 @@ from components.streams import side_stream
 AUTO_ACROSS_HOSTS = 2  # emulated hosts: 1.08x the unsplit step; on one host splitting cost 3-7% (padded)
 
 
+def _in_flight_twice(dispatcher) -> bool:
+    """True where two chunks of a layer can be dispatched at once: no per-layer buffers, or a view per chunk."""
+    return dispatcher.reentrant or hasattr(dispatcher, "chunk_view")
+
+
 def _can_split(cfg, dispatcher) -> bool:
-    return ((dispatcher.reentrant or hasattr(dispatcher, "chunk_view")) and not cfg.gathered_experts
-            and not cfg.echo_recompute)
+    return _in_flight_twice(dispatcher) and not cfg.gathered_experts and not cfg.echo_recompute
 
 
 def chunks_for(cfg, dispatcher, tokens: int) -> int:
@@ -58,7 +62,7 @@ def check_overlap(cfg, dispatcher) -> None:
     if chunks == 1 or not dispatcher.communicates:
         return
     fix = "set overlap_chunks = 1"
-    if not (dispatcher.reentrant or hasattr(dispatcher, "chunk_view")):
+    if not _in_flight_twice(dispatcher):
         raise UserError(f"[moe_echo] overlap_chunks = {chunks} needs a dispatcher that can have chunks in flight "
                         f"('nvlink', 'padded', 'hierarchical' or 'alltoall'; this run's is "
                         f"{type(dispatcher).__name__}); choose one of them or {fix}")
