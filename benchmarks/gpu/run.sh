@@ -64,7 +64,7 @@
 #   ep4_padded  4    v2lite_1b EP=4 padded, 60 steps, ECHO off/on x routing
 #   ep4_6b      4    v2lite_6b EP=4 nvlink: PART=a natural routing ECHO off/on; b 8 hot experts; c graphed
 #   scaling     1/2/4 v2lite_1b tokens/s per GPU at 1, 2, 4 GPUs (EP = GPUs, padded, ECHO on) -> scaling_4x<GPU>.md;
-#                    PART=b compiled + graphed, nvlink, one invocation: default, fsdp_reshard_after_forward never, 2 chunks
+#                    PART=b compiled + graphed, nvlink, one invocation: default, fsdp_reshard_after_forward never, ECHO on
 #   fp8_step    1/2  FP8 on the whole step ([model] converters = ["float8"] + FP8 experts): PART=a tests and
 #                    v2lite_1b bf16 vs FP8 beside torchtitan's float8; b (2 GPUs) 500-step loss parity, eager and
 #                    compiled FP8; c (2 GPUs) v2lite_6b_2gpu EP=2, the fp8 dispatch wire at EP=2 and across 2
@@ -77,7 +77,8 @@
 #                    (overlap_chunks); communication kernels and the part no other kernel hides
 #                    -> step_breakdown_v2lite_1b_gpu_overlap_ep2_2x<GPU>.md (PART=nvlink: nvlink only)
 #   graph_profile 2  the graphed + compiled v2lite_1b step profiled at EP=2 (nvlink) and EP=1, one table; the
-#                    one-GPU e2e row ep1_ref -> step_breakdown_v2lite_1b_gpu_graph_compile_ep1_vs_ep2_2x<GPU>.md
+#                    one-GPU e2e row ep1_ref -> step_breakdown_v2lite_1b_gpu_graph_compile_ep1_vs_ep2_2x<GPU>.md;
+#                    PART=ep4 (4 GPUs): EP=4, ranks 0 and 3 -> step_breakdown_v2lite_1b_gpu_graph_compile_ep4_4x<GPU>.md
 #   before_after 2   this tree against an older one checked out at PREV (git worktree add build/prev REV; copy
 #                    build): dispatch at 16384x2048, v2lite_1b EP=2 nvlink graphed (capacity 2.0) with torchtitan
 #                    compiled, and both trees' eager step profiles (PART=dispatch | e2e | profile; default all)
@@ -88,7 +89,7 @@
 #                    the padded / layer EP tests, then dispatch_hosts.py (hierarchical vs padded vs alltoall: network
 #                    bytes and time) -> dispatch_hosts_emulated_<N>x<GPU>.md; PART=b v2lite_1b graphed, hierarchical
 #                    vs flat padded, ECHO off/on, natural and 8 hot experts -> e2e_<N>x<GPU>.md (label hosts2),
-#                    e2e_hosts_<N>x<GPU>.md
+#                    e2e_hosts_<N>x<GPU>.md; PART=c hierarchical whole vs in 2 chunks (label overlap_hosts<L><L>)
 set -uo pipefail
 if [ "${1:-}" = quack_unpack ]; then  # step 1 of 2 for QuACK (build/quack alone: with .whl it is too large to copy at once)
   xz -dc build/quack/ir.so.xz > /tmp/quack_ir.so && ls -la /tmp/quack_ir.so; exit; fi
@@ -236,9 +237,11 @@ print('largest step difference over steps 1-20: %.2e at step %d' % max(rel[:20])
           # rowwise; both_tensorwise_head: the output head in FP8 too, filter_fqns naming only what is always kept)
         export CUDA_VISIBLE_DEVICES=${CUDA_VISIBLE_DEVICES:-0}
         D8="--model.converters float8 --moe_echo.expert_precision bf16 --quantize.linear.float8.recipe_name"
-        python3 benchmarks/e2e.py --configs v2lite_1b_gpu --runs ours_compile_graph --steps 30 --label fp8_parts \
-          --variants "bf16=;experts=--moe_echo.expert_precision fp8;dense_rowwise=$D8 rowwise;dense_tensorwise=$D8 tensorwise;both_rowwise=$F8 --quantize.linear.float8.recipe_name rowwise;both_tensorwise=$F8 --quantize.linear.float8.recipe_name tensorwise;both_tensorwise_head=$F8 --quantize.linear.float8.recipe_name tensorwise --quantize.linear.float8.filter_fqns router.gate" \
-          --out "$OUT" 2>&1 | noise | grep -E "^\| v2lite" | tail -8 ;;
+        # PICK="NAME ..." runs only those variants (label fp8_head: PICK="both_tensorwise both_tensorwise_head")
+        V="bf16=;experts=--moe_echo.expert_precision fp8;dense_rowwise=$D8 rowwise;dense_tensorwise=$D8 tensorwise;both_rowwise=$F8 --quantize.linear.float8.recipe_name rowwise;both_tensorwise=$F8 --quantize.linear.float8.recipe_name tensorwise;both_tensorwise_head=$F8 --quantize.linear.float8.recipe_name tensorwise --quantize.linear.float8.filter_fqns router.gate"
+        [ -n "${PICK:-}" ] && V=$(IFS=';'; for v in $V; do [[ " $PICK " == *" ${v%%=*} "* ]] && printf '%s;' "$v"; done)
+        python3 benchmarks/e2e.py --configs v2lite_1b_gpu --runs ours_compile_graph --steps 30 --label ${LABEL:-fp8_parts} \
+          --variants "${V%;}" --out "$OUT" 2>&1 | noise | grep -E "^\| v2lite" | tail -8 ;;
       p)  # one GPU, v2lite_1b compiled + graphed: bf16 and FP8 profiled (the committed profile ran RECIPE=rowwise)
           # -> step_breakdown_v2lite_1b_gpu_fp8_vs_bf16_1x<GPU>.md
         export CUDA_VISIBLE_DEVICES=${CUDA_VISIBLE_DEVICES:-0}
@@ -437,6 +440,12 @@ print('largest step difference over steps 1-20: %.2e at step %d' % max(rel[:20])
     # one-GPU e2e row (label ep1_ref) beside the EP=2 rows of `e2e`
     PROF="--training.steps 14 --metrics.log_freq 2 --profiling.enable_profiling true --profiling.profile_freq 12
           --profiling.profiler_warmup 8 --profiling.profiler_active 4 --training.cuda_graph true --compile.enable true"
+    if [ "${PART:-}" = ep4 ]; then  # 4 GPUs: the EP=4 step alone, ranks 0 and 3 (the one-GPU columns are those of the EP=2 table)
+      TMO=120 FROM=6 recipe prof_ep4 4 $PROF --parallelism.expert_parallel_degree 4 --moe_echo.capacity_factor 2 | tail -2
+      python3 benchmarks/step_breakdown.py "ep4=$(ls /tmp/run_prof_ep4/profile_traces/iteration_*/rank0_trace.json | tail -1)" \
+        "ep4_r3=$(ls /tmp/run_prof_ep4/profile_traces/iteration_*/rank3_trace.json | tail -1)" \
+        --name v2lite_1b_gpu_graph_compile_ep4 --gpus 4 --out "$OUT" | head -48
+      exit; fi
     TMO=170 FROM=6 recipe prof_ep2 2 $PROF --parallelism.expert_parallel_degree 2 --moe_echo.dispatcher nvlink \
       --moe_echo.capacity_factor 2 | tail -2
     CUDA_VISIBLE_DEVICES=0 TMO=150 FROM=6 recipe prof_ep1 1 $PROF | tail -2
@@ -544,12 +553,13 @@ print('largest step difference over steps 1-20: %.2e at step %d' % max(rel[:20])
         recipe g4_ep4_echo 4 --training.steps 100 --metrics.log_freq 20 --parallelism.expert_parallel_degree 4 \
           --moe_echo.dispatcher padded --moe_echo.echo true --moe_echo.capacity_factor 1.5 ;;
       b)  # v2lite_1b compiled + graphed at 1, 2 (and 4) GPUs in one invocation, EP = GPUs: per-GPU scaling of the
-          # default and of options that cut communication (dense weights kept gathered from forward to backward;
-          # the layer in 2 chunks) -> e2e_<N>x<GPU>.md label scaling_opts
-        P=$([ "$(ngpus)" -ge 4 ] && echo 1,2,4 || echo 1,2)
-        python3 benchmarks/e2e.py --configs v2lite_1b_gpu --nproc $P --runs ours_compile_graph --label scaling_opts \
-          --ours "--parallelism.expert_parallel_degree {nproc}" --out "$OUT" \
-          --variants "default=;noreshard=--parallelism.fsdp_reshard_after_forward never;chunks2=--moe_echo.overlap_chunks 2" \
+          # default and of options that cut communication or waiting (dense weights kept gathered from forward to
+          # backward; ECHO levelling the ranks' expert load) -> e2e_<N>x<GPU>.md label scaling_opts
+        # (P=1,4 LABEL=scaling_ep4 VARIANTS="default=;noreshard=..." made the published EP=4 rows; ECHO on: P=4)
+        P=${P:-$([ "$(ngpus)" -ge 4 ] && echo 1,2,4 || echo 1,2)}
+        python3 benchmarks/e2e.py --configs v2lite_1b_gpu --nproc $P --runs ours_compile_graph --steps 60 \
+          --label ${LABEL:-scaling_opts} --ours "--parallelism.expert_parallel_degree {nproc}" --out "$OUT" --timeout 170 \
+          --variants "${VARIANTS:-default=;noreshard=--parallelism.fsdp_reshard_after_forward never;echo=--moe_echo.echo true}" \
           2>&1 | noise | grep -E "^\| v2lite" ;;
     esac ;;
 
@@ -640,6 +650,11 @@ EOF
         --durations=10 2>&1 | tee "$OUT/hosts_tests.log" | tail -25
       timeout 240 python3 benchmarks/dispatch_hosts.py --hosts 2 --gpus-per-host $L --label emulated --out "$OUT" \
         2>&1 | noise | tail -30
+    elif [ "$PART" = c ]; then  # the layer whole and in 2 pipelined chunks across the emulated hosts (label overlap_hosts22 at 2 x 2)
+      timeout 560 python3 benchmarks/e2e.py --configs v2lite_1b_gpu --nproc $n --hosts 2 --runs ours_graph --steps 40 \
+        --label overlap_hosts$((n / 2))$((n / 2)) --out "$OUT" --timeout 200 --ours "--parallelism.expert_parallel_degree $n \
+        --moe_echo.dispatcher hierarchical --moe_echo.capacity_factor 2.0 --moe_echo.grow_capacity_after 1" \
+        --variants "c1=--moe_echo.overlap_chunks 1;c2=--moe_echo.overlap_chunks 2" 2>&1 | noise | tail -6
     else
       a="--parallelism.expert_parallel_degree $n --moe_echo.capacity_factor 1.25 --moe_echo.grow_capacity_after 1"
       hot="--moe_echo.debug_hot_experts 8 --moe_echo.bias_update_rate 0"
