@@ -105,6 +105,7 @@ BAD = {  # id: (args, expected in the one-line message)
     "flavour_of_other_family": (("--model.flavor", "tiny_moe"), "set [model] name = 'qwen3'"),
     "name_typo": (("--model.name", "deepseek_v2"), "did you mean 'deepseek_v3'?"),
     "choice_typo": (("--moe_echo.dispatcher", "alltoal"), "did you mean 'alltoall'?"),
+    "reduce_dtype_typo": (("--training.mixed_precision_reduce", "bfloat"), "did you mean 'bfloat16'?"),
     "tensor_parallel": (("--parallelism.tensor_parallel_degree", "2"),
                         "not supported by this recipe: [parallelism] tensor_parallel_degree = 2 (tensor parallelism"),
 }

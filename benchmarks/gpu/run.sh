@@ -64,7 +64,7 @@
 #   ep4_padded  4    v2lite_1b EP=4 padded, 60 steps, ECHO off/on x routing
 #   ep4_6b      4    v2lite_6b EP=4 nvlink: PART=a natural routing ECHO off/on; b 8 hot experts; c graphed
 #   scaling     1/2/4 v2lite_1b tokens/s per GPU at 1, 2, 4 GPUs (EP = GPUs, padded, ECHO on) -> scaling_4x<GPU>.md;
-#                    PART=b compiled + graphed, nvlink, one invocation: default, fsdp_reshard_after_forward never, ECHO on
+#                    PART=b compiled + graphed, nvlink, one invocation: default, fsdp_reshard_after_forward never, ECHO on, bf16 reduce
 #   fp8_step    1/2  FP8 on the whole step ([model] converters = ["float8"] + FP8 experts): PART=a tests and
 #                    v2lite_1b bf16 vs FP8 beside torchtitan's float8; b (2 GPUs) 500-step loss parity, eager and
 #                    compiled FP8; c (2 GPUs) v2lite_6b_2gpu EP=2, the fp8 dispatch wire at EP=2 and across 2
@@ -559,7 +559,7 @@ print('largest step difference over steps 1-20: %.2e at step %d' % max(rel[:20])
         P=${P:-$([ "$(ngpus)" -ge 4 ] && echo 1,2,4 || echo 1,2)}
         python3 benchmarks/e2e.py --configs v2lite_1b_gpu --nproc $P --runs ours_compile_graph --steps 60 \
           --label ${LABEL:-scaling_opts} --ours "--parallelism.expert_parallel_degree {nproc}" --out "$OUT" --timeout 170 \
-          --variants "${VARIANTS:-default=;noreshard=--parallelism.fsdp_reshard_after_forward never;echo=--moe_echo.echo true}" \
+          --variants "${VARIANTS:-default=;noreshard=--parallelism.fsdp_reshard_after_forward never;echo=--moe_echo.echo true;bf16_reduce=--training.mixed_precision_reduce bfloat16}" \
           2>&1 | noise | grep -E "^\| v2lite" ;;
     esac ;;
 
