@@ -440,11 +440,12 @@ print('largest step difference over steps 1-20: %.2e at step %d' % max(rel[:20])
     # one-GPU e2e row (label ep1_ref) beside the EP=2 rows of `e2e`
     PROF="--training.steps 14 --metrics.log_freq 2 --profiling.enable_profiling true --profiling.profile_freq 12
           --profiling.profiler_warmup 8 --profiling.profiler_active 4 --training.cuda_graph true --compile.enable true"
-    if [ "${PART:-}" = ep4 ]; then  # 4 GPUs: the EP=4 step alone, ranks 0 and 3 (the one-GPU columns are those of the EP=2 table)
-      TMO=120 FROM=6 recipe prof_ep4 4 $PROF --parallelism.expert_parallel_degree 4 --moe_echo.capacity_factor 2 | tail -2
+    if [ "${PART:-}" = ep4 ]; then  # 4 GPUs: the EP=4 step alone, ranks 0 and 3 (the one-GPU columns are those of the EP=2
+      # table); ARGS="--moe_echo.echo true" LABEL=echo: with those recipe arguments, into ..._ep4_<LABEL>_4x<GPU>.md
+      TMO=120 FROM=6 recipe prof_ep4 4 $PROF --parallelism.expert_parallel_degree 4 --moe_echo.capacity_factor 2 ${ARGS:-} | tail -2
       python3 benchmarks/step_breakdown.py "ep4=$(ls /tmp/run_prof_ep4/profile_traces/iteration_*/rank0_trace.json | tail -1)" \
         "ep4_r3=$(ls /tmp/run_prof_ep4/profile_traces/iteration_*/rank3_trace.json | tail -1)" \
-        --name v2lite_1b_gpu_graph_compile_ep4 --gpus 4 --out "$OUT" | head -48
+        --name v2lite_1b_gpu_graph_compile_ep4${LABEL:+_$LABEL} --gpus 4 --out "$OUT" | head -48
       exit; fi
     TMO=170 FROM=6 recipe prof_ep2 2 $PROF --parallelism.expert_parallel_degree 2 --moe_echo.dispatcher nvlink \
       --moe_echo.capacity_factor 2 | tail -2
