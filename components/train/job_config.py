@@ -97,7 +97,7 @@ class Training:
     mixed_precision_reduce: Literal["float32", "bfloat16"] = "float32"
     """The dtype FSDP reduce-scatters gradients in: "float32" sums the ranks' bf16 gradients in fp32;
     "bfloat16" halves the bytes and skips the fp32 cast copies, rounding each partial sum to bf16 (one
-    rounding per rank added). No effect without FSDP."""
+    rounding per rank added). Applies where FSDP casts for compute: GPUs with mixed_precision_param = "bfloat16"."""
     hang_report_s: float = 900.0
     """When no step has finished for this many seconds, every rank prints its Python stacks (where a
     hung collective or peer-memory barrier waits); the run goes on. 0 = off. The first step, which
