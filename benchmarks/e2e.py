@@ -202,6 +202,17 @@ def steady(values: list[tuple[int, float]], steps: int, skip: set[int] = frozens
     return statistics.median(late) if late else None
 
 
+def no_steady_window(values: list[tuple[int, float]], steps: int, skip: set[int]) -> str:
+    """The error of a run ``steady`` found no window in: which logged windows of the second half a replay
+    disturbed, and a step count whose second half starts after the last of them."""
+    late = sorted(s for s in skip if s > steps // 2)
+    if not late:
+        return f"no window logged after step {steps // 2}: run more steps (--steps) or log more often"
+    return (f"no logged window after step {steps // 2} free of replays and re-captures (disturbed: windows ending "
+            f"at steps {', '.join(map(str, late))}): run --steps {2 * (late[-1] + 5)} or more, or a larger "
+            f"capacity_factor")
+
+
 def disturbed_windows(rows: list[dict]) -> set[int]:
     """Logged steps whose window replayed an overflowed step (``moe/replayed_steps``, cumulative, grew) or follows
     one that did: a replay is followed by eager warm-up steps and a re-capture, so both windows time those, not
@@ -368,8 +379,7 @@ def measure(run: str, a, cfg_path: str, cfg: dict, tok_dir: str, data: str, work
     skip = set() if run.startswith("torchtitan") else disturbed_windows(rows)
     tps = steady(vals, a.steps, skip)
     if tps is None:
-        return {"run": run, "error": "no logged window in the steady state free of replays and re-captures: "
-                "run more steps (--steps) or a larger capacity_factor", "folder": dump}
+        return {"run": run, "error": no_steady_window(vals, a.steps, skip), "folder": dump}
     graph = re.search(r"cuda graph\s+(.*)", log)
     windows = len([s for s, _ in vals if s > a.steps // 2 and s not in skip])
     return {"run": run, "tokens_per_s_per_gpu": tps, "windows": windows,

@@ -10,8 +10,9 @@ from conftest import ROOT
 sys.path.insert(0, ROOT)
 import pytest  # noqa: E402
 
-from benchmarks.e2e import (combine_repeats, compare, disturbed_windows, failure_line, parse_variants, peak_gib,  # noqa: E402
-                            rank_load_in_steady, replays_in_steady, source_tree, steady, with_overrides)
+from benchmarks.e2e import (combine_repeats, compare, disturbed_windows, failure_line, no_steady_window,  # noqa: E402
+                            parse_variants, peak_gib, rank_load_in_steady, replays_in_steady, source_tree, steady,
+                            with_overrides)
 
 
 def test_steady_state_is_the_median_of_the_second_half():
@@ -31,6 +32,10 @@ def test_windows_with_a_replay_or_its_recapture_are_left_out_of_the_steady_state
     assert steady(list(tps.items()), steps=60) == (192 + 204) / 2  # every window from 35 on
     assert disturbed_windows([{"step": 5, "loss": 1.0}]) == set()  # EP=1: nothing to leave out
     assert steady([(35, 1.0)], steps=60, skip={35}) is None  # every window disturbed: no figure, an error
+    msg = no_steady_window([(s, 1.0) for s in (30, 35, 40)], 40, {15, 30, 35, 40})
+    assert "ending at steps 30, 35, 40)" in msg, msg  # the second half's only (step 15 is in the first)
+    assert "--steps 90" in msg and "\n" not in msg, msg  # a second half that starts after step 45
+    assert "log more often" in no_steady_window([(5, 1.0)], 40, set())
 
 
 def test_repeats_give_the_median_and_the_spread_and_a_failed_repeat_is_the_error():
