@@ -267,6 +267,13 @@ def test_norm_of_gradient_halves_reads_their_whole_buffer():
     assert out[0] is other and out[1] is h1
     assert _whole([g13[:, :3], g13[:, 6:]])[0]._base is g13 and len(_whole([g13[:, :3], g13[:, 6:]])) == 2
     assert len(_whole([g13[:, :6], g13[:, 5:]])) == 2  # overlapping: kept
+    ext = torch.randn(5, 10, 4).bfloat16()  # ECHO: the home rows [:3] of the [e + S] extended gradient
+    rows = _whole([ext[:3, 6:], ext[:3, :6]])
+    assert len(rows) == 1 and rows[0].is_contiguous() and torch.equal(rows[0], ext[:3])
+    assert rows[0].data_ptr() == ext.data_ptr()  # no copy
+    assert torch.equal(_whole([ext[1:4, :6], ext[1:4, 6:]])[0], ext[1:4])
+    assert len(_whole([ext[:3, :6], ext[1:4, 6:]])) == 2  # halves of different rows: kept
+    assert len(_whole([ext[3:, :6], ext[3:, 6:10]])) == 1 and len(_whole([ext[:3, :6], ext[:3, 7:]])) == 2
 
     def norm(*grads):
         params = [torch.nn.Parameter(torch.zeros(g.shape)) for g in grads]
@@ -277,6 +284,9 @@ def test_norm_of_gradient_halves_reads_their_whole_buffer():
     ref = norm(h1.contiguous(), h3.contiguous())
     torch.testing.assert_close(got, ref, rtol=1e-6, atol=0)
     torch.testing.assert_close(got, g13.float().norm() / 2, rtol=1e-6, atol=0)
+    got = norm(ext[:3, :6], ext[:3, 6:])  # ECHO's home rows: the norm of those rows only, not of the slot rows
+    torch.testing.assert_close(got, ext[:3].float().norm() / 2, rtol=1e-6, atol=0)
+    torch.testing.assert_close(got, norm(ext[:3, :6].contiguous(), ext[:3, 6:].contiguous()), rtol=1e-6, atol=0)
 
 
 def test_echo_clones_land_in_the_copies_spare_rows_without_copying_the_home_experts():
@@ -330,6 +340,11 @@ def test_echo_clones_land_in_the_copies_spare_rows_without_copying_the_home_expe
         assert torch.equal(cat.copies[a].grad, spare.copies[b].grad)
     g1 = spare.copies[spare.w1].grad
     assert g1[2].abs().sum() > 0 and g1[1].abs().sum() == 0
+    from components.parallel.grad_norm import _whole
+    halves = [spare.copies[spare.w1].grad, spare.copies[spare.w3].grad]
+    assert not any(h.is_contiguous() for h in halves)
+    whole = _whole(halves)  # the norm reads the halves as the extended gradient's home rows, one dense tensor
+    assert len(whole) == 1 and whole[0].is_contiguous() and whole[0].shape[0] == len(COUNTS)
     # the optimizer writes the home rows of the buffers; the slot rows are the clones' until the next forward
     opt = AdamWWithCopies([spare.w1, spare.w2, spare.w3], copies=spare.copies, **HP)
     opt.step()

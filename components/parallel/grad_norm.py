@@ -25,9 +25,10 @@ def _copies(t: torch.Tensor, world: int) -> int:
 
 
 def _whole(tensors: list) -> list:
-    """``tensors`` for one norm pass, where slices along dim 1 that together tile a contiguous base (the
-    [w1; w3] gradient's halves) are replaced by that base: the same sum of squares, and the pass keeps
-    ``_foreach_norm``'s fused path (slices are not dense: it would cast a copy of each and reduce it alone)."""
+    """``tensors`` for one norm pass, where slices along dim 1 that together tile rows of a contiguous base (the
+    [w1; w3] gradient's halves; with ECHO, the home rows [:e] of the [e + S, ...] extended gradient) are replaced
+    by those rows, themselves contiguous: the same sum of squares, and the pass keeps ``_foreach_norm``'s fused
+    path (slices are not dense: it would cast a copy of each and reduce it alone)."""
     out, views = [], {}
     for t in tensors:
         b = t._base
@@ -36,25 +37,36 @@ def _whole(tensors: list) -> list:
         else:
             views.setdefault(id(b), (b, []))[1].append(t)
     for b, vs in views.values():
-        out.extend([b] if _tiles_dim1(b, vs) else vs)
+        rows = _tiled_rows(b, vs)
+        out.extend(vs if rows is None else [rows])
     return out
 
 
-def _tiles_dim1(b: torch.Tensor, vs: list) -> bool:
-    """Whether the views ``vs`` are slices ``b[:, i:j]`` whose ranges cover ``range(b.shape[1])`` once."""
-    spans = []
+def _tiled_rows(b: torch.Tensor, vs: list) -> torch.Tensor | None:
+    """``b[r:r + n]`` (``b`` itself for all rows) where the views ``vs`` are slices ``b[r:r + n, i:j]`` of the
+    same rows whose column ranges cover ``range(b.shape[1])`` once; None otherwise."""
+    rows, spans = set(), []
     for v in vs:
         off = v.storage_offset() - b.storage_offset()
-        if (v.stride() != b.stride() or v.shape[0] != b.shape[0] or v.shape[2:] != b.shape[2:]
-                or off % b.stride(1) or not 0 <= off < b.stride(0)):
-            return False
-        spans.append((off // b.stride(1), off // b.stride(1) + v.shape[1]))
-    end = 0
+        if v.stride() != b.stride() or v.shape[2:] != b.shape[2:] or off < 0:
+            return None
+        r, col = divmod(off, b.stride(0))
+        if col % b.stride(1):
+            return None
+        rows.add((r, v.shape[0]))
+        spans.append((col // b.stride(1), col // b.stride(1) + v.shape[1]))
+    if len(rows) != 1:
+        return None
+    (r, n), end = rows.pop(), 0
+    if r + n > b.shape[0]:
+        return None
     for lo, hi in sorted(spans):
         if lo != end:
-            return False
+            return None
         end = hi
-    return end == b.shape[1]
+    if end != b.shape[1]:
+        return None
+    return b if (r, n) == (0, b.shape[0]) else b.narrow(0, r, n)
 
 
 def clip_grad_norm_(params, max_norm: float, scale_into=None, copies: WeightCopies | None = None) -> torch.Tensor:
