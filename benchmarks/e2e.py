@@ -42,7 +42,8 @@ windows the median is over. MFU uses one formula for every run, torchtitan's:
 
 Several GPU counts (``--nproc 1,2,4``) run in one invocation, ``{nproc}`` in the run arguments standing for each;
 rows of 2+ GPUs then get ``scaling``: their tokens/s per GPU over the 1-GPU row of the same config, label, run and
-variant (the per-GPU efficiency of expert parallelism, measured in the same invocation).
+variant (the per-GPU efficiency of expert parallelism, measured in the same invocation); a variant that cannot run on
+one GPU (ECHO) is set against the invocation's first variant's 1-GPU row, and the table names it.
 
 ``--repeats N`` runs every run N times, in turn (A B A B ...), and reports the median of the N figures with
 ``spread_pct`` = 100 · (max − min) / median: one run of a baseline varies by up to ~15% between invocations, so a ratio
@@ -501,13 +502,23 @@ def at_gpu_count(a, n: int):
 
 def add_scaling(rows: list[dict]) -> None:
     """Per-GPU scaling of one invocation's rows: a row of 2+ GPUs gets ``scaling`` = its tokens/s per GPU over the
-    1-GPU row of the same config, label, run and variant (nothing where that row is missing or failed)."""
-    one = {(r["config"], r.get("label", ""), r["run"], r.get("variant", "")): r.get("tokens_per_s_per_gpu")
-           for r in rows if r.get("gpus") == 1}
+    1-GPU row of the same config, label, run and variant. A variant with no such row (ECHO needs EP > 1; or its
+    1-GPU run failed) is measured against the 1-GPU row of the invocation's first variant that has one, named in
+    ``scaling_vs``; nothing where no 1-GPU row of that config, label and run succeeded."""
+    one, first = {}, {}
     for r in rows:
-        base = one.get((r["config"], r.get("label", ""), r["run"], r.get("variant", "")))
-        if r.get("gpus", 1) > 1 and base and r.get("tokens_per_s_per_gpu"):
-            r["scaling"] = r["tokens_per_s_per_gpu"] / base
+        if r.get("gpus") == 1 and r.get("tokens_per_s_per_gpu"):
+            key = (r["config"], r.get("label", ""), r["run"])
+            one[key + (r.get("variant", ""),)] = r["tokens_per_s_per_gpu"]
+            first.setdefault(key, r.get("variant", ""))
+    for r in rows:
+        if r.get("gpus", 1) <= 1 or not r.get("tokens_per_s_per_gpu"):
+            continue
+        key, variant = (r["config"], r.get("label", ""), r["run"]), r.get("variant", "")
+        if key + (variant,) not in one and key in first:
+            variant = r["scaling_vs"] = first[key]
+        if key + (variant,) in one:
+            r["scaling"] = r["tokens_per_s_per_gpu"] / one[key + (variant,)]
 
 
 def measure_configs(a, variants, tok_dir: str, data: str, work: str, peak: float) -> list[dict]:
@@ -637,7 +648,7 @@ def render(path: str) -> str:
         if c in ("vs_torchtitan_best", "graph_vs_eager", "compile_vs_graph") and v != "":
             return f"{v:.2f}x"
         if c == "scaling" and v != "":
-            return f"{100 * v:.1f}%"
+            return f"{100 * v:.1f}%" + (f" (vs {r['scaling_vs'] or 'no variant'})" if "scaling_vs" in r else "")
         return f"{v:.1f}" if isinstance(v, float) else str(v)
 
     cols = ["config", "gpus", "label", "run", "variant", "tokens_per_s_per_gpu", "step_ms", "mfu_pct", "peak_gib", "vs_torchtitan_best",

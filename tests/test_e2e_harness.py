@@ -255,12 +255,17 @@ def test_gpu_counts_run_in_one_invocation_and_multi_gpu_rows_get_their_scaling(t
     row = dict(config="c", label="scale", run="ours_graph", variant="")
     rows = [dict(row, gpus=1, tokens_per_s_per_gpu=200.0), dict(row, gpus=2, tokens_per_s_per_gpu=194.0),
             dict(row, gpus=4, tokens_per_s_per_gpu=None, error="timeout"),
-            dict(row, gpus=2, variant="echo", tokens_per_s_per_gpu=180.0)]  # no 1-GPU row of its variant
+            dict(row, gpus=1, variant="echo", tokens_per_s_per_gpu=None, error="echo needs EP > 1"),
+            dict(row, gpus=2, variant="echo", tokens_per_s_per_gpu=180.0),  # its 1-GPU row failed: the first's
+            dict(row, gpus=2, run="titan", tokens_per_s_per_gpu=150.0)]  # no 1-GPU row of its run at all
     add_scaling(rows)
-    assert rows[1]["scaling"] == pytest.approx(0.97) and all("scaling" not in r for r in (rows[0], rows[2], rows[3]))
+    assert rows[1]["scaling"] == pytest.approx(0.97) and "scaling_vs" not in rows[1]
+    assert rows[4]["scaling"] == pytest.approx(0.90) and rows[4]["scaling_vs"] == ""
+    assert all("scaling" not in r for r in (rows[0], rows[2], rows[3], rows[5]))
     path = tmp_path / "e2e_2xH100.json"
-    path.write_text(json.dumps({"env": {"gpu": "H100", "torch": "2.11"}, "peak_tflops": 989.0, "rows": rows[1:2]}))
+    path.write_text(json.dumps({"env": {"gpu": "H100", "torch": "2.11"}, "peak_tflops": 989.0,
+                                "rows": [rows[1], rows[4]]}))
     table = render(str(path))
     header = next(l for l in table.splitlines() if l.startswith("| config"))
     assert "scaling" in [c.strip() for c in header.split("|")]
-    assert "97.0%" in table
+    assert "| 97.0% |" in table and "| 90.0% (vs no variant) |" in table
