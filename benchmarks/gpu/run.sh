@@ -242,8 +242,8 @@ print('largest step difference over steps 1-20: %.2e at step %d' % max(rel[:20])
         [ -n "${PICK:-}" ] && V=$(IFS=';'; for v in $V; do [[ " $PICK " == *" ${v%%=*} "* ]] && printf '%s;' "$v"; done)
         python3 benchmarks/e2e.py --configs v2lite_1b_gpu --runs ours_compile_graph --steps 30 --label ${LABEL:-fp8_parts} \
           --variants "${V%;}" --out "$OUT" 2>&1 | noise | grep -E "^\| v2lite" | tail -8 ;;
-      p)  # one GPU, v2lite_1b compiled + graphed: bf16 and FP8 profiled (the committed profile ran RECIPE=rowwise)
-          # -> step_breakdown_v2lite_1b_gpu_fp8_vs_bf16_1x<GPU>.md
+      p)  # one GPU, v2lite_1b compiled + graphed: bf16 and FP8 profiled -> step_breakdown_v2lite_1b_gpu_fp8_vs_bf16_1x<GPU>.md
+          # (RECIPE=rowwise made that file), ..._fp8_vs_bf16_<RECIPE>_1x<GPU>.md for another RECIPE
         export CUDA_VISIBLE_DEVICES=${CUDA_VISIBLE_DEVICES:-0}
         PROF="--training.steps 14 --metrics.log_freq 2 --profiling.enable_profiling true --profiling.profile_freq 12
               --profiling.profiler_warmup 8 --profiling.profiler_active 4 --training.cuda_graph true --compile.enable true"
@@ -251,7 +251,8 @@ print('largest step difference over steps 1-20: %.2e at step %d' % max(rel[:20])
         TMO=200 FROM=6 recipe prof_fp8 1 $PROF $F8 | tail -1
         python3 benchmarks/step_breakdown.py $(for n in bf16 fp8; do
           echo "$n=$(ls /tmp/run_prof_$n/profile_traces/iteration_*/rank0_trace.json | tail -1)"; done) \
-          --name v2lite_1b_gpu_fp8_vs_bf16 --gpus 1 --out "$OUT" | head -40 ;;
+          --name v2lite_1b_gpu_fp8_vs_bf16$([ "${RECIPE:-tensorwise}" = rowwise ] || echo "_${RECIPE:-tensorwise}") --gpus 1 \
+          --out "$OUT" | head -40 ;;
       g)  # two GPUs, tensorwise: the FSDP FP8 all-gather tested, then v2lite_6b_2gpu at EP=2 without and with it, and
           # torchtitan's float8 with the same keys (compiled; it takes them only with recipe_name unset, which is
           # tensorwise); torchtitan's tensorwise float8 on v2lite_1b (one GPU)
@@ -447,6 +448,18 @@ print('largest step difference over steps 1-20: %.2e at step %d' % max(rel[:20])
         "ep4_r3=$(ls /tmp/run_prof_ep4/profile_traces/iteration_*/rank3_trace.json | tail -1)" \
         --name v2lite_1b_gpu_graph_compile_ep4${LABEL:+_$LABEL} --gpus 4 --out "$OUT" | head -48
       exit; fi
+    if [ "${PART:-}" = echo ]; then  # EP=${EP:-2} GPUs: ECHO off and on, ranks 0 and EP-1 of each ->
+      # step_breakdown_v2lite_1b_gpu_graph_compile_ep<EP>_echo_vs_off_<EP>x<GPU>.md: what ECHO adds and what it levels
+      EP=${EP:-2}; last=$((EP - 1)); cols=()
+      for v in "off:" "echo:--moe_echo.echo true"; do
+        TMO=150 FROM=6 recipe "prof_${v%%:*}" $EP $PROF --parallelism.expert_parallel_degree $EP --moe_echo.capacity_factor 2 \
+          ${v#*:} | tail -2
+        for r in 0 $last; do
+          cols+=("${v%%:*}_r$r=$(ls /tmp/run_prof_${v%%:*}/profile_traces/iteration_*/rank${r}_trace.json | tail -1)"); done
+      done
+      python3 benchmarks/step_breakdown.py "${cols[@]}" --name v2lite_1b_gpu_graph_compile_ep${EP}_echo_vs_off --gpus $EP \
+        --out "$OUT" | head -48
+      exit; fi
     TMO=170 FROM=6 recipe prof_ep2 2 $PROF --parallelism.expert_parallel_degree 2 --moe_echo.dispatcher nvlink \
       --moe_echo.capacity_factor 2 | tail -2
     CUDA_VISIBLE_DEVICES=0 TMO=150 FROM=6 recipe prof_ep1 1 $PROF | tail -2
@@ -556,9 +569,10 @@ print('largest step difference over steps 1-20: %.2e at step %d' % max(rel[:20])
       b)  # v2lite_1b compiled + graphed at 1, 2 (and 4) GPUs in one invocation, EP = GPUs: per-GPU scaling of the
           # default and of options that cut communication or waiting (dense weights kept gathered from forward to
           # backward; ECHO levelling the ranks' expert load) -> e2e_<N>x<GPU>.md label scaling_opts
-        # (P=1,4 LABEL=scaling_ep4 VARIANTS="default=;noreshard=..." made the published EP=4 rows; ECHO on: P=4)
+        # (P=1,4 LABEL=scaling_ep4 VARIANTS="default=;noreshard=..." made the published EP=4 rows; ECHO on: P=4;
+        # ECHO's rows, which have no 1-GPU run, are set against the first variant's 1-GPU row)
         P=${P:-$([ "$(ngpus)" -ge 4 ] && echo 1,2,4 || echo 1,2)}
-        python3 benchmarks/e2e.py --configs v2lite_1b_gpu --nproc $P --runs ours_compile_graph --steps 60 \
+        python3 benchmarks/e2e.py --configs v2lite_1b_gpu --nproc $P --runs ours_compile_graph --steps ${STEPS:-60} \
           --label ${LABEL:-scaling_opts} --ours "--parallelism.expert_parallel_degree {nproc}" --out "$OUT" --timeout 170 \
           --variants "${VARIANTS:-default=;noreshard=--parallelism.fsdp_reshard_after_forward never;echo=--moe_echo.echo true;bf16_reduce=--training.mixed_precision_reduce bfloat16}" \
           2>&1 | noise | grep -E "^\| v2lite" ;;
