@@ -4,9 +4,10 @@ Every rank of an expert-parallel group holds a buffer of the same shape in symme
 kernels address a peer's buffer through a table of base pointers ``ptrs_R`` (int64 addresses, one
 per rank, readable on the device) and a (rank, row) pair per (token, choice) slot:
 
-    peer_scatter(x_TD, rank_TK, row_TK, ptrs_R, scale_TK=None)
-        peer[rank[t, k]][row[t, k]] = x[t] (· scale[t, k])       row = -1: slot not sent
+    peer_scatter(x_TD, rank_TK, row_TK, ptrs_R, scale_TK=None, src_T=None)
+        peer[rank[t, k]][row[t, k]] = x[src[t]] (· scale[t, k])  row = -1: slot not sent
                                                                    rank_TK None: every slot to peer 0
+                                                                   src_T None: src[t] = t
     peer_gather_sum(rank_TK, row_TK, ptrs_R, peers, w_TK=None, out_dtype=None) -> out_TD
         out[t] = Σ_k w[t, k] · peer[rank[t, k]][row[t, k]]   (fp32 accumulate; -1 adds nothing)
     peer_route_meta(ids_TK, rank_in_id_TK, base_X, e, capacity, w_TK, meta_row, meta_w, src)
@@ -84,16 +85,22 @@ def peer_route_meta_torch(ids_TK, rank_in_id_TK, base_X, e: int, capacity: int, 
 if triton is not None:
 
     @triton.jit
-    def _peer_scatter_kernel(x_ptr, rank_ptr, row_ptr, ptrs_ptr, buf_like, scale_ptr, T, D, K: tl.constexpr,
-                             HAS_SCALE: tl.constexpr, ONE_DEST: tl.constexpr, BLOCK_T: tl.constexpr,
-                             BLOCK_D: tl.constexpr):
+    def _peer_scatter_kernel(x_ptr, src_ptr, rank_ptr, row_ptr, ptrs_ptr, buf_like, scale_ptr, T, D, K: tl.constexpr,
+                             HAS_SRC: tl.constexpr, HAS_SCALE: tl.constexpr, ONE_DEST: tl.constexpr,
+                             BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr):
         ty = buf_like.dtype.element_ty
         cols = tl.arange(0, BLOCK_D)[None, :]
         in_row = cols < D
         for b in range(tl.program_id(0).to(tl.int64), tl.cdiv(T, BLOCK_T), tl.num_programs(0).to(tl.int64)):
             t_T = b * BLOCK_T + tl.arange(0, BLOCK_T)
             ok_T = t_T < T
-            x = tl.load(x_ptr + t_T[:, None] * D + cols, mask=ok_T[:, None] & in_row)
+            read_T = ok_T
+            if K == 1:  # a row sent nowhere is not read
+                read_T = ok_T & (tl.load(row_ptr + t_T, mask=ok_T, other=-1) >= 0)
+            src_T = t_T
+            if HAS_SRC:
+                src_T = tl.load(src_ptr + t_T, mask=ok_T, other=0).to(tl.int64)
+            x = tl.load(x_ptr + src_T[:, None] * D + cols, mask=read_T[:, None] & in_row)
             for k in tl.static_range(K):
                 row_T = tl.load(row_ptr + t_T * K + k, mask=ok_T, other=-1).to(tl.int64)
                 if ONE_DEST:
@@ -151,11 +158,14 @@ def peer_block_t(D: int) -> int:
     return max(1, 8192 // triton.next_power_of_2(D))
 
 
-def peer_scatter(x_TD, rank_TK, row_TK, ptrs_R, peers, scale_TK=None, programs: int = 32, block_t: int | None = None):
+def peer_scatter(x_TD, rank_TK, row_TK, ptrs_R, peers, scale_TK=None, programs: int = 32, block_t: int | None = None,
+                 src_T=None):
     """``peers`` (list of tensors) is used by the torch path, ``ptrs_R`` by the kernel; ``rank_TK``
-    None writes every slot into ``peers[0]`` / ``ptrs_R[0]`` (a local scatter)."""
+    None writes every slot into ``peers[0]`` / ``ptrs_R[0]`` (a local scatter). ``src_T`` (int, [T]): slot row t
+    sends row ``src_T[t]`` of ``x`` (x then has any number of rows), in place of a gathered copy of x."""
     if not use_triton(x_TD):
-        return peer_scatter_torch(x_TD, rank_TK, row_TK, peers, scale_TK)
+        return peer_scatter_torch(x_TD if src_T is None else x_TD.index_select(0, src_T), rank_TK, row_TK, peers,
+                                  scale_TK)
     T, K = row_TK.shape
     if T == 0:
         return
@@ -163,8 +173,10 @@ def peer_scatter(x_TD, rank_TK, row_TK, ptrs_R, peers, scale_TK=None, programs: 
     grid, meta = row_launch(T, D, programs, block_t or (1 if rank_TK is None else peer_block_t(D)))
     scale = scale_TK.contiguous() if scale_TK is not None else row_TK  # dummy pointer without scale
     rank = rank_TK.contiguous() if rank_TK is not None else row_TK  # dummy pointer with one destination
-    _peer_scatter_kernel[grid](x_TD.contiguous(), rank, row_TK.contiguous(), ptrs_R, peers[0], scale, T, D,
-                               K=K, HAS_SCALE=scale_TK is not None, ONE_DEST=rank_TK is None, **meta)
+    src = src_T.contiguous() if src_T is not None else row_TK  # dummy pointer: slot row t reads row t
+    _peer_scatter_kernel[grid](x_TD.contiguous(), src, rank, row_TK.contiguous(), ptrs_R, peers[0], scale, T, D,
+                               K=K, HAS_SRC=src_T is not None, HAS_SCALE=scale_TK is not None,
+                               ONE_DEST=rank_TK is None, **meta)
 
 
 def peer_gather_sum(rank_TK, row_TK, ptrs_R, peers, w_TK=None, out_dtype=None, programs: int = 32,

@@ -28,7 +28,8 @@ SLOTS_PER_BLOCK = 128
 
 def slot_ranks_torch(ids_N: torch.Tensor, X: int):
     order_N = torch.argsort(ids_N, stable=True)
-    counts_X = torch.bincount(ids_N, minlength=X)
+    ids_N = ids_N.long()
+    counts_X = torch.zeros(X, dtype=torch.int64, device=ids_N.device).scatter_add_(0, ids_N, torch.ones_like(ids_N))
     first_X = torch.cumsum(counts_X, 0) - counts_X
     pos_N = torch.empty_like(order_N).scatter_(0, order_N, torch.arange(ids_N.numel(), device=ids_N.device))
     return (pos_N - first_X[ids_N]).to(torch.int32), counts_X

@@ -158,7 +158,9 @@ for T, K, D, R, N in [(7, 3, 40, 2, 30), (5, 2, 1030, 3, 12), (4, 4, 8, 4, 16)]:
         uniq[i] = v >= 0 and v not in seen; seen.add(v)
     row = torch.where(uniq.view(T, K), row, -1)
     assert pr.use_triton(x)
-    for fn, bt in [(f, bt) for f in ("scatter", "gather", "scatter_local") for bt in (1, 4)]:  # bt: tokens per block
+    x_big = torch.randn(T + 5, D, generator=g)  # rows sent through src (some twice, some never)
+    src = torch.randint(0, T + 5, (T,), generator=g)
+    for fn, bt in [(f, bt) for f in ("scatter", "gather", "scatter_local", "scatter_src") for bt in (1, 4)]:
         bufs = {m: [torch.randn(N, D, generator=g) for _ in range(R)] for m in ("y",)}
         ref = {m: [b.clone() for b in v] for m, v in bufs.items()}
         ptrs = {m: torch.tensor([b.data_ptr() for b in v]) for m, v in bufs.items()}
@@ -168,6 +170,11 @@ for T, K, D, R, N in [(7, 3, 40, 2, 30), (5, 2, 1030, 3, 12), (4, 4, 8, 4, 16)]:
         elif fn == "gather":
             a = pr.peer_gather_sum(rank, row, ptrs["y"], bufs["y"], w, programs=2, block_t=bt)
             torch.testing.assert_close(a, pr.peer_gather_sum_torch(rank, row, ref["y"], w), rtol=1e-5, atol=1e-5)
+        elif fn == "scatter_src":  # each slot row reads row src[t] of x_big; K = 1 rows sent nowhere are not read
+            pr.peer_scatter(x_big, rank, row, ptrs["y"], bufs["y"], w, programs=3, block_t=bt, src_T=src)
+            pr.peer_scatter_torch(x_big[src], rank, row, ref["y"], w)
+            pr.peer_scatter(x_big, rank[:, :1], row[:, :1], ptrs["y"], bufs["y"], programs=2, block_t=bt, src_T=src)
+            pr.peer_scatter_torch(x_big[src], rank[:, :1], row[:, :1], ref["y"])
         else:  # one destination (rank_TK None): rows that collide only across ranks become -1 here
             local = torch.where(rank == 0, row, -1)
             pr.peer_scatter(x, None, local, ptrs["y"][:1], bufs["y"][:1], programs=2, block_t=bt)

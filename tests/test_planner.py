@@ -128,6 +128,39 @@ def test_fill_equals_optimum_when_slots_are_too_few():
     assert plan.load_after_R.tolist() == [3000, 1000]
 
 
+def test_rewrite_moves_each_experts_first_assignments_in_token_order():
+    """An independent reference (a loop over the assignments in token order): expert x's n-th assignment goes to
+    the slot of x whose range (this source's quotas, slots in index order) holds n, else stays home; all tokens to
+    one expert and experts with no tokens included."""
+    E, R, S = 16, 4, 2
+    g, moved = torch.Generator().manual_seed(3), 0
+    for case in ("random", "one_expert", "gaps"):
+        counts = heavy_tailed(R, E, 11, hot=2)
+        if case == "one_expert":
+            counts.zero_()
+            counts[:, 5] = 300
+        if case == "gaps":
+            counts[:, ::3] = 0
+        plan = plan_echo(counts, S, "fill")
+        for r in range(R):
+            ids = torch.repeat_interleave(torch.arange(E), counts[r])
+            ids = ids[torch.randperm(ids.numel(), generator=g)].view(-1, 2) if ids.numel() % 2 == 0 else ids.view(-1, 1)
+            want, seen = [], [0] * E
+            for x in ids.flatten().tolist():
+                n, start, dest = seen[x], 0, x
+                for slot in range(R * S):
+                    if plan.slot_expert_G[slot] == x:
+                        q = int(plan.quota_RG[r, slot])
+                        if start <= n < start + q:
+                            dest = E + slot
+                        start += q
+                seen[x] += 1
+                want.append(dest)
+            assert rewrite(ids, plan, r, E).flatten().tolist() == want
+            moved += sum(d >= E for d in want)
+    assert moved > 0
+
+
 def test_planner_has_no_host_reads():
     """Meta tensors carry no data: any .item(), .tolist() or branch on a value raises here."""
     counts = torch.empty(8, 32, dtype=torch.int64, device="meta")

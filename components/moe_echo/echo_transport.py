@@ -178,8 +178,9 @@ class PeerMemoryTransport:
         rows, width = (w_eX[0].numel() // w_eX.shape[-1]), w_eX.shape[-1]  # each expert = rows x width
         local_G, dest_N1, row_N1 = self._routes(slot_expert_G, rows)
         buf = self.ws.buffer(f"{self.name}/w{index}/clone", (S * rows, width), w_eX.dtype, w_eX.device)
-        src_ND = w_eX.reshape(e, rows, width).index_select(0, local_G).reshape(G * rows, width)
-        peer_scatter(src_ND, dest_N1, row_N1, buf.ptrs_R, buf.peers, programs=self.programs)
+        src_N = (local_G * rows).repeat_interleave(rows) + torch.arange(rows, device=w_eX.device).repeat(G)
+        peer_scatter(w_eX.reshape(e * rows, width), dest_N1, row_N1, buf.ptrs_R, buf.peers, programs=self.programs,
+                     src_T=src_N)  # each clone row reads its home expert's row: no gathered copy of the G experts
         self.ws.barrier(buf)
         used_S = slot_expert_G[self.rank * S:(self.rank + 1) * S] >= 0
         out = buf.local.view(S, rows, width) * used_S.view(-1, 1, 1).to(w_eX.dtype)  # unused slots: zeros

@@ -54,6 +54,7 @@ from dataclasses import dataclass
 import torch
 
 from kernels import echo_plan
+from kernels.route_layout import slot_ranks
 
 RULES = ("fill", "greedy", "bestfit")
 SEARCH_TARGETS = 16  # B: targets tried at once per search round
@@ -262,15 +263,13 @@ def host_source_quotas(counts_RE, slot_expert_G, slot_amount_G, slots_per_rank: 
 
 
 def rewrite(ids_TK: torch.Tensor, plan: EchoPlan, rank: int, num_experts: int) -> torch.Tensor:
-    """Virtual ids for source ``rank``: ids < E are home experts, E + g is echo slot g."""
+    """Virtual ids for source ``rank``: ids < E are home experts, E + g is echo slot g. The assignments of one expert
+    keep token order: its first ones (by their rank among that expert's, ``slot_ranks``: no sort) fill the
+    expert's slots in slot order, each up to this source's quota, and the rest stay home."""
     T, K = ids_TK.shape
     E, G = num_experts, plan.slot_expert_G.shape[0]
     flat = ids_TK.reshape(-1)
-    order = torch.argsort(flat, stable=True)
-    sorted_ids = flat.index_select(0, order)
-    counts_E = torch.zeros(E, dtype=torch.int64, device=flat.device).scatter_add_(0, flat, torch.ones_like(flat))
-    first_E = torch.cumsum(counts_E, 0) - counts_E
-    within_sorted = torch.arange(T * K, device=flat.device) - first_E.index_select(0, sorted_ids)
+    within_N = slot_ranks(flat, E)[0].long()
     # this source's slot ranges per expert, as sorted (expert, end) keys
     q_G = plan.quota_RG[rank]
     x_G = torch.where((plan.slot_expert_G >= 0) & (q_G > 0), plan.slot_expert_G, E)  # unused slots sort last
@@ -282,10 +281,9 @@ def rewrite(ids_TK: torch.Tensor, plan: EchoPlan, rank: int, num_experts: int) -
     end_in_x = expert_start + qs - first_of_x.index_select(0, xs)  # exclusive end of each slot's range
     big = T * K + 1
     slot_keys = xs * big + end_in_x
-    j = torch.searchsorted(slot_keys, sorted_ids * big + within_sorted, right=True).clamp(max=G - 1)
-    hit = (xs.index_select(0, j) == sorted_ids) & (within_sorted < end_in_x.index_select(0, j))
-    new_sorted = torch.where(hit, E + key_order.index_select(0, j), sorted_ids)
-    return torch.empty_like(flat).scatter_(0, order, new_sorted).view(T, K)
+    j = torch.searchsorted(slot_keys, flat * big + within_N, right=True).clamp(max=G - 1)
+    hit = (xs.index_select(0, j) == flat) & (within_N < end_in_x.index_select(0, j))
+    return torch.where(hit, E + key_order.index_select(0, j), flat).view(T, K)
 
 
 def fold_back(virtual_TK: torch.Tensor, plan: EchoPlan, num_experts: int) -> torch.Tensor:
