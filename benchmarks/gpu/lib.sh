@@ -4,6 +4,7 @@
 #                              lines and the metrics of the logged windows from step $FROM (default 50)
 #   train NAME NPROC ARGS...   recipe at EP=NPROC for 100 steps, nvlink, capacity 1.5, sync_debug
 #                              (a device-to-host sync inside a step raises), metrics every 10 steps
+#   ... | noise                drops benchmark scripts' JSON rows and torch's warnings from their output
 # Later arguments override earlier ones (--training.steps 30 after train's 100 runs 30 steps).
 # TMO sets the time limit of each run in seconds (default 150).
 OUT=${OUT:-./gpu_out}; mkdir -p "$OUT"
@@ -56,6 +57,8 @@ torch.testing.assert_close(ops.gmm(a, b, torch.tensor([3, 5])).float(), ref, rto
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
     build/mcore/nv_grouped_gemm-*.whl && gg_check && echo "grouped_gemm: built here, ok"
 }
+
+noise() { grep -Ev '^\{|^W[0-9]{4} |[Ww]arn'; }   # drop the JSON rows and torch warnings from benchmark output
 
 recipe() {  # name, nproc, extra recipe args
   rm -rf "/tmp/run_$1"

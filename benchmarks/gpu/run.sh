@@ -95,7 +95,6 @@ if [ "${1:-}" = quack_unpack ]; then  # step 1 of 2 for QuACK (build/quack alone
   xz -dc build/quack/ir.so.xz > /tmp/quack_ir.so && ls -la /tmp/quack_ir.so; exit; fi
 source benchmarks/gpu/lib.sh
 suite=${1:?usage: run.sh SUITE (see the header of benchmarks/gpu/run.sh)}
-noise() { grep -Ev '^\{|^W[0-9]{4} |[Ww]arn'; }   # drop the JSON rows and torch warnings from benchmark output
 case $suite in
   tests)
     nvidia-smi --query-gpu=name --format=csv,noheader | tee "$OUT/gpus.txt"
