@@ -193,6 +193,11 @@ def experts_fsdp_layout(rank, world):
     model = parallelize(model, build_mesh(dims, "cpu"), dims, cfg, torch.device("cpu"))
     layers = moe_layers(model)
     assert layers
+    # the embeddings, and the final norm with the head, are FSDP units of their own (the head's reduce-scatter
+    # overlaps the blocks' backward)
+    units = {n: m for n, m in model.named_modules() if isinstance(m, FSDPModule)}
+    assert {"tok_embeddings", "norm", "output", ""} <= set(units), sorted(units)
+    assert units["norm"]._get_fsdp_state() is units["output"]._get_fsdp_state()
     for _, moe in layers:
         w1 = moe.experts.w1
         assert isinstance(w1, DTensor)

@@ -12,7 +12,8 @@ Per transformer block, in this order (torchtitan's conventions):
    inside AC, as torchtitan does for MoE blocks);
 4. FSDP2: ``fully_shard`` of the experts over the expert-FSDP mesh (gradient divide factor =
    world size, since every rank's tokens reach every expert), then of the block over the dense
-   mesh; finally of the root (embeddings, norm, output). bf16 params on GPU, gradients reduced in
+   mesh; then of the embeddings, and of the final norm with the output head (their own units, as
+   torchtitan's); finally of the root. bf16 params on GPU, gradients reduced in
    ``[training] mixed_precision_reduce`` (fp32 by default). Where EP spans every rank (expert-FSDP
    group of one), the experts stay out of FSDP: fp32 DTensor weights cast to bf16 in the layer, their
    gradients divided by the world size in a hook, no gather, copy or reduce.
@@ -136,5 +137,18 @@ def parallelize(model: nn.Module, mesh: Meshes | None, dims: ParallelDims, cfg, 
             moe.experts.set_gradient_divide_factor(dims.world)
         fully_shard(block, mesh=dmesh, reshard_after_forward=reshard,
                     ignored_params=ignored & set(block.parameters()) or None, **kw)
+    _shard_ends(model, dmesh, reshard, kw)
     fully_shard(model, mesh=dmesh, reshard_after_forward=False, ignored_params=ignored or None, **kw)
     return model
+
+
+def _shard_ends(model: nn.Module, dmesh, reshard: bool, kw: dict) -> None:
+    """The embeddings, and the final norm with the output head, as FSDP units of their own (as torchtitan does):
+    the head's gradients are reduce-scattered while the blocks' backward runs instead of after all of it, and the
+    all-gather before the first block moves the embeddings only. The head stays gathered from its forward to its
+    backward, which follows at once. Kept in the root where the head shares the embeddings' weight."""
+    emb, norm, head = (getattr(model, n, None) for n in ("tok_embeddings", "norm", "output"))
+    if emb is None or norm is None or head is None or getattr(head, "weight", None) is getattr(emb, "weight", 0):
+        return
+    fully_shard(emb, mesh=dmesh, reshard_after_forward=reshard, **kw)
+    fully_shard([norm, head], mesh=dmesh, reshard_after_forward=False, **kw)
