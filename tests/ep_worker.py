@@ -198,6 +198,10 @@ def experts_fsdp_layout(rank, world):
     units = {n: m for n, m in model.named_modules() if isinstance(m, FSDPModule)}
     assert {"tok_embeddings", "norm", "output", ""} <= set(units), sorted(units)
     assert units["norm"]._get_fsdp_state() is units["output"]._get_fsdp_state()
+    model(torch.randint(0, model.model_args.vocab_size, (2, 32), generator=torch.Generator().manual_seed(0)))
+    # after forward: the ends stay gathered for backward (no second all-gather), the blocks are sharded again
+    assert not isinstance(model.tok_embeddings.weight, DTensor) and not isinstance(model.output.weight, DTensor)
+    assert isinstance(next(iter(model.layers.values())).attention_norm.weight, DTensor)
     for _, moe in layers:
         w1 = moe.experts.w1
         assert isinstance(w1, DTensor)

@@ -137,18 +137,20 @@ def parallelize(model: nn.Module, mesh: Meshes | None, dims: ParallelDims, cfg, 
             moe.experts.set_gradient_divide_factor(dims.world)
         fully_shard(block, mesh=dmesh, reshard_after_forward=reshard,
                     ignored_params=ignored & set(block.parameters()) or None, **kw)
-    _shard_ends(model, dmesh, reshard, kw)
+    _shard_ends(model, dmesh, kw)
     fully_shard(model, mesh=dmesh, reshard_after_forward=False, ignored_params=ignored or None, **kw)
     return model
 
 
-def _shard_ends(model: nn.Module, dmesh, reshard: bool, kw: dict) -> None:
+def _shard_ends(model: nn.Module, dmesh, kw: dict) -> None:
     """The embeddings, and the final norm with the output head, as FSDP units of their own (as torchtitan does):
     the head's gradients are reduce-scattered while the blocks' backward runs instead of after all of it, and the
-    all-gather before the first block moves the embeddings only. The head stays gathered from its forward to its
-    backward, which follows at once. Kept in the root where the head shares the embeddings' weight."""
+    all-gather before the first block moves the embeddings only. Both stay gathered from forward to backward, as
+    they did in the root: the head's backward follows its forward at once, and the embeddings' backward needs no
+    weight, so gathering it again would only add traffic. Kept in the root where the head shares the embeddings'
+    weight."""
     emb, norm, head = (getattr(model, n, None) for n in ("tok_embeddings", "norm", "output"))
     if emb is None or norm is None or head is None or getattr(head, "weight", None) is getattr(emb, "weight", 0):
         return
-    fully_shard(emb, mesh=dmesh, reshard_after_forward=reshard, **kw)
+    fully_shard(emb, mesh=dmesh, reshard_after_forward=False, **kw)
     fully_shard([norm, head], mesh=dmesh, reshard_after_forward=False, **kw)
