@@ -66,17 +66,25 @@ if triton is not None:
 
     @triton.jit
     def _gather_sum_kernel(out_ptr, src_ptr, idx_ptr, rank_ptr, ptrs_ptr, w_ptr, T, D, K: tl.constexpr,
-                           HAS_W: tl.constexpr, PEERS: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr):
+                           HAS_W: tl.constexpr, PEERS: tl.constexpr, ACCUMULATE: tl.constexpr,
+                           BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr):
         """out[t] = Σ_k w[t, k] · src[idx[t, k]] over BLOCK_T whole rows per iteration of a persistent
         grid; PEERS: slot (t, k) reads the buffer at address ptrs[rank[t, k]] (src_ptr only gives
-        the dtype)."""
+        the dtype); ACCUMULATE: out[t] += the sum, and rows with no slot (every idx -1) are not touched."""
         ty = src_ptr.dtype.element_ty
         cols = tl.arange(0, BLOCK_D)[None, :]
         in_row = cols < D
         for b in range(tl.program_id(0).to(tl.int64), tl.cdiv(T, BLOCK_T), tl.num_programs(0).to(tl.int64)):
             t_T = b * BLOCK_T + tl.arange(0, BLOCK_T)
             ok_T = t_T < T
-            acc = tl.zeros([BLOCK_T, BLOCK_D], dtype=tl.float32)
+            if ACCUMULATE:
+                hit_T = t_T < 0
+                for k in tl.static_range(K):
+                    hit_T = hit_T | (tl.load(idx_ptr + t_T * K + k, mask=ok_T, other=-1) >= 0)
+                ok_T = ok_T & hit_T
+                acc = tl.load(out_ptr + t_T[:, None] * D + cols, mask=ok_T[:, None] & in_row, other=0.0).to(tl.float32)
+            else:
+                acc = tl.zeros([BLOCK_T, BLOCK_D], dtype=tl.float32)
             for k in tl.static_range(K):
                 row_T = tl.load(idx_ptr + t_T * K + k, mask=ok_T, other=-1).to(tl.int64)  # -1: slot not sent
                 if PEERS:
@@ -132,9 +140,10 @@ def row_launch(T: int, D: int, programs: int | None, block_t: int | None, num_wa
 
 
 def launch_gather_sum(out_TD, src, idx_TK, w_TK=None, rank_TK=None, ptrs_R=None, programs=None, block_t=None,
-                      num_warps=None):
+                      num_warps=None, accumulate: bool = False):
     """The kernel behind ``gather_sum`` and ``kernels.peer_rows.peer_gather_sum``: ``src`` is the
-    rows (local) or, with ``rank_TK`` and ``ptrs_R``, a tensor of the peer buffers' dtype."""
+    rows (local) or, with ``rank_TK`` and ``ptrs_R``, a tensor of the peer buffers' dtype; ``accumulate``:
+    add into ``out_TD`` (contiguous), leaving rows with no slot as they are."""
     T, K = idx_TK.shape
     if T == 0:
         return out_TD
@@ -144,7 +153,7 @@ def launch_gather_sum(out_TD, src, idx_TK, w_TK=None, rank_TK=None, ptrs_R=None,
     w = w_TK.contiguous() if w_TK is not None else idx_TK  # dummy pointers where unused
     _gather_sum_kernel[grid](out_TD, src, idx_TK, rank_TK.contiguous() if peers else idx_TK,
                              ptrs_R if peers else idx_TK, w, T, out_TD.shape[1], K=K, HAS_W=w_TK is not None,
-                             PEERS=peers, **meta)
+                             PEERS=peers, ACCUMULATE=accumulate, **meta)
     return out_TD
 
 

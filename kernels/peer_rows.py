@@ -8,8 +8,9 @@ per rank, readable on the device) and a (rank, row) pair per (token, choice) slo
         peer[rank[t, k]][row[t, k]] = x[src[t]] (· scale[t, k])  row = -1: slot not sent
                                                                    rank_TK None: every slot to peer 0
                                                                    src_T None: src[t] = t
-    peer_gather_sum(rank_TK, row_TK, ptrs_R, peers, w_TK=None, out_dtype=None) -> out_TD
+    peer_gather_sum(rank_TK, row_TK, ptrs_R, peers, w_TK=None, out_dtype=None, add_into=None) -> out_TD
         out[t] = Σ_k w[t, k] · peer[rank[t, k]][row[t, k]]   (fp32 accumulate; -1 adds nothing)
+                                                              add_into: out[t] += that, in place
     peer_route_meta(ids_TK, rank_in_id_TK, base_X, e, capacity, w_TK, meta_row, meta_w, src)
             -> (rank_TK, row_TK, row_TR)
         rank = ids // e;  row = base[ids] + rank_in_id, -1 where >= capacity (kernels.route_layout);
@@ -180,9 +181,17 @@ def peer_scatter(x_TD, rank_TK, row_TK, ptrs_R, peers, scale_TK=None, programs: 
 
 
 def peer_gather_sum(rank_TK, row_TK, ptrs_R, peers, w_TK=None, out_dtype=None, programs: int = 32,
-                    block_t: int | None = None):
+                    block_t: int | None = None, add_into=None):
+    """``add_into`` ([T, D], contiguous): add the sums into it in place (rows with no slot untouched) and return it."""
     if not use_triton(peers[0]):
-        return peer_gather_sum_torch(rank_TK, row_TK, peers, w_TK).to(out_dtype or peers[0].dtype)
+        sums_TD = peer_gather_sum_torch(rank_TK, row_TK, peers, w_TK)
+        if add_into is not None:
+            acc = torch.promote_types(add_into.dtype, torch.float32)
+            return add_into.copy_(add_into.to(acc) + sums_TD.to(acc))
+        return sums_TD.to(out_dtype or peers[0].dtype)
+    if add_into is not None:
+        return launch_gather_sum(add_into, peers[0], row_TK, w_TK, rank_TK, ptrs_R, programs,
+                                 block_t or peer_block_t(add_into.shape[1]), accumulate=True)
     out_TD = torch.empty(row_TK.shape[0], peers[0].shape[1], dtype=out_dtype or peers[0].dtype, device=rank_TK.device)
     return launch_gather_sum(out_TD, peers[0], row_TK, w_TK, rank_TK, ptrs_R, programs,
                              block_t or peer_block_t(out_TD.shape[1]))

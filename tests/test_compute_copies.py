@@ -311,8 +311,8 @@ def test_echo_clones_land_in_the_copies_spare_rows_without_copying_the_home_expe
             self.seen.append(index)
             return w[clones].detach().clone()
 
-        def clone_grads(self, grad_SX, slot_expert_G, index):
-            return torch.tensor(clones), grad_SX
+        def add_clone_grads_(self, grad_eX, grad_SX, slot_expert_G, index):
+            grad_eX.index_add_(0, torch.tensor(clones), grad_SX.to(grad_eX.dtype))
 
     def run(spare):
         torch.manual_seed(0)

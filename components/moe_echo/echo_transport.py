@@ -5,9 +5,8 @@ weights (multicast forward, gradients summed back to the home experts in backwar
     counts_RE = t.all_gather(counts_E)                     # every rank's counts, [R, E]
     w_eSX = extend_with_clones(w_eX, slot_expert_G, t, index)  # [e + S, ...]: home experts ++ clones
 
-A transport moves the clones (``clones``: forward) and their gradients back to the home ranks
-(``clone_grads``: backward); ``extend_with_clones`` adds each clone's gradient into its home expert's rows
-of the extended weights' gradient in place, so backward moves and adds only cloned rows.
+A transport moves the clones (``clones``: forward) and adds their gradients into the home experts' rows of the
+extended weights' gradient, in place (``add_clone_grads_``: backward), so backward moves and adds only cloned rows.
 
 Two transports, both static-shape with no host read:
 - ``CollectiveTransport`` (NCCL/gloo; with the ``padded`` / ``alltoall`` dispatchers): counts by
@@ -65,6 +64,13 @@ class CollectiveTransport:
         mine_G = (x_G >= 0) & (x_G // e == self.rank)
         grad_G = grad_send * mine_G.unsqueeze(1).to(flat.dtype)
         return (x_G % e).clamp(min=0), grad_G.view(-1, *grad_SX.shape[1:])
+
+    def add_clone_grads_(self, grad_eX: torch.Tensor, grad_SX: torch.Tensor, slot_expert_G: torch.Tensor,
+                         index: int = 0) -> None:
+        """Backward of ``clones``: add each slot's weight gradient (``grad_SX``: this rank's slots) into its home
+        expert's rows of ``grad_eX`` on the home rank, in place."""
+        local_G, grad_GX = self.clone_grads(grad_SX, slot_expert_G, index)
+        grad_eX.index_add_(0, local_G, grad_GX.to(grad_eX.dtype))
 
     def bytes_to_other_hosts(self, expert_bytes: int, ranks_per_host: int) -> int:
         """Bytes this rank sends to ranks on other hosts per layer and step: one block of S experts to each of
@@ -186,15 +192,34 @@ class PeerMemoryTransport:
         out = buf.local.view(S, rows, width) * used_S.view(-1, 1, 1).to(w_eX.dtype)  # unused slots: zeros
         return out.view(S, *w_eX.shape[1:])
 
-    def clone_grads(self, grad_SX: torch.Tensor, slot_expert_G: torch.Tensor, index: int = 0):
-        S = self.S
+    def add_clone_grads_(self, grad_eX: torch.Tensor, grad_SX: torch.Tensor, slot_expert_G: torch.Tensor,
+                         index: int = 0) -> None:
+        """Each clone rank exposes its slots' gradients; each home rank pulls, for every row of each of its experts,
+        the matching row of every slot cloning that expert (at most one per other rank: the planner never clones an
+        expert twice on one rank) and adds their sum into ``grad_eX`` in place, in one kernel: no [G, ...] buffer of
+        pulled gradients, and the rows of experts no slot clones are not touched."""
+        S, e = self.S, self.e
         rows, width = (grad_SX[0].numel() // grad_SX.shape[-1]), grad_SX.shape[-1]
         gbuf = self.ws.buffer(f"{self.name}/w{index}/clone_grad", (S * rows, width), grad_SX.dtype, grad_SX.device)
         gbuf.local.copy_(grad_SX.reshape(-1, width))
         self.ws.barrier(gbuf)
-        local_G, dest_N1, row_N1 = self._routes(slot_expert_G, rows)
-        pulled_ND = peer_gather_sum(dest_N1, row_N1, gbuf.ptrs_R, gbuf.peers, programs=self.programs)  # 0: not mine
-        return local_G, pulled_ND.view(-1, *grad_SX.shape[1:])
+        rank_TR, row_TR = self._pull_routes(slot_expert_G, rows)
+        peer_gather_sum(rank_TR, row_TR, gbuf.ptrs_R, gbuf.peers, programs=self.programs,
+                        add_into=grad_eX.view(e * rows, width))
+
+    def _pull_routes(self, slot_expert_G: torch.Tensor, rows: int):
+        """[e·rows, R] (rank, row) pairs: row r of my expert l reads row s·rows + r of rank ρ's clone gradients where
+        ρ's slot s clones l, else -1."""
+        G, S, e, dev = slot_expert_G.shape[0], self.S, self.e, slot_expert_G.device
+        R = G // S
+        g_G = torch.arange(G, device=dev)
+        mine_G = (slot_expert_G >= 0) & (slot_expert_G // e == self.rank)
+        at_G = torch.where(mine_G, (slot_expert_G % e) * R + g_G // S, e * R)  # (my expert, clone rank); else a spare
+        slot_lR = torch.full((e * R + 1,), -1, dtype=torch.int64, device=dev).scatter_(0, at_G, g_G % S)[:-1].view(e, R)
+        r_1r1 = torch.arange(rows, device=dev).view(1, rows, 1)
+        row_lrR = torch.where(slot_lR.unsqueeze(1) >= 0, slot_lR.unsqueeze(1) * rows + r_1r1, -1)
+        rank_lrR = torch.arange(R, device=dev).view(1, 1, R).expand(e, rows, R)
+        return rank_lrR.reshape(e * rows, R).contiguous(), row_lrR.reshape(e * rows, R)
 
 
 def build_transport(dispatcher, group, ep_size: int, rank: int, slots: int, local_experts: int):
@@ -223,11 +248,10 @@ class _ExtendWithClones(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_eSX):
         (slot_expert_G,) = ctx.saved_tensors
-        local_G, grad_GX = ctx.transport.clone_grads(grad_eSX[ctx.e:], slot_expert_G, ctx.index)
-        if 0 in grad_eSX.stride():  # an expanded gradient (e.g. of a sum) shares memory between rows
-            grad_eSX = grad_eSX.contiguous()
+        if 0 in grad_eSX.stride() or not grad_eSX.is_contiguous():  # an expanded gradient (e.g. of a sum) shares
+            grad_eSX = grad_eSX.contiguous()                          # memory between rows
         grad_eX = grad_eSX[:ctx.e]  # the extended weights' gradient is this Function's own buffer: added in place
-        grad_eX.index_add_(0, local_G, grad_GX.to(grad_eX.dtype))
+        ctx.transport.add_clone_grads_(grad_eX, grad_eSX[ctx.e:], slot_expert_G, ctx.index)
         return grad_eX, None, None, None, None
 
 
