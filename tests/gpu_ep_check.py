@@ -42,7 +42,7 @@ def main():
     for backend, echo, copies, chunks in (("padded", False, "kernel", 1), ("padded", True, "kernel", 1),
                                           ("nvlink", False, "kernel", 1), ("nvlink", True, "kernel", 1),
                                           ("nvlink", True, "copy_engine", 1), ("nvlink", True, "kernel", 2),
-                                          ("alltoall", False, "kernel", 1)):
+                                          ("nvlink", True, "copy_engine", 2), ("alltoall", False, "kernel", 1)):
         base = copy.deepcopy(ref)
         if echo:  # two hot experts on rank 0, so ECHO really clones
             base.expert_bias[:2] = 0.5
@@ -82,7 +82,7 @@ def main():
     # fp32: nvlink (with ECHO) against the exact alltoall path, outputs and gradients
     grads = {}
     for backend, copies, chunks in (("alltoall", "kernel", 1), ("nvlink", "kernel", 1), ("nvlink_ce", "copy_engine", 1),
-                                    ("nvlink_c3", "kernel", 3)):
+                                    ("nvlink_c3", "kernel", 3), ("nvlink_ce_c2", "copy_engine", 2)):
         layer = copy.deepcopy(ref)
         layer.expert_bias[:2] = 0.5
         apply_expert_parallel(layer, mesh, MoEEchoConfig(dispatcher=backend.split("_")[0], capacity_factor=float(world),
@@ -92,12 +92,12 @@ def main():
         (y * torch.linspace(-1, 1, y.numel(), device=dev).view_as(y)).sum().backward()
         grads[backend] = [y.detach(), x.grad] + [p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad
                                                   for p in layer.parameters()]
-    for name in ("nvlink", "nvlink_ce", "nvlink_c3"):
+    for name in ("nvlink", "nvlink_ce", "nvlink_c3", "nvlink_ce_c2"):
         for a, b in zip(grads["alltoall"], grads[name]):
             err = float((a - b).norm() / b.norm().clamp_min(1e-30))
             assert err < 1e-5, f"fp32 {name} vs alltoall: rel err {err}"
     if rank == 0:
-        print(f"fp32 nvlink (kernels, copy engines, 3 chunks) == alltoall (outputs, input and {len(grads['nvlink']) - 2} parameter grads)", flush=True)
+        print(f"fp32 nvlink (kernels, copy engines, 3 chunks, copy engines in 2 chunks) == alltoall (outputs, input and {len(grads['nvlink']) - 2} parameter grads)", flush=True)
     dist.barrier()
     if rank == 0:
         print("GPU-EP-OK", flush=True)

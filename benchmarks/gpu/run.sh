@@ -474,12 +474,17 @@ print('largest step difference over steps 1-20: %.2e at step %d' % max(rel[:20])
           --profiling.profiler_warmup 8 --profiling.profiler_active 4 --training.cuda_graph true
           --parallelism.expert_parallel_degree 2 --moe_echo.capacity_factor 2"
     # PART=nvlink: nvlink unsplit and in 2 chunks only -> step_breakdown_v2lite_1b_gpu_overlap_nvlink_ep2_2x<GPU>.md
+    # PART=ce: nvlink's copies by the copy engines (no SM taken from the experts' GEMMs), unsplit and in 2 chunks,
+    # beside the kernel copies -> step_breakdown_v2lite_1b_gpu_overlap_ce_ep2_2x<GPU>.md
     runs="nvlink nvlink_c2 padded padded_c2"; name=v2lite_1b_gpu_overlap_ep2
     [ "${PART:-}" = nvlink ] && { runs="nvlink nvlink_c2"; name=v2lite_1b_gpu_overlap_nvlink_ep2; }
-    for v in "nvlink:nvlink 1" "nvlink_c2:nvlink 2" "padded:padded 1" "padded_c2:padded 2"; do
+    [ "${PART:-}" = ce ] && { runs="nvlink ce ce_c2"; name=v2lite_1b_gpu_overlap_ce_ep2; }
+    for v in "nvlink:nvlink 1" "nvlink_c2:nvlink 2" "padded:padded 1" "padded_c2:padded 2" "ce:nvlink 1 copy_engine" \
+             "ce_c2:nvlink 2 copy_engine"; do
       [[ " $runs " == *" ${v%%:*} "* ]] || continue
       r=${v%%:*}; set -- ${v#*:}
-      TMO=170 FROM=6 recipe "ov_$r" 2 $PROF --moe_echo.dispatcher $1 --moe_echo.overlap_chunks $2 | tail -2
+      TMO=170 FROM=6 recipe "ov_$r" 2 $PROF --moe_echo.dispatcher $1 --moe_echo.overlap_chunks $2 \
+        ${3:+--moe_echo.nvlink_copy $3} | tail -2
     done
     python3 benchmarks/step_breakdown.py $(for n in $runs; do
       echo "$n=$(ls /tmp/run_ov_$n/profile_traces/iteration_*/rank0_trace.json | tail -1)"; done) \
