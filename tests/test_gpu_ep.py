@@ -22,10 +22,12 @@ def test_two_gpu_expert_parallel_checks():
     assert p.returncode == 0 and "GPU-EP-OK" in p.stdout, p.stderr[-5000:]
 
 
-@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
 @pytest.mark.skipif(importlib.util.find_spec("deep_ep") is None, reason="needs deep_ep (benchmarks/gpu/build_deepep.sh)")
-def test_two_gpu_deepep_matches_alltoall():
-    p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+@pytest.mark.parametrize("ep", [2, 4])
+def test_deepep_matches_alltoall(ep):
+    if torch.cuda.device_count() < ep:
+        pytest.skip(f"needs {ep} GPUs")
+    p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(ep),
                         os.path.join(ROOT, "tests", "gpu_deepep_check.py")], capture_output=True, text=True, timeout=600)
     print(p.stdout[-3000:])
     assert p.returncode == 0 and "GPU-DEEPEP-OK" in p.stdout, p.stderr[-5000:]

@@ -25,10 +25,11 @@
 #   configs     1    40 steps of each GPU config (RECIPES="debug_gpu ..." to pick)
 #   dispatch    2/4+ dispatch + combine at EP=2 on GPUs 0,1 and what a peer copy costs the SMs (copy engines vs
 #                    kernels), then EP=all GPUs (VDEV=1 adds NVSHMEM vdev)
-#   deepep      2    DeepEP's intranode kernels built from .deepep/src (benchmarks/gpu/build_deepep.sh, where deep_ep
+#   deepep      2/4  DeepEP's intranode kernels built from .deepep/src (benchmarks/gpu/build_deepep.sh, where deep_ep
 #                    does not import yet; kept in build/deepep), the deepep dispatcher's GPU test (== alltoall at EP=2,
 #                    24 and 64 SMs), then nvlink vs deepep dispatch + combine at 24 and 64 SMs, eager, 4096/16384 tokens
-#                    (PART=build | test | bench; default all, ~5 minutes) -> dispatch_ep2_deepep_2x<GPU>.md
+#                    (PART=build | test | bench; default all, ~5 minutes) -> dispatch_ep2_deepep_2x<GPU>.md; on 4 GPUs
+#                    the test runs at EP=2 and 4, and EP=4 times EP=4 (-> dispatch_ep4_deepep_4x<GPU>.md)
 #   e2e         1-2  whole-run tokens/s, step ms and MFU vs torchtitan's trainer (no compile / compile), ours
 #                    eager and graphed (CONFIGS="debug_gpu ...", RUNS=..., PART=1gpu (PAR=1: config i on GPU i
 #                    at the same time, every run of a config on its GPU; VARIANTS as below) | ep2 | fill | variants:
@@ -319,13 +320,14 @@ print('largest step difference over steps 1-20: %.2e at step %d' % max(rel[:20])
       fi
     fi
     if [ -z "${PART:-}" ] || [ "$PART" = test ]; then
-      timeout 180 python3 -m pytest tests/test_gpu_ep.py -k deepep -p no:warnings -q -rfEs -s -o addopts= 2>&1 \
+      timeout 300 python3 -m pytest tests/test_gpu_ep.py -k deepep -p no:warnings -q -rfEs -s -o addopts= 2>&1 \
         | tee "$OUT/deepep_tests.log" | grep -E "deepep|passed|failed|skipped|rror" | tail -8
     fi
     if [ -z "${PART:-}" ] || [ "$PART" = bench ]; then
-      CUDA_VISIBLE_DEVICES=0,1 timeout 170 torchrun --nproc_per_node 2 benchmarks/dispatch.py --only-sms --sms 24,64 \
-        --tokens 4096,16384 --hidden 2048,7168 --label deepep --out "$OUT" 2>&1 | tee "$OUT/dispatch_deepep.log" \
-        | noise | tail -26
+      # EP=2 on GPUs 0,1; EP=4 with EP=4 on a 4-GPU machine -> dispatch_ep4_deepep_4x<GPU>.md
+      N=${EP:-2}; CUDA_VISIBLE_DEVICES=$(seq -s, 0 $((N - 1))) timeout 170 torchrun --nproc_per_node $N benchmarks/dispatch.py \
+        --only-sms --sms 24,64 --tokens 4096,16384 --hidden 2048,7168 --label deepep --out "$OUT" 2>&1 \
+        | tee "$OUT/dispatch_deepep.log" | noise | tail -26
     fi ;;
 
   e2e)  # -> e2e_<N>x<GPU>.md (rows merged into one table per GPU kind and count)
