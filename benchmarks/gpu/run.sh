@@ -29,7 +29,8 @@
 #                    does not import yet; kept in build/deepep), the deepep dispatcher's GPU test (== alltoall at EP=2,
 #                    24 and 64 SMs), then nvlink vs deepep dispatch + combine at 24 and 64 SMs, eager, 4096/16384 tokens
 #                    (PART=build | test | bench; default all, ~5 minutes) -> dispatch_ep2_deepep_2x<GPU>.md; on 4 GPUs
-#                    the test runs at EP=2 and 4, and EP=4 times EP=4 (-> dispatch_ep4_deepep_4x<GPU>.md)
+#                    the test runs at EP=2 and 4, and EP=4 times EP=4 (-> dispatch_ep4_deepep_4x<GPU>.md); DEEPEP_BUILD
+#                    (default build/deepep) may also be an absolute path, e.g. /tmp/deepep
 #   e2e         1-2  whole-run tokens/s, step ms and MFU vs torchtitan's trainer (no compile / compile), ours
 #                    eager and graphed (CONFIGS="debug_gpu ...", RUNS=..., PART=1gpu (PAR=1: config i on GPU i
 #                    at the same time, every run of a config on its GPU; VARIANTS as below) | ep2 | fill | variants:
@@ -311,7 +312,8 @@ print('largest step difference over steps 1-20: %.2e at step %d' % max(rel[:20])
     fi ;;
 
   deepep)  # -> dispatch_ep2_deepep_2x<GPU>.md: DeepEP built (once per machine), its dispatcher tested, then timed
-    export PYTHONPATH="$PWD/${DEEPEP_BUILD:-build/deepep}/lib:$PYTHONPATH"
+    build=${DEEPEP_BUILD:-build/deepep}; [[ $build = /* ]] || build=$PWD/$build  # relative to the repository or absolute
+    export PYTHONPATH="$build/lib:$PYTHONPATH"
     if [ -z "${PART:-}" ] || [ "$PART" = build ]; then
       if python3 -c "import deep_ep" 2> /dev/null; then
         echo "deepep: deep_ep imports ($(python3 -c 'import deep_ep; print(deep_ep.__file__)'))"
