@@ -77,7 +77,8 @@
 #   titan       2    torchtitan's own trainer with our TrainSpec (EP=2, ECHO) vs the recipe: per-step losses
 #   overlap_profile 2  the graphed v2lite_1b step at EP=2 profiled: nvlink and padded, whole and in 2 chunks
 #                    (overlap_chunks); communication kernels and the part no other kernel hides
-#                    -> step_breakdown_v2lite_1b_gpu_overlap_ep2_2x<GPU>.md (PART=nvlink: nvlink only)
+#                    -> step_breakdown_v2lite_1b_gpu_overlap_ep2_2x<GPU>.md (PART=nvlink: nvlink only; EP=4 on 4 GPUs,
+#                    ARGS= for every run, LABEL names the file)
 #   graph_profile 2  the graphed + compiled v2lite_1b step profiled at EP=2 (nvlink) and EP=1, one table; the
 #                    one-GPU e2e row ep1_ref -> step_breakdown_v2lite_1b_gpu_graph_compile_ep1_vs_ep2_2x<GPU>.md;
 #                    PART=ep4 (4 GPUs): EP=4, ranks 0 and 3 -> step_breakdown_v2lite_1b_gpu_graph_compile_ep4_4x<GPU>.md
@@ -473,26 +474,30 @@ print('largest step difference over steps 1-20: %.2e at step %d' % max(rel[:20])
       --label ep1_ref --steps 40 --out "$OUT" --work /tmp/e2e 2>&1 | grep -E "^\| v2lite" ;;
 
   overlap_profile)  # -> step_breakdown_v2lite_1b_gpu_overlap_ep2_2x<GPU>.md: the graphed EP=2 step's communication,
-    # how much of it no other kernel hides: nvlink, padded, padded in 2 pipelined chunks (overlap_chunks)
+    # how much of it no other kernel hides: nvlink, padded, padded in 2 pipelined chunks (overlap_chunks).
+    # EP=4 (4 GPUs) and ARGS (recipe arguments for every run, e.g. "--moe_echo.echo true") with LABEL name another
+    # file: EP=4 PART=nvlink LABEL=echo ARGS=... -> step_breakdown_v2lite_1b_gpu_overlap_nvlink_ep4_echo_4x<GPU>.md
+    EP=${EP:-2}
     PROF="--training.steps 14 --metrics.log_freq 2 --profiling.enable_profiling true --profiling.profile_freq 12
           --profiling.profiler_warmup 8 --profiling.profiler_active 4 --training.cuda_graph true
-          --parallelism.expert_parallel_degree 2 --moe_echo.capacity_factor 2"
+          --parallelism.expert_parallel_degree $EP --moe_echo.capacity_factor 2 ${ARGS:-}"
     # PART=nvlink: nvlink unsplit and in 2 chunks only -> step_breakdown_v2lite_1b_gpu_overlap_nvlink_ep2_2x<GPU>.md
     # PART=ce: nvlink's copies by the copy engines (no SM taken from the experts' GEMMs), unsplit and in 2 chunks,
     # beside the kernel copies -> step_breakdown_v2lite_1b_gpu_overlap_ce_ep2_2x<GPU>.md
-    runs="nvlink nvlink_c2 padded padded_c2"; name=v2lite_1b_gpu_overlap_ep2
-    [ "${PART:-}" = nvlink ] && { runs="nvlink nvlink_c2"; name=v2lite_1b_gpu_overlap_nvlink_ep2; }
-    [ "${PART:-}" = ce ] && { runs="nvlink ce ce_c2"; name=v2lite_1b_gpu_overlap_ce_ep2; }
+    runs="nvlink nvlink_c2 padded padded_c2"; name=v2lite_1b_gpu_overlap_ep$EP
+    [ "${PART:-}" = nvlink ] && { runs="nvlink nvlink_c2"; name=v2lite_1b_gpu_overlap_nvlink_ep$EP; }
+    [ "${PART:-}" = ce ] && { runs="nvlink ce ce_c2"; name=v2lite_1b_gpu_overlap_ce_ep$EP; }
+    name=$name${LABEL:+_$LABEL}
     for v in "nvlink:nvlink 1" "nvlink_c2:nvlink 2" "padded:padded 1" "padded_c2:padded 2" "ce:nvlink 1 copy_engine" \
              "ce_c2:nvlink 2 copy_engine"; do
       [[ " $runs " == *" ${v%%:*} "* ]] || continue
       r=${v%%:*}; set -- ${v#*:}
-      TMO=170 FROM=6 recipe "ov_$r" 2 $PROF --moe_echo.dispatcher $1 --moe_echo.overlap_chunks $2 \
+      TMO=170 FROM=6 recipe "ov_$r" $EP $PROF --moe_echo.dispatcher $1 --moe_echo.overlap_chunks $2 \
         ${3:+--moe_echo.nvlink_copy $3} | tail -2
     done
     python3 benchmarks/step_breakdown.py $(for n in $runs; do
       echo "$n=$(ls /tmp/run_ov_$n/profile_traces/iteration_*/rank0_trace.json | tail -1)"; done) \
-      --name "$name" --gpus 2 --out "$OUT" | head -20 ;;
+      --name "$name" --gpus $EP --out "$OUT" | head -20 ;;
 
   sync)
     python3 recipes/pretrain.py --job.config_file train_configs/debug_gpu.toml --training.steps 4 --training.sync_debug true \
