@@ -189,6 +189,24 @@ def test_exposed_communication_is_what_no_other_kernel_covers(tmp_path):
     assert r2["comm_ms"] == 0 and "communication" not in table([{**r2, "label": "y"}])
 
 
+def test_the_combines_peer_reads_give_an_upper_bound_of_exposed_communication(tmp_path):
+    """A GEMM 100-500, a peer copy 400-600, nvlink's combine pull (_gather_sum_kernel) 600-800 beside a
+    norm 700-750: exposed communication 500-600 (100 us) as a lower bound; with the pull counted 500-700 and
+    750-800 (250 us). Without such a kernel the bound is the exposed time itself and the table has no row."""
+    from benchmarks.step_breakdown import table
+
+    events = [{"ph": "X", "cat": "user_annotation", "name": "ProfilerStep#1", "ts": 0, "dur": 100, "tid": 1}]
+    for corr, (ts, dur, name) in enumerate([(100, 400, "nvjet_sm90_tst_256x128"), (400, 200, "_peer_scatter_kernel"),
+                                            (600, 200, "_gather_sum_kernel"), (700, 50, "rms_norm_kernel")], 1):
+        events += [_launch(corr, corr), _kernel(corr, ts, dur, name)]
+    r = breakdown(_trace(tmp_path, events))
+    assert abs(r["comm_exposed_ms"] - 0.1) < 1e-12 and abs(r["comm_exposed_upper_ms"] - 0.25) < 1e-12
+    r["label"] = "x"
+    assert "| exposed, counting the combine's peer reads (`_gather_sum_kernel`) too | 0.25 | 35.7 |" in table([r])
+    r2 = breakdown(_trace(tmp_path, events[:6]))
+    assert r2["comm_exposed_upper_ms"] == r2["comm_exposed_ms"] and "peer reads" not in table([{**r2, "label": "y"}])
+
+
 def test_fp8_scaling_is_its_own_category_and_fp8_gemms_stay_gemms(tmp_path):
     events = [
         {"ph": "X", "cat": "user_annotation", "name": "ProfilerStep#1", "ts": 0, "dur": 1000, "tid": 1},
