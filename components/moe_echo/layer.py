@@ -147,7 +147,7 @@ class MoELayer(nn.Module):
         chunks = chunks_for(self.cfg, self.dispatcher, x_TD.shape[0])
         if self.echo is not None:
             with torch.no_grad():
-                ids_TK, plan = self.echo.route(ids_TK, r.counts_E, 1 if self.cfg.gathered_experts else chunks)
+                ids_TK, plan = self.echo.route(ids_TK, r.counts_E, chunks)
                 self.echo_stats.copy_(echo_stats(plan))
         if self.cfg.gathered_experts:
             y_TD = self._gathered(x_TD, ids_TK, r.topk_w_TK, plan)
