@@ -128,6 +128,17 @@ def test_fill_equals_optimum_when_slots_are_too_few():
     assert plan.load_after_R.tolist() == [3000, 1000]
 
 
+def case_counts(case, R, E, seed):
+    """[R, E] routing counts: heavy-tailed, all tokens to one expert, or every third expert empty."""
+    counts = heavy_tailed(R, E, seed, hot=2)
+    if case == "one_expert":
+        counts.zero_()
+        counts[:, 5] = 300
+    if case == "gaps":
+        counts[:, ::3] = 0
+    return counts
+
+
 def test_rewrite_moves_each_experts_first_assignments_in_token_order():
     """An independent reference (a loop over the assignments in token order): expert x's n-th assignment goes to
     the slot of x whose range (this source's quotas, slots in index order) holds n, else stays home; all tokens to
@@ -135,12 +146,7 @@ def test_rewrite_moves_each_experts_first_assignments_in_token_order():
     E, R, S = 16, 4, 2
     g, moved = torch.Generator().manual_seed(3), 0
     for case in ("random", "one_expert", "gaps"):
-        counts = heavy_tailed(R, E, 11, hot=2)
-        if case == "one_expert":
-            counts.zero_()
-            counts[:, 5] = 300
-        if case == "gaps":
-            counts[:, ::3] = 0
+        counts = case_counts(case, R, E, 11)
         plan = plan_echo(counts, S, "fill")
         for r in range(R):
             ids = torch.repeat_interleave(torch.arange(E), counts[r])
@@ -209,13 +215,8 @@ def test_rewrite_in_chunks_moves_each_chunks_share(C):
     E, R, S, K = 16, 4, 2, 2
     g, checked = torch.Generator().manual_seed(C), 0
     for case in ("random", "one_expert", "gaps", "late_hot"):
-        counts = heavy_tailed(R, E, 5 + C, hot=2)
+        counts = case_counts(case, R, E, 5 + C)
         counts += counts % 2  # an even number of assignments per rank: K = 2 per token
-        if case == "one_expert":
-            counts.zero_()
-            counts[:, 5] = 300
-        if case == "gaps":
-            counts[:, ::3] = 0
         plan = plan_echo(counts, S, "fill")
         for r in range(R):
             ids = torch.repeat_interleave(torch.arange(E), counts[r])
@@ -227,7 +228,7 @@ def test_rewrite_in_chunks_moves_each_chunks_share(C):
             got = rewrite(ids, plan, r, E, C)
             assert got.flatten().tolist() == chunked_reference(ids, plan, r, E, C), (case, r)
             assert torch.equal(fold_back(got, plan, E), ids)
-            T, size = ids.shape[0], -(-ids.shape[0] // C)
+            size = -(-ids.shape[0] // C)
             for slot in range(R * S):
                 x, q = int(plan.slot_expert_G[slot]), int(plan.quota_RG[r, slot])
                 if x < 0 or q == 0:

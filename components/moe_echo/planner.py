@@ -272,7 +272,7 @@ def rewrite(ids_TK: torch.Tensor, plan: EchoPlan, rank: int, num_experts: int, c
     parts sum to the quota), and the rule above applies within every chunk, so each chunk moves its share to
     the clones instead of the first chunk moving all of it. ``chunks = 1`` is the rule above."""
     T, K = ids_TK.shape
-    E, G = num_experts, plan.slot_expert_G.shape[0]
+    E = num_experts
     flat = ids_TK.reshape(-1)
     q_G = plan.quota_RG[rank]
     x_G = torch.where((plan.slot_expert_G >= 0) & (q_G > 0), plan.slot_expert_G, E)  # unused slots: expert E
