@@ -128,6 +128,17 @@ def test_fill_equals_optimum_when_slots_are_too_few():
     assert plan.load_after_R.tolist() == [3000, 1000]
 
 
+def case_counts(case, R, E, seed):
+    """[R, E] routing counts: heavy-tailed, all tokens to one expert, or every third expert empty."""
+    counts = heavy_tailed(R, E, seed, hot=2)
+    if case == "one_expert":
+        counts.zero_()
+        counts[:, 5] = 300
+    if case == "gaps":
+        counts[:, ::3] = 0
+    return counts
+
+
 def test_rewrite_moves_each_experts_first_assignments_in_token_order():
     """An independent reference (a loop over the assignments in token order): expert x's n-th assignment goes to
     the slot of x whose range (this source's quotas, slots in index order) holds n, else stays home; all tokens to
@@ -135,12 +146,7 @@ def test_rewrite_moves_each_experts_first_assignments_in_token_order():
     E, R, S = 16, 4, 2
     g, moved = torch.Generator().manual_seed(3), 0
     for case in ("random", "one_expert", "gaps"):
-        counts = heavy_tailed(R, E, 11, hot=2)
-        if case == "one_expert":
-            counts.zero_()
-            counts[:, 5] = 300
-        if case == "gaps":
-            counts[:, ::3] = 0
+        counts = case_counts(case, R, E, 11)
         plan = plan_echo(counts, S, "fill")
         for r in range(R):
             ids = torch.repeat_interleave(torch.arange(E), counts[r])
@@ -161,6 +167,109 @@ def test_rewrite_moves_each_experts_first_assignments_in_token_order():
     assert moved > 0
 
 
+def chunked_reference(ids_TK, plan, r, E, C):
+    """Independent loop: in token chunk c (ceil(T / C) tokens), slot g of expert x takes
+    floor(q·cum_c / n) - floor(q·cum_{c-1} / n) of x's assignments (n: x's assignments on this source, cum_c: those
+    in chunks <= c), the chunk's first ones in token order, slots in index order; the rest stay home."""
+    T, K = ids_TK.shape
+    size, rows = -(-T // C), ids_TK.tolist()
+    n = [0] * E
+    for row in rows:
+        for x in row:
+            n[x] += 1
+    want, cum = [], [0] * E
+    for c in range(C):
+        chunk = rows[c * size:(c + 1) * size]
+        here = [0] * E
+        for row in chunk:
+            for x in row:
+                here[x] += 1
+        quota = {}
+        for g in range(plan.slot_expert_G.numel()):
+            x, q = int(plan.slot_expert_G[g]), int(plan.quota_RG[r, g])
+            if x >= 0 and q > 0:
+                quota[g] = q * (cum[x] + here[x]) // n[x] - q * cum[x] // n[x]
+        seen = [0] * E
+        for row in chunk:
+            for x in row:
+                k, start, dest = seen[x], 0, x
+                for g, q in quota.items():
+                    if int(plan.slot_expert_G[g]) == x:
+                        if start <= k < start + q:
+                            dest = E + g
+                        start += q
+                seen[x] += 1
+                want.append(dest)
+        for x in range(E):
+            cum[x] += here[x]
+    return want
+
+
+@pytest.mark.parametrize("C", [2, 3, 4])
+def test_rewrite_in_chunks_moves_each_chunks_share(C):
+    """A layer pipelined in C token chunks: each chunk moves its proportional share of every slot's quota (the
+    unchunked rule moves the first assignments, which sit in the first chunk), against an independent loop;
+    random routing, all tokens to one expert, experts with no tokens, and the hot experts' tokens all at the end.
+    Each slot moves at most its quota and, where its expert has one slot, exactly its quota, every chunk within
+    one assignment of its share."""
+    E, R, S, K = 16, 4, 2, 2
+    g, checked = torch.Generator().manual_seed(C), 0
+    for case in ("random", "one_expert", "gaps", "late_hot"):
+        counts = case_counts(case, R, E, 5 + C)
+        counts += counts % 2  # an even number of assignments per rank: K = 2 per token
+        plan = plan_echo(counts, S, "fill")
+        for r in range(R):
+            ids = torch.repeat_interleave(torch.arange(E), counts[r])
+            ids = ids[torch.randperm(ids.numel(), generator=g)]
+            if case == "late_hot":  # the experts with clones last in token order
+                cloned = torch.isin(ids, plan.slot_expert_G[plan.quota_RG[r] > 0])
+                ids = torch.cat([ids[~cloned], ids[cloned]])
+            ids = ids.view(-1, K)
+            got = rewrite(ids, plan, r, E, C)
+            assert got.flatten().tolist() == chunked_reference(ids, plan, r, E, C), (case, r)
+            assert torch.equal(fold_back(got, plan, E), ids)
+            size = -(-ids.shape[0] // C)
+            for slot in range(R * S):
+                x, q = int(plan.slot_expert_G[slot]), int(plan.quota_RG[r, slot])
+                if x < 0 or q == 0:
+                    continue
+                moved = [int((got[c * size:(c + 1) * size] == E + slot).sum()) for c in range(C)]
+                assert sum(moved) <= q
+                if int(((plan.slot_expert_G == x) & (plan.quota_RG[r] > 0)).sum()) == 1:
+                    n = int((ids == x).sum())
+                    here = [int((ids[c * size:(c + 1) * size] == x).sum()) for c in range(C)]
+                    assert sum(moved) == q and all(abs(m - q * k / n) < 1 for m, k in zip(moved, here)), (moved, here)
+                    # the unchunked rule front-loads the clone: its first chunk holds more than its share
+                    first = int((rewrite(ids, plan, r, E)[:size] == E + slot).sum())
+                    if case != "late_hot" and here[0] < n and q * here[0] / n + 1 < min(q, here[0]):
+                        assert first > moved[0]
+                        checked += 1
+    assert checked > 0
+
+
+def test_chunks_keep_the_ranks_level_in_every_chunk():
+    """The plan levels the ranks over the whole layer; pipelined in 2 chunks, each chunk's rank loads stay level
+    too (max/mean <= 1.1) only where the rewrite splits the quotas per chunk: moving the first assignments
+    leaves the hot ranks' load in the second chunk."""
+    R, E, S, C, K = 4, 16, 2, 2, 2
+    counts = heavy_tailed(R, E, 9, hot=2) * 4
+    counts += counts % 2
+    plan = plan_echo(counts, S, "fill")
+    worst = {}
+    for chunks in (1, C):
+        load_CR = torch.zeros(C, R, dtype=torch.int64)
+        for r in range(R):
+            ids = torch.repeat_interleave(torch.arange(E), counts[r])
+            ids = ids[torch.randperm(ids.numel(), generator=torch.Generator().manual_seed(r))].view(-1, K)
+            dest = rank_local_ids(rewrite(ids, plan, r, E, chunks), E, R, S) // (E // R + S)
+            size = -(-ids.shape[0] // C)
+            for c in range(C):
+                load_CR[c] += torch.bincount(dest[c * size:(c + 1) * size].flatten(), minlength=R)
+        assert torch.equal(load_CR.sum(0), plan.load_after_R)
+        worst[chunks] = float((load_CR.max(1).values / load_CR.float().mean(1)).max())
+    assert worst[C] <= 1.1 < worst[1], worst
+
+
 def test_planner_has_no_host_reads():
     """Meta tensors carry no data: any .item(), .tolist() or branch on a value raises here."""
     counts = torch.empty(8, 32, dtype=torch.int64, device="meta")
@@ -168,6 +277,7 @@ def test_planner_has_no_host_reads():
         plan = plan_echo(counts, 2, rule, kernel=False)
         assert plan.quota_RG.shape == (8, 16) and plan.load_after_R.device.type == "meta"
         assert rewrite(torch.empty(64, 4, dtype=torch.int64, device="meta"), plan, 3, 32).shape == (64, 4)
+        assert rewrite(torch.empty(64, 4, dtype=torch.int64, device="meta"), plan, 3, 32, chunks=2).shape == (64, 4)
 
 
 def test_plan_is_deterministic():

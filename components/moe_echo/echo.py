@@ -32,14 +32,15 @@ class Echo:
         # last_plan.slot_expert_G every step for the expert-load heatmaps
         self.last_plan: EchoPlan | None = None
 
-    def route(self, ids_TK: torch.Tensor, counts_E: torch.Tensor) -> tuple[torch.Tensor, EchoPlan]:
-        """ids in the dispatcher's id space (dest·(e+S) + local) and the step's plan."""
+    def route(self, ids_TK: torch.Tensor, counts_E: torch.Tensor, chunks: int = 1) -> tuple[torch.Tensor, EchoPlan]:
+        """ids in the dispatcher's id space (dest·(e+S) + local) and the step's plan; ``chunks``: the token chunks
+        the layer is pipelined in (each moves its share of the plan's quotas)."""
         with torch.profiler.record_function("echo_route"):  # benchmarks/step_breakdown.py's "echo"
             counts_RE = self.transport.all_gather(counts_E)
             plan = plan_echo(counts_RE, self.S, self.rule, ranks_per_host=self.ranks_per_host)
             self.last_plan = plan
             self.last_load = echo_load_columns(plan, counts_RE.sum(0))
-            virtual = rewrite(ids_TK, plan, self.rank, self.E)
+            virtual = rewrite(ids_TK, plan, self.rank, self.E, chunks)
             return rank_local_ids(virtual, self.E, self.R, self.S), plan
 
     def local_weights(self, w_eX: torch.Tensor, plan: EchoPlan, index: int = 0, out=None) -> torch.Tensor:

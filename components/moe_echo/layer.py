@@ -144,11 +144,11 @@ class MoELayer(nn.Module):
             self.tokens_per_expert.add_(r.counts_E)
 
         ids_TK, plan = r.topk_ids_TK, None
+        chunks = chunks_for(self.cfg, self.dispatcher, x_TD.shape[0])
         if self.echo is not None:
             with torch.no_grad():
-                ids_TK, plan = self.echo.route(ids_TK, r.counts_E)
+                ids_TK, plan = self.echo.route(ids_TK, r.counts_E, chunks)
                 self.echo_stats.copy_(echo_stats(plan))
-        chunks = chunks_for(self.cfg, self.dispatcher, x_TD.shape[0])
         if self.cfg.gathered_experts:
             y_TD = self._gathered(x_TD, ids_TK, r.topk_w_TK, plan)
         elif chunks > 1:

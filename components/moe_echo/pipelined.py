@@ -13,7 +13,8 @@ backward overlaps the same way (the combines' backward, a dispatch, beside the e
 Every chunk is an ordinary dispatch of T / C tokens: capacities are sized per chunk, overflow and the
 capacity it needed are counted per chunk into the layer's buffers (the step gate replays as before), and the
 result equals the layer's one dispatch wherever neither overflows. ECHO's plan covers the whole layer (it is
-made once, before the split); its clone weights are fetched once and shared by the chunks (their gradients
+made once, before the split) and every chunk moves its share of each clone's quota (``planner.rewrite``), so
+each chunk's ranks are as level as the layer's; its clone weights are fetched once and shared by the chunks (their gradients
 sum over the chunks before going home). No host read is added, and the stream fork and join are event waits,
 so the step stays capturable. A dispatcher with per-layer buffers cannot have two dispatches of a layer alive
 at once: those marked ``reentrant`` (no such buffers) are split as they are, ``nvlink`` through a

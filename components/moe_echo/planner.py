@@ -262,28 +262,54 @@ def host_source_quotas(counts_RE, slot_expert_G, slot_amount_G, slots_per_rank: 
     return (q1_RG + q2_RG) * used_G
 
 
-def rewrite(ids_TK: torch.Tensor, plan: EchoPlan, rank: int, num_experts: int) -> torch.Tensor:
+def rewrite(ids_TK: torch.Tensor, plan: EchoPlan, rank: int, num_experts: int, chunks: int = 1) -> torch.Tensor:
     """Virtual ids for source ``rank``: ids < E are home experts, E + g is echo slot g. The assignments of one expert
     keep token order: its first ones (by their rank among that expert's, ``slot_ranks``: no sort) fill the
-    expert's slots in slot order, each up to this source's quota, and the rest stay home."""
+    expert's slots in slot order, each up to this source's quota, and the rest stay home.
+
+    ``chunks`` > 1 (a layer pipelined in token chunks of ceil(T / chunks) tokens, ``overlap_chunks``): each slot's
+    quota is split over the chunks in proportion to its expert's assignments in each (cumulative rounding: the
+    parts sum to the quota), and the rule above applies within every chunk, so each chunk moves its share to
+    the clones instead of the first chunk moving all of it. ``chunks = 1`` is the rule above."""
     T, K = ids_TK.shape
-    E, G = num_experts, plan.slot_expert_G.shape[0]
+    E = num_experts
     flat = ids_TK.reshape(-1)
-    within_N = slot_ranks(flat, E)[0].long()
-    # this source's slot ranges per expert, as sorted (expert, end) keys
     q_G = plan.quota_RG[rank]
-    x_G = torch.where((plan.slot_expert_G >= 0) & (q_G > 0), plan.slot_expert_G, E)  # unused slots sort last
-    key_order = torch.argsort(x_G * G + torch.arange(G, device=flat.device), stable=True)
+    x_G = torch.where((plan.slot_expert_G >= 0) & (q_G > 0), plan.slot_expert_G, E)  # unused slots: expert E
+    if chunks == 1:
+        hit, slot = _fill_slots(flat, x_G, q_G, E)
+        return torch.where(hit, E + slot, flat).view(T, K)
+    C = chunks
+    chunk_N = torch.arange(T, device=flat.device).div(-(-T // C), rounding_mode="floor").repeat_interleave(K)
+    key_N = flat * C + chunk_N  # (expert, chunk) as one id in [0, E·C)
+    n_XC = torch.zeros(E * C + C, dtype=torch.int64, device=flat.device).scatter_add_(
+        0, key_N, torch.ones_like(key_N)).view(E + 1, C)
+    cum_XC = torch.cumsum(n_XC, 1)
+    n_X = cum_XC[:, -1:].clamp(min=1)
+    share_GC = torch.div(q_G[:, None] * cum_XC.index_select(0, x_G), n_X.index_select(0, x_G), rounding_mode="floor")
+    q_GC = share_GC - torch.nn.functional.pad(share_GC[:, :-1], (1, 0))  # slot g's quota in chunk c, >= 0
+    x_GC = torch.where(x_G[:, None] < E, x_G[:, None] * C + torch.arange(C, device=flat.device), E * C)
+    hit, slot = _fill_slots(key_N, x_GC.reshape(-1), q_GC.reshape(-1), E * C)
+    return torch.where(hit, E + slot.div(C, rounding_mode="floor"), flat).view(T, K)
+
+
+def _fill_slots(key_N: torch.Tensor, x_G: torch.Tensor, q_G: torch.Tensor, X: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(hit_N, slot_N): the first assignments of each key (ids in [0, X), token order) fill the slots of that key
+    (``x_G``: each slot's key, X for an unused slot) in slot order, slot g up to ``q_G[g]`` assignments."""
+    G = x_G.shape[0]
+    within_N = slot_ranks(key_N, X)[0].long()
+    # the slot ranges per key, as sorted (key, end) pairs
+    key_order = torch.argsort(x_G * G + torch.arange(G, device=key_N.device), stable=True)
     xs, qs = x_G.index_select(0, key_order), q_G.index_select(0, key_order)
-    expert_start = torch.cumsum(qs, 0) - qs
-    first_of_x = torch.zeros(E + 1, dtype=torch.int64, device=flat.device).scatter_reduce_(
-        0, xs, expert_start, reduce="amin", include_self=False)
-    end_in_x = expert_start + qs - first_of_x.index_select(0, xs)  # exclusive end of each slot's range
-    big = T * K + 1
+    key_start = torch.cumsum(qs, 0) - qs
+    first_of_x = torch.zeros(X + 1, dtype=torch.int64, device=key_N.device).scatter_reduce_(
+        0, xs, key_start, reduce="amin", include_self=False)
+    end_in_x = key_start + qs - first_of_x.index_select(0, xs)  # exclusive end of each slot's range
+    big = key_N.numel() + 1
     slot_keys = xs * big + end_in_x
-    j = torch.searchsorted(slot_keys, flat * big + within_N, right=True).clamp(max=G - 1)
-    hit = (xs.index_select(0, j) == flat) & (within_N < end_in_x.index_select(0, j))
-    return torch.where(hit, E + key_order.index_select(0, j), flat).view(T, K)
+    j = torch.searchsorted(slot_keys, key_N * big + within_N, right=True).clamp(max=G - 1)
+    hit = (xs.index_select(0, j) == key_N) & (within_N < end_in_x.index_select(0, j))
+    return hit, key_order.index_select(0, j)
 
 
 def fold_back(virtual_TK: torch.Tensor, plan: EchoPlan, num_experts: int) -> torch.Tensor:
