@@ -165,10 +165,16 @@ def test_overlap_chunks_auto_splits_where_the_network_is():
     from components.moe_echo.pipelined import chunks_for
 
     class Dispatcher:
-        communicates, reentrant, crosses_hosts = True, True, False
+        communicates, reentrant, overlap_from_ep, overlap_needs_echo, ep_size = True, True, 0, False, 2
 
     class AcrossHosts(Dispatcher):
-        crosses_hosts = True
+        overlap_from_ep = 2
+
+    class NVLinkLike(Dispatcher):  # splits from EP=4 on, with ECHO
+        overlap_from_ep, overlap_needs_echo = 4, True
+
+        def __init__(self, ep_size):
+            self.ep_size = ep_size
 
     class Local(Dispatcher):
         communicates = False
@@ -176,7 +182,12 @@ def test_overlap_chunks_auto_splits_where_the_network_is():
     auto = MoEEchoConfig()
     assert auto.overlap_chunks == "auto"
     assert chunks_for(auto, AcrossHosts(), 4096) == 2 and chunks_for(auto, Dispatcher(), 4096) == 1
+    echo = MoEEchoConfig(echo=True)
+    assert [chunks_for(echo, NVLinkLike(ep), 4096) for ep in (2, 4, 8)] == [1, 2, 2]
+    assert chunks_for(auto, NVLinkLike(4), 4096) == 1  # ECHO off
     assert chunks_for(MoEEchoConfig(echo=True, echo_recompute=True), AcrossHosts(), 4096) == 1
+    assert chunks_for(MoEEchoConfig(echo=True, gathered_experts=True), NVLinkLike(4), 4096) == 1
+    assert chunks_for(MoEEchoConfig(overlap_chunks=1), NVLinkLike(4), 4096) == 1
     assert chunks_for(MoEEchoConfig(overlap_chunks=4), Dispatcher(), 4096) == 4
     assert chunks_for(MoEEchoConfig(overlap_chunks=4), Dispatcher(), 3) == 3
     assert chunks_for(MoEEchoConfig(overlap_chunks=4), Local(), 4096) == 1

@@ -326,7 +326,8 @@ def test_hierarchical_trains_as_padded_and_replays_exactly(launches):
     on at a capacity that overflows, every overflowed step replayed on the exact path to the same losses,
     the clones' bytes between hosts logged."""
     agents, dump = launches["hier"]
-    assert "HierarchicalDispatcher" in agents[0].stdout, agents[0].stdout[-2000:]
+    line = next(l for l in agents[0].stdout.splitlines() if l.startswith("dispatcher "))
+    assert "HierarchicalDispatcher, 2 token chunks per layer (overlap_chunks = auto)" in line, line  # pipelined
     hier, reference = losses(dump), losses(launches["one_host"][1])
     for step in range(1, STEPS + 1):
         assert _same(hier[step], reference[step], 1e-5), (step, hier[step], reference[step])

@@ -99,8 +99,9 @@ class MoEEchoConfig:
     i, chunk i + 1 is dispatched and chunk i − 1 combined on a communication stream (forward and backward;
     components/moe_echo/pipelined.py). Capacities are sized per chunk. 1: one dispatch per layer. ``nvlink``,
     ``padded``, ``hierarchical`` and ``alltoall`` (not ``deepep``); ignored at EP=1. ``auto``: 2 where the EP
-    ranks span hosts (``hierarchical``; 1.08× the unsplit step on emulated hosts), 1 on one host (there the
-    split measured 0.93–0.97× with ``padded``)."""
+    ranks span hosts (``hierarchical``; 1.08× the unsplit step on emulated hosts) and with ``nvlink`` from EP=4
+    on where ``echo = true`` (1.03× at EP=4), else 1 (with ``nvlink`` the split measured 0.985× at EP=2 and 0.99×
+    at EP=4 without ECHO, whose rank waits it does not shorten; 0.93–0.97× with ``padded``)."""
 
     aux_loss_coeff: float = 0.0
     """Coefficient of the sequence-level auxiliary balance loss (0 disables it)."""

@@ -42,6 +42,8 @@ class Dispatcher(ABC):
     fixed_capacity = False  # True: may overflow (counted in handle.dropped; the loop gates and replays)
     communicates = True  # False: one rank, nothing crosses (no side stream to hide communication behind)
     reentrant = False  # True: no per-layer buffers, so several dispatches of one layer may be alive at once
+    overlap_from_ep = 0  # overlap_chunks = "auto" pipelines a layer in 2 chunks from this EP size on (0: never)
+    overlap_needs_echo = False  # ... and only where ECHO levels the ranks' expert load
 
     @abstractmethod
     def dispatch(

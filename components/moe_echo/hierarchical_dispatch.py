@@ -66,7 +66,7 @@ class HierarchicalDispatcher(FixedCapacity, ExpertParallel):
     host), host leg over ``host_group`` (this host's ranks)."""
 
     reentrant = True  # every buffer is a fresh tensor
-    crosses_hosts = True  # its network leg is worth hiding behind the experts (overlap_chunks = "auto")
+    overlap_from_ep = 2  # its network leg is worth hiding behind the experts at any size (overlap_chunks = "auto")
 
     def __init__(self, num_experts: int, group, ep_size: int, capacity_factor: float, hosts: int,
                  net_group, host_group, host_rank: int):

@@ -121,6 +121,7 @@ class MoELayer(nn.Module):
         # token rows this step's dispatches sent to other hosts (across-host dispatchers; 0 elsewhere)
         self.register_buffer("network_rows", torch.zeros((), dtype=torch.int64), persistent=False)
         self.ep_size = 1
+        self.chunks = 1  # token chunks of the last forward (overlap_chunks; > 1: pipelined)
         self.echo = None  # components.moe_echo.echo.Echo, set by parallelize() when [moe_echo] echo
         self.last_aux_loss: torch.Tensor | None = None
 
@@ -144,7 +145,7 @@ class MoELayer(nn.Module):
             self.tokens_per_expert.add_(r.counts_E)
 
         ids_TK, plan = r.topk_ids_TK, None
-        chunks = chunks_for(self.cfg, self.dispatcher, x_TD.shape[0])
+        chunks = self.chunks = chunks_for(self.cfg, self.dispatcher, x_TD.shape[0])
         if self.echo is not None:
             with torch.no_grad():
                 ids_TK, plan = self.echo.route(ids_TK, r.counts_E, chunks)

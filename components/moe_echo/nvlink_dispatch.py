@@ -104,6 +104,10 @@ class NVLinkDispatcher(FixedCapacity, ExpertParallel):
     """Sync-free dispatch over peer memory (NVLink); ``programs`` = CTAs (≈ SMs) the copy kernels use."""
 
     LOCAL_PROGRAMS = 4096  # CTAs of the kernels that only touch this rank's memory (expand, sums)
+    # overlap_chunks = "auto": 2 chunks from EP=4 on with ECHO (v2lite_1b at EP=4 on 4xH200: 1.03x the unsplit
+    # step). Without ECHO the ranks wait for the busiest one and the split only adds kernel time (0.99x); at EP=2
+    # the copy kernels lose more SM time than the split hides (0.985x)
+    overlap_from_ep, overlap_needs_echo = 4, True
 
     def __init__(self, num_experts: int, group, ep_size: int, capacity_factor: float, programs: int = 32,
                  workspace=None, name: str | None = None, block_t: int | None = None, copies: str = "kernel"):

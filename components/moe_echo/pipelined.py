@@ -29,7 +29,7 @@ from components.errors import UserError
 from components.streams import side_stream
 
 
-AUTO_ACROSS_HOSTS = 2  # emulated hosts: 1.08x the unsplit step; on one host splitting cost 3-7% (padded)
+AUTO_CHUNKS = 2  # overlap_chunks = "auto" where the dispatcher's ``overlap_from_ep`` says splitting pays
 
 
 def _in_flight_twice(dispatcher) -> bool:
@@ -43,13 +43,16 @@ def _can_split(cfg, dispatcher) -> bool:
 
 def chunks_for(cfg, dispatcher, tokens: int) -> int:
     """How many chunks a layer of ``tokens`` tokens goes in: ``overlap_chunks``, at most ``tokens``; ``"auto"``:
-    2 where the dispatcher crosses hosts (``hierarchical``) and the layer can split, else 1; 1 where nothing
-    crosses GPUs."""
+    2 where the layer can split and the dispatcher spans at least its ``overlap_from_ep`` ranks (``hierarchical``:
+    always; ``nvlink``: EP >= 4 with ECHO on), else 1; 1 where nothing crosses GPUs."""
     chunks = cfg.overlap_chunks
     if not dispatcher.communicates:
         return 1
     if chunks == "auto":
-        chunks = AUTO_ACROSS_HOSTS if getattr(dispatcher, "crosses_hosts", False) and _can_split(cfg, dispatcher) else 1
+        start = dispatcher.overlap_from_ep
+        splits = (0 < start <= getattr(dispatcher, "ep_size", 1) and (cfg.echo or not dispatcher.overlap_needs_echo)
+                  and _can_split(cfg, dispatcher))
+        chunks = AUTO_CHUNKS if splits else 1
     return max(1, min(chunks, tokens))
 
 

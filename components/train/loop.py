@@ -179,7 +179,7 @@ def summary_extra(run: Run, tr: Training, model, n_params: int, step_graph, logs
              "ranks": f"{run.world} (dp_replicate {dims.dp_replicate} x dp_shard {dims.dp_shard}, ep {dims.ep})" + (
                  f"; {dims.world // dims.ranks_per_host} hosts, experts sharded over {dims.expert_shard_in_host} "
                  f"rank(s) of a host and replicated across hosts" if dims.expert_shard_in_host < dims.efsdp else ""),
-             "dispatcher": type(layers[0][1].dispatcher).__name__ if layers else "-",
+             "dispatcher": dispatcher_line(layers),
              "cuda graph": (f"on (captured {step_graph.captures}x)" if step_graph.captures
                             else f"off ({step_graph.reason})" if step_graph.reason
                             else "never captured (the run ended within the warm-up steps)"),
@@ -194,6 +194,15 @@ def summary_extra(run: Run, tr: Training, model, n_params: int, step_graph, logs
     if cfg.checkpoint.enable:
         extra["checkpoints"] = os.path.join(dump, cfg.checkpoint.folder)
     return extra
+
+
+def dispatcher_line(layers) -> str:
+    """The MoE layers' dispatcher, and the token chunks each layer went in where it pipelined them."""
+    if not layers:
+        return "-"
+    layer = layers[0][1]
+    chunks = "" if layer.chunks == 1 else f", {layer.chunks} token chunks per layer (overlap_chunks = {layer.cfg.overlap_chunks})"
+    return type(layer.dispatcher).__name__ + chunks
 
 
 class OtherLoad:
