@@ -473,13 +473,13 @@ print('largest step difference over steps 1-20: %.2e at step %d' % max(rel[:20])
     CUDA_VISIBLE_DEVICES=0 timeout 150 python3 benchmarks/e2e.py --configs v2lite_1b_gpu --nproc 1 --runs ours_compile_graph \
       --label ep1_ref --steps 40 --out "$OUT" --work /tmp/e2e 2>&1 | grep -E "^\| v2lite" ;;
 
-  overlap_profile)  # -> step_breakdown_v2lite_1b_gpu_overlap_ep2_2x<GPU>.md: the graphed EP=2 step's communication,
+  overlap_profile)  # -> step_breakdown_v2lite_1b_gpu_overlap_ep2_2x<GPU>.md: the compiled + graphed EP=2 step's communication,
     # how much of it no other kernel hides: nvlink, padded, padded in 2 pipelined chunks (overlap_chunks).
     # EP=4 (4 GPUs) and ARGS (recipe arguments for every run, e.g. "--moe_echo.echo true") with LABEL name another
     # file: EP=4 PART=nvlink LABEL=echo ARGS=... -> step_breakdown_v2lite_1b_gpu_overlap_nvlink_ep4_echo_4x<GPU>.md
     EP=${EP:-2}
     PROF="--training.steps 14 --metrics.log_freq 2 --profiling.enable_profiling true --profiling.profile_freq 12
-          --profiling.profiler_warmup 8 --profiling.profiler_active 4 --training.cuda_graph true
+          --profiling.profiler_warmup 8 --profiling.profiler_active 4 --training.cuda_graph true --compile.enable true
           --parallelism.expert_parallel_degree $EP --moe_echo.capacity_factor 2 ${ARGS:-}"
     # PART=nvlink: nvlink unsplit and in 2 chunks only -> step_breakdown_v2lite_1b_gpu_overlap_nvlink_ep2_2x<GPU>.md
     # PART=ce: nvlink's copies by the copy engines (no SM taken from the experts' GEMMs), unsplit and in 2 chunks,
