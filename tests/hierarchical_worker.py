@@ -113,7 +113,7 @@ def expected_network_rows(layer, x, hosts) -> int:
         if layer.echo is not None:  # the rewrite the layer ran: per token chunk where it pipelines
             from components.moe_echo.pipelined import chunks_for
 
-            ids, _ = layer.echo.route(ids, r.counts_E, chunks_for(layer.cfg, d, ids.shape[0]))
+            ids, _ = layer.echo.route(ids, r.counts_E, chunks_for(layer.cfg, d, ids.shape[0], True))
     host_TK = ids // (d.num_experts // hosts)
     mine = dist.get_rank() // (dist.get_world_size() // hosts)
     pairs = {(t, h) for t, row in enumerate(host_TK.tolist()) for h in row if h != mine}

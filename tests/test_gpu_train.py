@@ -56,8 +56,10 @@ CASES["echo_nvlink_quack_2gpu"] = (2, CASES["echo_nvlink_2gpu"][1] + ["--moe_ech
 CASES["gathered_quack_1gpu"] = (1, ["--moe_echo.experts_gemm", "quack", "--moe_echo.gathered_experts", "true"])
 CASES["gathered_echo_nvlink_quack_2gpu"] = (2, CASES["echo_nvlink_quack_2gpu"][1] + ["--moe_echo.gathered_experts", "true"])
 
-# EP=4: overlap_chunks = "auto" pipelines each layer's nvlink dispatch in 2 chunks (ECHO on)
-CASES["echo_nvlink_4gpu"] = (4, ["--parallelism.expert_parallel_degree", "4"] + CASES["echo_nvlink_2gpu"][1][2:])
+# EP=4 with the defaults: echo = "auto" turns ECHO on for nvlink, and overlap_chunks = "auto" then pipelines each
+# layer's dispatch in 2 chunks
+CASES["echo_nvlink_4gpu"] = (4, ["--parallelism.expert_parallel_degree", "4", "--moe_echo.dispatcher", "nvlink",
+                                 "--moe_echo.echo_slots_per_rank", "2", "--moe_echo.capacity_factor", "2.0"])
 
 
 @pytest.mark.parametrize("case", list(CASES))
@@ -73,6 +75,7 @@ def test_sync_free_steps_and_graph_equals_eager(case, tmp_path):
     graphed, out = run_recipe(str(tmp_path), "graphed", nproc, extra + ["--training.cuda_graph", "true"])
     assert "cuda graph: captured" in out, out[-3000:]
     if case == "echo_nvlink_4gpu":
+        assert "echo: auto = on (nvlink dispatcher at EP=4" in out, out[-3000:]
         assert "2 token chunks per layer (overlap_chunks = auto)" in out, out[-3000:]
     if "fp8" in case:
         assert "fp8 experts: weight copies written by the optimizer step in" in out, out[-3000:]

@@ -181,13 +181,27 @@ def test_overlap_chunks_auto_splits_where_the_network_is():
 
     auto = MoEEchoConfig()
     assert auto.overlap_chunks == "auto"
-    assert chunks_for(auto, AcrossHosts(), 4096) == 2 and chunks_for(auto, Dispatcher(), 4096) == 1
-    echo = MoEEchoConfig(echo=True)
-    assert [chunks_for(echo, NVLinkLike(ep), 4096) for ep in (2, 4, 8)] == [1, 2, 2]
-    assert chunks_for(auto, NVLinkLike(4), 4096) == 1  # ECHO off
-    assert chunks_for(MoEEchoConfig(echo=True, echo_recompute=True), AcrossHosts(), 4096) == 1
-    assert chunks_for(MoEEchoConfig(echo=True, gathered_experts=True), NVLinkLike(4), 4096) == 1
-    assert chunks_for(MoEEchoConfig(overlap_chunks=1), NVLinkLike(4), 4096) == 1
-    assert chunks_for(MoEEchoConfig(overlap_chunks=4), Dispatcher(), 4096) == 4
-    assert chunks_for(MoEEchoConfig(overlap_chunks=4), Dispatcher(), 3) == 3
-    assert chunks_for(MoEEchoConfig(overlap_chunks=4), Local(), 4096) == 1
+    for echo in (False, True):
+        assert chunks_for(auto, AcrossHosts(), 4096, echo) == 2 and chunks_for(auto, Dispatcher(), 4096, echo) == 1
+    assert [chunks_for(auto, NVLinkLike(ep), 4096, True) for ep in (2, 4, 8)] == [1, 2, 2]
+    assert chunks_for(auto, NVLinkLike(4), 4096, False) == 1  # ECHO off (whatever the config's echo says)
+    assert chunks_for(MoEEchoConfig(echo=True), NVLinkLike(4), 4096, False) == 1
+    assert chunks_for(MoEEchoConfig(echo=True, echo_recompute=True), AcrossHosts(), 4096, True) == 1
+    assert chunks_for(MoEEchoConfig(echo=True, gathered_experts=True), NVLinkLike(4), 4096, True) == 1
+    assert chunks_for(MoEEchoConfig(overlap_chunks=1), NVLinkLike(4), 4096, True) == 1
+    assert chunks_for(MoEEchoConfig(overlap_chunks=4), Dispatcher(), 4096, False) == 4
+    assert chunks_for(MoEEchoConfig(overlap_chunks=4), Dispatcher(), 3, False) == 3
+    assert chunks_for(MoEEchoConfig(overlap_chunks=4), Local(), 4096, True) == 1
+
+
+def test_echo_auto_is_on_for_nvlink_from_ep4_only():
+    from components.moe_echo.backends import CLASSES, resolve_echo
+
+    auto = MoEEchoConfig()
+    assert auto.echo == "auto"
+    on = {(b, ep) for b in CLASSES for ep in (1, 2, 4, 8, 64) if resolve_echo(auto, b, ep)}
+    assert on == {("nvlink", 4), ("nvlink", 8), ("nvlink", 64)}
+    assert not resolve_echo(auto, "fastest", 8)  # autotune picks its backend with ECHO off
+    for b in ("nvlink", "padded", "hierarchical"):  # a set value is kept
+        assert resolve_echo(MoEEchoConfig(echo=True), b, 2) is True
+        assert resolve_echo(MoEEchoConfig(echo=False), b, 8) is False

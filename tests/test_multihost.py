@@ -328,6 +328,9 @@ def test_hierarchical_trains_as_padded_and_replays_exactly(launches):
     agents, dump = launches["hier"]
     line = next(l for l in agents[0].stdout.splitlines() if l.startswith("dispatcher "))
     assert "HierarchicalDispatcher, 2 token chunks per layer (overlap_chunks = auto)" in line, line  # pipelined
+    # echo = "auto" stays off across hosts; set on, the run summary says so
+    line = next(l for l in launches["hier_overflow"][0][0].stdout.splitlines() if l.startswith("dispatcher "))
+    assert "HierarchicalDispatcher, ECHO on (" in line, line
     hier, reference = losses(dump), losses(launches["one_host"][1])
     for step in range(1, STEPS + 1):
         assert _same(hier[step], reference[step], 1e-5), (step, hier[step], reference[step])

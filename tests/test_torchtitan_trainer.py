@@ -23,11 +23,11 @@ CONFIG = os.path.join(ROOT, "train_configs", "debug_cpu.toml")
 SMALL = ["--training.max_corpus_mb", "1", "--training.seq_len", "64", "--training.local_batch_size", "8"]
 COMMON = [*SMALL, "--training.steps", "6", "--lr_scheduler.warmup_steps", "2", "--metrics.log_freq", "1",
           "--parallelism.expert_parallel_degree", "2", "--moe_echo.dispatcher", "alltoall", "--debug.seed", "0"]
-# torchtitan's CLI (tyro) spells booleans as flags; ours takes a value
+# torchtitan's CLI (tyro) spells booleans as flags, and a boolean-or-"auto" key as True / False / auto
 TITAN = ["--job.custom_config_module", "components.train.job_config",
          "--experimental.custom_import", "components.train.torchtitan_spec",
          "--model.name", "moe_echo_deepseek_v3", "--checkpoint.no-enable", "--metrics.disable_color_printing",
-         "--moe_echo.echo"]
+         "--moe_echo.echo", "True"]
 OURS = ["--checkpoint.enable", "false", "--moe_echo.echo", "true"]
 TOLERANCE = 1e-5  # absolute, per step; observed: fp32 losses equal to 1 ulp
 

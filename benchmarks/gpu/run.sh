@@ -49,7 +49,7 @@
 #   gathered    1    QuACK GEMMs gathering token rows by index vs expanded expert rows (gather_gemm.py), then
 #                    gathered_experts' GPU tests (after quack_unpack) -> gather_gemm_1x<GPU>.md
 #   fill_profile 2   the compiled v2lite_6b_2gpu step profiled at EP=2, graphed (GRAPH=false: eager), one profile per
-#                    variant side by side (VARIANTS="echo=--moe_echo.echo true;off=", ARGS for all, LABEL;
+#                    variant side by side (VARIANTS="echo=--moe_echo.echo true;off=--moe_echo.echo false", ARGS for all, LABEL;
 #                    DETAIL="echo collectives": those categories' largest kernels by op)
 #                    -> step_breakdown_v2lite_6b_2gpu_<LABEL>_graph_<GRAPH>_2x<GPU>.md
 #   profile     1-2  an eager run with [profiling] traces, then rank 0's per-step GPU time by category
@@ -455,7 +455,7 @@ print('largest step difference over steps 1-20: %.2e at step %d' % max(rel[:20])
     if [ "${PART:-}" = echo ]; then  # EP=${EP:-2} GPUs: ECHO off and on, ranks 0 and EP-1 of each ->
       # step_breakdown_v2lite_1b_gpu_graph_compile_ep<EP>_echo_vs_off_<EP>x<GPU>.md: what ECHO adds and what it levels
       EP=${EP:-2}; last=$((EP - 1)); cols=()
-      for v in "off:" "echo:--moe_echo.echo true"; do
+      for v in "off:--moe_echo.echo false" "echo:--moe_echo.echo true"; do
         TMO=150 FROM=6 recipe "prof_${v%%:*}" $EP $PROF --parallelism.expert_parallel_degree $EP --moe_echo.capacity_factor 2 \
           ${v#*:} | tail -2
         for r in 0 $last; do
@@ -544,9 +544,9 @@ print('largest step difference over steps 1-20: %.2e at step %d' % max(rel[:20])
     N=$(ngpus); echo "GPUs: $N"; export TMO=${TMO:-110}
     timeout 150 torchrun --nproc_per_node $N benchmarks/dispatch.py --tokens 16384 --hidden 2048,7168 --sweep 32 --no-vdev \
       --out "$OUT" 2>&1 | noise | tail -9
-    train natural_off $N
+    train natural_off $N --moe_echo.echo false
     train natural_on $N --moe_echo.echo true
-    train skewed_off $N --moe_echo.bias_update_rate 0 --moe_echo.debug_hot_experts 8
+    train skewed_off $N --moe_echo.echo false --moe_echo.bias_update_rate 0 --moe_echo.debug_hot_experts 8
     train skewed_on $N --moe_echo.bias_update_rate 0 --moe_echo.debug_hot_experts 8 --moe_echo.echo true --moe_echo.echo_slots_per_rank 4 ;;
 
   ep4_padded)  # -> ep4_training_4xH200.md
@@ -560,9 +560,9 @@ print('largest step difference over steps 1-20: %.2e at step %d' % max(rel[:20])
 
   ep4_6b)  # -> ep4_v2lite_6b_4xH200.md
     case ${PART:-a} in
-      a) train v6_natural_off 4 --model.flavor v2lite_6b
+      a) train v6_natural_off 4 --model.flavor v2lite_6b --moe_echo.echo false
          train v6_natural_on 4 --model.flavor v2lite_6b --moe_echo.echo true ;;
-      b) train v6_skewed_off 4 --model.flavor v2lite_6b --moe_echo.bias_update_rate 0 --moe_echo.debug_hot_experts 8
+      b) train v6_skewed_off 4 --model.flavor v2lite_6b --moe_echo.echo false --moe_echo.bias_update_rate 0 --moe_echo.debug_hot_experts 8
          train v6_skewed_on 4 --model.flavor v2lite_6b --moe_echo.bias_update_rate 0 --moe_echo.debug_hot_experts 8 \
            --moe_echo.echo true --moe_echo.echo_slots_per_rank 4 ;;
       c) # the graphed row: 30 steps, every step logged; the published run had MOE_ECHO_CHECK=1 (CHECK=0 turns it off)
@@ -599,9 +599,9 @@ print('largest step difference over steps 1-20: %.2e at step %d' % max(rel[:20])
            --block-t 1 --out "$OUT" 2>&1 | noise | tail -14
          timeout 170 torchrun --nproc_per_node $N benchmarks/dispatch.py --tokens 16384 --no-vdev --sweep 64 --block-t 1 \
            --out "$OUT" 2>&1 | noise | tail -10 ;;
-      b) train e8_natural_off $N
+      b) train e8_natural_off $N --moe_echo.echo false
          train e8_natural_on $N --moe_echo.echo true
-         TMO=300 train e8_skewed_off $N --moe_echo.bias_update_rate 0 --moe_echo.debug_hot_experts 8
+         TMO=300 train e8_skewed_off $N --moe_echo.echo false --moe_echo.bias_update_rate 0 --moe_echo.debug_hot_experts 8
          train e8_skewed_on $N --moe_echo.bias_update_rate 0 --moe_echo.debug_hot_experts 8 --moe_echo.echo true \
            --moe_echo.echo_slots_per_rank 4 ;;
       c) # the 8-GPU row of the scaling table (padded, ECHO on), then v2lite_6b at EP=8, ECHO on, graphed, 30 steps
@@ -654,7 +654,7 @@ print('largest step difference over steps 1-20: %.2e at step %d' % max(rel[:20])
     timeout ${TMO:-300} torchrun --nproc_per_node 2 -m torchtitan.train "${common[@]}" --job.dump_folder /tmp/run_titan \
       --job.custom_config_module components.train.job_config \
       --experimental.custom_import components.train.torchtitan_spec \
-      --model.name moe_echo_deepseek_v3 --moe_echo.echo --metrics.disable_color_printing > "$OUT/titan.log" 2>&1
+      --model.name moe_echo_deepseek_v3 --moe_echo.echo True --metrics.disable_color_printing > "$OUT/titan.log" 2>&1
     echo "== torchtitan rc=$? $(grep -m1 '^moe_echo parallelize_fn' "$OUT/titan.log")"
     timeout ${TMO:-300} torchrun --nproc_per_node 2 recipes/pretrain.py "${common[@]}" --job.dump_folder /tmp/run_titan_ours \
       --moe_echo.echo true > "$OUT/titan_ours.log" 2>&1

@@ -37,6 +37,19 @@ def resolve_backend(cfg: MoEEchoConfig, ep_size: int, on_cuda: bool = False, spa
     return cfg.dispatcher
 
 
+CLASSES = {"local": LocalDispatcher, "hierarchical": HierarchicalDispatcher, "nvlink": NVLinkDispatcher,
+           "deepep": DeepEPDispatcher, "alltoall": AllToAllDispatcher, "padded": PaddedDispatcher}
+
+
+def resolve_echo(cfg: MoEEchoConfig, backend: str, ep_size: int) -> bool:
+    """Whether the layers run ECHO: ``cfg.echo`` where set; ``"auto"``: from the backend's ``echo_from_ep`` on
+    (``nvlink``: EP >= 4), off elsewhere (also for ``"fastest"``, which picks its backend with ECHO off)."""
+    if cfg.echo != "auto":
+        return bool(cfg.echo)
+    start = getattr(CLASSES.get(backend), "echo_from_ep", 0)
+    return 0 < start <= ep_size
+
+
 def build_dispatcher(cfg: MoEEchoConfig, num_experts: int, ep_group=None, ep_size: int = 1,
                      on_cuda: bool = False, hosts=None) -> Dispatcher:
     spans = hosts is not None and hosts.hosts > 1

@@ -44,6 +44,7 @@ class Dispatcher(ABC):
     reentrant = False  # True: no per-layer buffers, so several dispatches of one layer may be alive at once
     overlap_from_ep = 0  # overlap_chunks = "auto" pipelines a layer in 2 chunks from this EP size on (0: never)
     overlap_needs_echo = False  # ... and only where ECHO levels the ranks' expert load
+    echo_from_ep = 0  # echo = "auto" turns ECHO on from this EP size on (0: never)
 
     @abstractmethod
     def dispatch(

@@ -145,7 +145,7 @@ class MoELayer(nn.Module):
             self.tokens_per_expert.add_(r.counts_E)
 
         ids_TK, plan = r.topk_ids_TK, None
-        chunks = self.chunks = chunks_for(self.cfg, self.dispatcher, x_TD.shape[0])
+        chunks = self.chunks = chunks_for(self.cfg, self.dispatcher, x_TD.shape[0], self.echo is not None)
         if self.echo is not None:
             with torch.no_grad():
                 ids_TK, plan = self.echo.route(ids_TK, r.counts_E, chunks)

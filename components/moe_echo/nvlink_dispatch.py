@@ -104,10 +104,13 @@ class NVLinkDispatcher(FixedCapacity, ExpertParallel):
     """Sync-free dispatch over peer memory (NVLink); ``programs`` = CTAs (≈ SMs) the copy kernels use."""
 
     LOCAL_PROGRAMS = 4096  # CTAs of the kernels that only touch this rank's memory (expand, sums)
-    # overlap_chunks = "auto": 2 chunks from EP=4 on with ECHO (v2lite_1b at EP=4 on 4xH200: 1.03x the unsplit
-    # step). Without ECHO the ranks wait for the busiest one and the split only adds kernel time (0.99x); at EP=2
-    # the copy kernels lose more SM time than the split hides (0.985x)
+    # overlap_chunks = "auto": 2 chunks from EP=4 on with ECHO (v2lite_1b at EP=4 on 4xH200: 1.01x the unsplit
+    # step, twice). Without ECHO the ranks wait for the busiest one and the split only adds kernel time (0.99x); at
+    # EP=2 the copy kernels lose more SM time than the split hides (0.985-0.99x)
     overlap_from_ep, overlap_needs_echo = 4, True
+    # echo = "auto": ECHO from EP=4 on (v2lite_1b natural routing, 4xH200: 1.00-1.04x, rank load 1.6 -> 1.0); at
+    # EP=2 0.99-1.03x
+    echo_from_ep = 4
 
     def __init__(self, num_experts: int, group, ep_size: int, capacity_factor: float, programs: int = 32,
                  workspace=None, name: str | None = None, block_t: int | None = None, copies: str = "kernel"):

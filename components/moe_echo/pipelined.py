@@ -41,16 +41,17 @@ def _can_split(cfg, dispatcher) -> bool:
     return _in_flight_twice(dispatcher) and not cfg.gathered_experts and not cfg.echo_recompute
 
 
-def chunks_for(cfg, dispatcher, tokens: int) -> int:
+def chunks_for(cfg, dispatcher, tokens: int, echo: bool) -> int:
     """How many chunks a layer of ``tokens`` tokens goes in: ``overlap_chunks``, at most ``tokens``; ``"auto"``:
     2 where the layer can split and the dispatcher spans at least its ``overlap_from_ep`` ranks (``hierarchical``:
-    always; ``nvlink``: EP >= 4 with ECHO on), else 1; 1 where nothing crosses GPUs."""
+    always; ``nvlink``: EP >= 4 with ECHO on, ``echo`` saying whether the layer runs it), else 1; 1 where nothing
+    crosses GPUs."""
     chunks = cfg.overlap_chunks
     if not dispatcher.communicates:
         return 1
     if chunks == "auto":
         start = dispatcher.overlap_from_ep
-        splits = (0 < start <= getattr(dispatcher, "ep_size", 1) and (cfg.echo or not dispatcher.overlap_needs_echo)
+        splits = (0 < start <= getattr(dispatcher, "ep_size", 1) and (echo or not dispatcher.overlap_needs_echo)
                   and _can_split(cfg, dispatcher))
         chunks = AUTO_CHUNKS if splits else 1
     return max(1, min(chunks, tokens))

@@ -25,7 +25,7 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoi
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, Shard
 
-from components.moe_echo.backends import build_dispatcher, peers_on_one_host
+from components.moe_echo.backends import build_dispatcher, peers_on_one_host, resolve_backend, resolve_echo
 from components.moe_echo.echo import Echo
 from components.moe_echo.echo_transport import build_transport
 from components.moe_echo.layer import MoELayer
@@ -46,8 +46,7 @@ def apply_expert_parallel(moe: MoELayer, ep_mesh, cfg) -> None:
         setattr(moe.experts, name, nn.Parameter(DTensor.from_local(local, ep_mesh, [Shard(0)], run_check=False)))
     slots = cfg.echo_slots_per_rank if cfg.echo else 0
     # with ECHO the dispatcher routes over e + S "experts" per rank: home experts, then echo slots
-    hosts = ep_hosts(ep_mesh.get_group())
-    on_one_host = peers_on_one_host(ep_mesh.device_type, ep) and not hosts.spans_hosts
+    hosts, on_one_host = _ep_layout(ep_mesh, ep)
     if cfg.dispatcher == "nvlink" and not on_one_host:
         raise UserError(f"[moe_echo] dispatcher = 'nvlink' needs the {ep} EP ranks on the CUDA GPUs of one host "
                         f"(they span {hosts.hosts} hosts; {torch.cuda.device_count()} GPUs here); use 'hierarchical', "
@@ -64,6 +63,25 @@ def apply_expert_parallel(moe: MoELayer, ep_mesh, cfg) -> None:
         transport = build_transport(moe.dispatcher, ep_mesh.get_group(), ep, rank, slots, moe.num_experts // ep)
         per_host = hosts.ranks_per_host if hosts is not None and hosts.spans_hosts else None
         moe.echo = Echo(moe.num_experts, ep, rank, slots, cfg.echo_planner, transport, ranks_per_host=per_host)
+
+
+def _ep_layout(ep_mesh, ep: int):
+    """(the EP group's host layout, whether its ranks are CUDA GPUs of this one host)."""
+    hosts = ep_hosts(ep_mesh.get_group())
+    return hosts, peers_on_one_host(ep_mesh.device_type, ep) and not hosts.spans_hosts
+
+
+def _resolve_echo(mesh, dims: ParallelDims, cfg) -> None:
+    """``[moe_echo] echo = "auto"`` made true or false, in place, before anything sizes ECHO's slots."""
+    if cfg.echo != "auto":
+        return
+    backend = "local" if dims.ep == 1 else cfg.dispatcher
+    if backend == "auto":
+        hosts, on_one_host = _ep_layout(mesh.ep, dims.ep)
+        backend = resolve_backend(cfg, dims.ep, on_one_host, hosts.spans_hosts and hosts.regular)
+    cfg.echo = resolve_echo(cfg, backend, dims.ep)
+    if cfg.echo and torch.distributed.get_rank() == 0:
+        print(f"echo: auto = on ({backend} dispatcher at EP={dims.ep}; echo = false turns it off)", flush=True)
 
 
 def _fastest_backend(model, mesh, dims, cfg, device) -> str:
@@ -102,6 +120,7 @@ def _ac_wrap(block: nn.Module, index: int, ac_cfg) -> nn.Module:
 
 
 def parallelize(model: nn.Module, mesh: Meshes | None, dims: ParallelDims, cfg, device: torch.device) -> nn.Module:
+    _resolve_echo(mesh, dims, cfg.moe_echo)
     if dims.ep > 1 and cfg.moe_echo.dispatcher == "fastest":
         cfg.moe_echo.dispatcher = _fastest_backend(model, mesh, dims, cfg, device)
     for i, (name, block) in enumerate(list(model.layers.items())):

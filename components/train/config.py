@@ -165,8 +165,8 @@ def _apply_override(cls, table: dict, dotted: str, text: str | None) -> None:
             continue
         if dataclasses.is_dataclass(tp):
             raise UserError(f"--{dotted} is a section; set one of its keys, e.g. --{dotted}.<key> VALUE")
-        if text is None:
-            if tp is not bool:
+        if text is None:  # a bare flag: true, for a key that takes a boolean (alone or beside "auto")
+            if not _check(tp, True):
                 raise UserError(f"--{dotted} needs a value ({_describe(tp)})")
             value = True
         else:
@@ -376,7 +376,7 @@ def validate(cfg) -> None:
     if e.dispatcher == "local" and ep != 1:
         raise UserError(f"[moe_echo] dispatcher = 'local' needs [parallelism] expert_parallel_degree = 1 (got {ep}); "
                         "use 'alltoall', 'padded' or 'auto'")
-    if e.echo and ep == 1:
+    if e.echo is True and ep == 1:
         raise UserError("[moe_echo] echo = true needs [parallelism] expert_parallel_degree > 1 (clones live on other "
                         "EP ranks); set echo = false or raise expert_parallel_degree")
     _require(1 <= e.echo_slots_per_rank <= 64, "[moe_echo] echo_slots_per_rank", e.echo_slots_per_rank, "in [1, 64]")

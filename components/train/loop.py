@@ -197,12 +197,14 @@ def summary_extra(run: Run, tr: Training, model, n_params: int, step_graph, logs
 
 
 def dispatcher_line(layers) -> str:
-    """The MoE layers' dispatcher, and the token chunks each layer went in where it pipelined them."""
+    """The MoE layers' dispatcher, ECHO where it runs, and the token chunks each layer went in where it pipelined
+    them."""
     if not layers:
         return "-"
     layer = layers[0][1]
+    echo = "" if layer.echo is None else f", ECHO on ({layer.echo.S} slots per rank)"
     chunks = "" if layer.chunks == 1 else f", {layer.chunks} token chunks per layer (overlap_chunks = {layer.cfg.overlap_chunks})"
-    return type(layer.dispatcher).__name__ + chunks
+    return type(layer.dispatcher).__name__ + echo + chunks
 
 
 class OtherLoad:

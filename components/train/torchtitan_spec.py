@@ -3,10 +3,11 @@
     torchrun --nproc_per_node 2 -m torchtitan.train --job.config_file train_configs/debug_gpu.toml \\
         --job.custom_config_module components.train.job_config \\
         --experimental.custom_import components.train.torchtitan_spec \\
-        --model.name moe_echo_deepseek_v3 --parallelism.expert_parallel_degree 2 --moe_echo.echo
+        --model.name moe_echo_deepseek_v3 --parallelism.expert_parallel_degree 2 --moe_echo.echo True
 
 Importing this module registers the specs (idempotent; ``TRAIN_SPECS`` names them). torchtitan's
-CLI spells booleans as flags (``--moe_echo.echo``, ``--checkpoint.no-enable``). On a CPU-only
+CLI spells booleans as flags (``--checkpoint.no-enable``) and a key that also takes ``"auto"`` as
+``True`` / ``False`` / ``auto`` (``--moe_echo.echo True``). On a CPU-only
 machine torchtitan's trainer needs tests/torchtitan_cpu_main.py in place of ``-m torchtitan.train``
 (torchtitan falls back to "cuda" without an accelerator). With the same config and seed, a run here
 and a recipes/pretrain.py run log the same losses (tests/test_torchtitan_trainer.py).
