@@ -112,8 +112,8 @@ class MoEEchoConfig:
     echo: bool | Literal["auto"] = "auto"
     """ECHO: clone hot experts into spare slots on under-loaded EP ranks every step (needs EP > 1). ``auto``: on
     where the dispatcher is ``nvlink`` (set, or picked by ``dispatcher = "auto"``) from EP=4 on, else off. At EP=4
-    on one host it levels the ranks (v2lite_1b natural routing: rank load 1.6 -> 1.0, 1.00-1.04x the step, up to
-    4.7 GiB less memory; 8 hot experts: 1.46x); at EP=2 it measured 0.99-1.03x, across emulated hosts 0.89-1.07x."""
+    on one host it levels the ranks (v2lite_1b natural routing: rank load 1.4-1.6 -> 1.0, 1.00-1.04x the step, up to
+    6.5 GiB less memory; 8 hot experts: 1.46x); at EP=2 it measured 0.99-1.03x, across emulated hosts 0.89-1.07x."""
 
     echo_slots_per_rank: int = 2
     """Echo slots per EP rank (each can host one clone of a hot expert per step)."""
