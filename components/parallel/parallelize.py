@@ -44,9 +44,10 @@ def apply_expert_parallel(moe: MoELayer, ep_mesh, cfg) -> None:
         full = getattr(moe.experts, name).data
         local = full.chunk(ep, dim=0)[rank].clone()
         setattr(moe.experts, name, nn.Parameter(DTensor.from_local(local, ep_mesh, [Shard(0)], run_check=False)))
-    slots = cfg.echo_slots_per_rank if cfg.echo else 0
-    # with ECHO the dispatcher routes over e + S "experts" per rank: home experts, then echo slots
     hosts, on_one_host = _ep_layout(ep_mesh, ep)
+    echo, _ = _echo_on(cfg, ep, hosts, on_one_host)
+    slots = cfg.echo_slots_per_rank if echo else 0
+    # with ECHO the dispatcher routes over e + S "experts" per rank: home experts, then echo slots
     if cfg.dispatcher == "nvlink" and not on_one_host:
         raise UserError(f"[moe_echo] dispatcher = 'nvlink' needs the {ep} EP ranks on the CUDA GPUs of one host "
                         f"(they span {hosts.hosts} hosts; {torch.cuda.device_count()} GPUs here); use 'hierarchical', "
@@ -59,7 +60,7 @@ def apply_expert_parallel(moe: MoELayer, ep_mesh, cfg) -> None:
                                       on_one_host, hosts)
     check_overlap(moe.cfg, moe.dispatcher)  # what the layer's forward reads
     moe.ep_size = ep
-    if cfg.echo:
+    if echo:
         transport = build_transport(moe.dispatcher, ep_mesh.get_group(), ep, rank, slots, moe.num_experts // ep)
         per_host = hosts.ranks_per_host if hosts is not None and hosts.spans_hosts else None
         moe.echo = Echo(moe.num_experts, ep, rank, slots, cfg.echo_planner, transport, ranks_per_host=per_host)
@@ -71,15 +72,21 @@ def _ep_layout(ep_mesh, ep: int):
     return hosts, peers_on_one_host(ep_mesh.device_type, ep) and not hosts.spans_hosts
 
 
+def _echo_on(cfg, ep: int, hosts, on_one_host: bool) -> tuple[bool, str]:
+    """(whether the EP layers run ECHO, the dispatcher backend that decided it) for ``cfg.echo`` true, false or
+    ``"auto"``."""
+    backend = "local" if ep == 1 else cfg.dispatcher
+    if backend == "auto":
+        backend = resolve_backend(cfg, ep, on_one_host, hosts.spans_hosts and hosts.regular)
+    return resolve_echo(cfg, backend, ep), backend
+
+
 def _resolve_echo(mesh, dims: ParallelDims, cfg) -> None:
     """``[moe_echo] echo = "auto"`` made true or false, in place, before anything sizes ECHO's slots."""
     if cfg.echo != "auto":
         return
-    backend = "local" if dims.ep == 1 else cfg.dispatcher
-    if backend == "auto":
-        hosts, on_one_host = _ep_layout(mesh.ep, dims.ep)
-        backend = resolve_backend(cfg, dims.ep, on_one_host, hosts.spans_hosts and hosts.regular)
-    cfg.echo = resolve_echo(cfg, backend, dims.ep)
+    hosts, on_one_host = _ep_layout(mesh.ep, dims.ep) if dims.ep > 1 else (None, False)
+    cfg.echo, backend = _echo_on(cfg, dims.ep, hosts, on_one_host)
     if cfg.echo and torch.distributed.get_rank() == 0:
         print(f"echo: auto = on ({backend} dispatcher at EP={dims.ep}; echo = false turns it off)", flush=True)
 
