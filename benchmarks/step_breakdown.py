@@ -38,7 +38,10 @@ Communication: the kernels that move data between GPUs, by name (NCCL's, the pee
 ``comm_exposed_ms`` the part of it when no other kernel runs (on any stream): communication that nothing
 hides; ``comm_by_kernel`` splits it by kernel name. (``nvlink``'s pull of the combined rows runs in ``_gather_sum_kernel``, which also does local sums:
 it counts as dispatch work, not communication, so its exposed share is a lower bound; ``comm_exposed_upper_ms``
-counts those kernels as communication too, an upper bound.)
+counts those kernels as communication too, an upper bound.) ``comm_exposed_by_phase`` splits both by where in
+the step it falls (``phase_of``): ``forward`` (up to the loss), ``backward`` (from the loss to the optimizer) and
+``optimizer`` (the optimizer, then the next step's collectives before its first compute, such as FSDP's first
+all-gather).
 """
 
 import argparse
@@ -87,6 +90,36 @@ KERNEL_RULES = [  # kernel names that say it all (no launching op found, e.g. Tr
 COMM_KERNEL = re.compile(r"^nccl|_peer_\w*kernel|barrier|PtoP", re.I)  # kernels that move data between GPUs
 BARRIER = re.compile(r"barrier", re.I)  # symmetric-memory / peer barriers: time a rank spends waiting for its peers
 PEER_READ = re.compile(r"_gather_sum_kernel")  # nvlink's combine: reads the peers' sums (and sums local rows)
+
+
+PHASES = ("forward", "backward", "optimizer")
+# the next step's forward has begun at the first of these after an optimizer kernel (collectives before it, such
+# as FSDP's first all-gather, stay with the optimizer phase: the step boundary)
+FORWARD_WORK = {"attention", "dense GEMMs", "routed experts", "router", "norms", "dispatch", "echo", "fp8 scaling"}
+
+
+def phase_of(cats: list[str]) -> list[str]:
+    """Each kernel's phase, for kernels in start-time order given by category: forward until a loss kernel,
+    backward from it until an optimizer kernel, optimizer until the next forward work (``FORWARD_WORK``)."""
+    out, phase = [], "forward"
+    for cat in cats:
+        if cat == "optimizer":
+            phase = "optimizer"
+        elif cat == "loss":
+            phase = "backward"
+        elif phase == "optimizer" and cat in FORWARD_WORK:
+            phase = "forward"
+        out.append(phase)
+    return out
+
+
+def _exposed_by_phase(spans: list[tuple], phases: list[str], cover: list[tuple[float, float]]) -> dict:
+    """Per phase: the union of ``spans`` (start, end) of that phase, less what ``cover`` overlaps (microseconds)."""
+    out = {}
+    for ph in PHASES:
+        mine = _union([s for s, p in zip(spans, phases) if p == ph])
+        out[ph] = _length(mine) - _overlap(mine, cover)
+    return out
 
 
 def classify(stack: list[str], kernel: str) -> str:
@@ -155,7 +188,8 @@ def breakdown(trace_path: str) -> dict:
         kernels = [k for k in kernels if k.get("args", {}).get("correlation") in launches]
 
     ms, top, wait = defaultdict(float), defaultdict(float), 0.0
-    intervals, comm, reads, others, comm_named = [], [], [], [], []
+    intervals, comm, reads, others, comm_named, kinds = [], [], [], [], [], []
+    kernels = sorted(kernels, key=lambda k: k["ts"])
     for k in kernels:
         corr = k.get("args", {}).get("correlation")
         stack = stacks.get(corr, [])
@@ -169,6 +203,7 @@ def breakdown(trace_path: str) -> dict:
         intervals.append(span)
         name = k.get("name", "")
         (comm if COMM_KERNEL.search(name) else reads if PEER_READ.search(name) else others).append(span)
+        kinds.append((span, cat, "comm" if COMM_KERNEL.search(name) else "read" if PEER_READ.search(name) else ""))
         if COMM_KERNEL.search(name):
             comm_named.append((span, name))
     busy = _length(_union(intervals))
@@ -178,6 +213,11 @@ def breakdown(trace_path: str) -> dict:
     # upper bound: the combine's peer reads counted as communication too (their local sums with them)
     wide_U = _union(comm + reads)
     comm_exposed_upper = _length(wide_U) - _overlap(wide_U, _union(others)) if reads else comm_exposed
+    phases = phase_of([c for _, c, _ in kinds])
+    low = _exposed_by_phase([s for s, _, kind in kinds if kind == "comm"],
+                            [p for p, (_, _, kind) in zip(phases, kinds) if kind == "comm"], rest_U)
+    wide = [(s, p) for p, (s, _, kind) in zip(phases, kinds) if kind]
+    high = _exposed_by_phase([s for s, _ in wide], [p for _, p in wide], _union(others)) if reads else low
     by_kernel = defaultdict(lambda: [0.0, 0.0])  # name -> [kernel time, the part no non-communication kernel covers]
     for span, name in comm_named:
         by_kernel[name][0] += span[1] - span[0]
@@ -190,6 +230,7 @@ def breakdown(trace_path: str) -> dict:
     return {"steps": n, "kernel_ms": total / n, "busy_ms": busy / 1e3 / n, "barrier_ms": wait / n,
             "comm_ms": comm_ms / 1e3 / n, "comm_exposed_ms": comm_exposed / 1e3 / n,
             "comm_exposed_upper_ms": comm_exposed_upper / 1e3 / n,
+            "comm_exposed_by_phase": {ph: {"ms": low[ph] / 1e3 / n, "upper_ms": high[ph] / 1e3 / n} for ph in PHASES},
             "comm_by_kernel": [{"kernel": k, "ms": v[0] / 1e3 / n, "exposed_ms": v[1] / 1e3 / n}
                                for k, v in sorted(by_kernel.items(), key=lambda kv: -kv[1][1])[:12]],
             "ms": {c: ms.get(c, 0.0) / n for c in CATEGORIES},
@@ -244,6 +285,13 @@ def table(rows: list[dict]) -> str:
         lines.append("| exposed, counting the combine's peer reads (`_gather_sum_kernel`) too | " + " | ".join(
             f"{r.get('comm_exposed_upper_ms', 0.0):.2f} | {100 * r.get('comm_exposed_upper_ms', 0.0) / r['busy_ms']:.1f}"
             for r in rows) + " |")
+    if any(r.get("comm_exposed_by_phase") and r.get("comm_ms") for r in rows):
+        upper = any(r.get("comm_exposed_upper_ms", 0.0) > r.get("comm_exposed_ms", 0.0) for r in rows)
+        for key, what in [("ms", "exposed")] + ([("upper_ms", "exposed with the peer reads")] if upper else []):
+            for ph in PHASES:
+                lines.append(f"| {what}, {ph} | " + " | ".join(
+                    f"{r['comm_exposed_by_phase'][ph][key]:.2f} | {100 * r['comm_exposed_by_phase'][ph][key] / r['busy_ms']:.1f}"
+                    if "comm_exposed_by_phase" in r else " | " for r in rows) + " |")
     if any(r.get("barrier_ms") for r in rows):  # inside dispatch: a rank spinning until its peers arrive
         lines.append("| of which barriers (a rank waiting for its peers) | "
                      + " | ".join(f"{r.get('barrier_ms', 0.0):.2f} | {100 * r.get('barrier_ms', 0.0) / r['kernel_ms']:.1f}"
