@@ -51,7 +51,8 @@ resting on one run of each carries that.
 
 Writes ``e2e_<N>x<GPU>.json`` / ``.md``, one table per GPU count N (``--nproc``) and GPU kind (rows {config,
 gpus, run, tokens_per_s_per_gpu, step_ms, mfu_pct, vs_torchtitan_best, graph_vs_eager, compile_vs_graph, variant,
-rank_load: the busiest EP rank's load over the mean in the steady window}); a file already there gets the new rows
+rank_load: the busiest EP rank's load over the mean in the steady window, moe: what the MoE layers ran, from the run
+summary, e.g. "nvlink+echo, 2 chunks"}); a file already there gets the new rows
 merged in (same config/gpus/label/run/variant replaced), so several invocations build one table. ``--table NAME`` writes
 ``e2e_<NAME>_<N>x<GPU>`` instead. ``--merge FILE`` merges the rows of another invocation's file (e.g. copied back from
 the GPU machine that ran it), ``--labels`` / ``--runs`` picking which:
@@ -385,7 +386,19 @@ def measure(run: str, a, cfg_path: str, cfg: dict, tok_dir: str, data: str, work
     windows = len([s for s, _ in vals if s > a.steps // 2 and s not in skip])
     return {"run": run, "tokens_per_s_per_gpu": tps, "windows": windows,
             "graph": graph.group(1).strip() if graph else "", "replays": replays, "rank_load": rank_load,
-            "peak_gib": peak_gib(run, log, dump), "folder": dump}
+            "moe": moe_setup(log), "peak_gib": peak_gib(run, log, dump), "folder": dump}
+
+
+def moe_setup(log: str) -> str:
+    """What the MoE layers ran, from the run summary's ``dispatcher`` line: the backend, ``+echo`` where ECHO ran
+    (set, or turned on by ``echo = "auto"``) and the token chunks per layer where more than one ("nvlink+echo,
+    2 chunks"); "" where the log has no such line (torchtitan's runs)."""
+    m = re.search(r"^dispatcher\s+(\w+?)Dispatcher(.*)$", log, re.M)
+    if not m:
+        return ""
+    chunks = re.search(r"(\d+) token chunks", m.group(2))
+    return (m.group(1).lower() + ("+echo" if "ECHO on" in m.group(2) else "")
+            + (f", {chunks.group(1)} chunks" if chunks else ""))
 
 
 def peak_gib(run: str, log: str, dump: str) -> float | None:
@@ -597,7 +610,8 @@ def host_row(r: dict) -> dict:
     m = model_args_of(cfg)
     me = cfg.get("moe_echo", {})
     hot = int(arg_value(r["args"], "moe_echo.debug_hot_experts", me.get("debug_hot_experts", 0)))
-    echo = arg_value(r["args"], "moe_echo.echo", str(me.get("echo", False))).lower() == "true"
+    echo = ("+echo" in r["moe"]) if r.get("moe") else (  # what ran; rows measured without it: the arguments
+        arg_value(r["args"], "moe_echo.echo", str(me.get("echo", False))).lower() == "true")
     return {"dispatcher": arg_value(r["args"], "moe_echo.dispatcher", me.get("dispatcher", "auto")),
             "echo": echo, "slots": int(arg_value(r["args"], "moe_echo.echo_slots_per_rank", 2)) if echo else 0,
             "hosts": r["hosts"], "gpus_per_host": r["gpus"] // r["hosts"],
@@ -656,6 +670,8 @@ def render(path: str) -> str:
             "error"]
     if any(r.get("scaling") for r in d["rows"]):  # rows of a --nproc 1,2,... invocation
         cols.insert(cols.index("vs_torchtitan_best"), "scaling")
+    if any(r.get("moe") for r in d["rows"]):  # rows that say what their MoE layers ran
+        cols.insert(cols.index("variant") + 1, "moe")
     lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     lines += ["| " + " | ".join(cell(r, c) for c in cols) + " |" for r in d["rows"]]
     gpus = sorted({r.get("gpus") for r in d["rows"] if r.get("gpus")})

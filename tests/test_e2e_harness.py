@@ -10,8 +10,8 @@ from conftest import ROOT
 sys.path.insert(0, ROOT)
 import pytest  # noqa: E402
 
-from benchmarks.e2e import (combine_repeats, compare, disturbed_windows, failure_line, no_steady_window,  # noqa: E402
-                            parse_variants, peak_gib, rank_load_in_steady, replays_in_steady, source_tree, steady,
+from benchmarks.e2e import (combine_repeats, compare, disturbed_windows, failure_line, moe_setup,  # noqa: E402
+                            no_steady_window, parse_variants, peak_gib, rank_load_in_steady, replays_in_steady, source_tree, steady,
                             with_overrides)
 
 
@@ -107,6 +107,30 @@ def test_a_failed_run_reports_the_recipes_one_line_error():
     assert failure_line(log).startswith("error: [moe_echo] experts_gemm")
     assert failure_line("RuntimeError: CUDA out of memory\n=======\n") == "RuntimeError: CUDA out of memory"
     assert failure_line("") == ""
+
+
+def test_the_moe_column_says_what_the_layers_ran_from_the_run_summary():
+    """The run summary's dispatcher line, not the arguments: echo = "auto" decides inside the run."""
+    log = ("step 60 loss 2.1\n"
+           "dispatcher     NVLinkDispatcher, ECHO on (2 slots per rank), 2 token chunks per layer (overlap_chunks = auto)\n"
+           "cuda graph     on (captured 1x)\n")
+    assert moe_setup(log) == "nvlink+echo, 2 chunks"
+    assert moe_setup("dispatcher     PaddedDispatcher\n") == "padded"
+    assert moe_setup("dispatcher     HierarchicalDispatcher, 2 token chunks per layer (overlap_chunks = 2)\n") == \
+        "hierarchical, 2 chunks"
+    assert moe_setup("step: 25  loss: 3.2  tps: 12,345\n") == ""  # torchtitan's log has no such line
+
+
+def test_the_table_has_a_moe_column_where_a_row_has_one(tmp_path):
+    from benchmarks.e2e import render
+
+    env = {"gpu": "NVIDIA H200", "torch": "t", "python": "p", "date": "d"}
+    row = {"config": "c", "gpus": 4, "label": "b", "run": "ours", "variant": "auto", "tokens_per_s_per_gpu": 5.0}
+    for rows, has in (([row], False), ([row, dict(row, variant="off", moe="nvlink+echo, 2 chunks")], True)):
+        (tmp_path / "t.json").write_text(json.dumps({"env": env, "peak_tflops": 989.0, "rows": rows}))
+        text = render(str(tmp_path / "t.json"))
+        assert ("| variant | moe | tokens_per_s_per_gpu |" in text) == has, text
+        assert ("| off | nvlink+echo, 2 chunks | 5 |" in text) == has, text
 
 
 def test_step_time_uses_the_batch_shape_a_run_was_given():
