@@ -252,8 +252,12 @@ def test_training_with_echo_matches_echo_off(tmp_path):
     and its TensorBoard-bound stats show it balanced the ranks."""
     common = ["--training.local_batch_size", "4", "--parallelism.expert_parallel_degree", "2", "--training.steps", "10",
               "--checkpoint.enable", "false", "--moe_echo.bias_update_rate", "0", "--moe_echo.debug_hot_experts", "1"]
-    recipe(tmp_path / "off", 2, *common)
-    recipe(tmp_path / "on", 2, *common, "--moe_echo.echo", "true", "--moe_echo.echo_slots_per_rank", "2")
+    p_off = recipe(tmp_path / "off", 2, *common)  # echo = "auto": off at EP=2 (and on CPU's padded dispatcher)
+    p_on = recipe(tmp_path / "on", 2, *common, "--moe_echo.echo", "true", "--moe_echo.echo_slots_per_rank", "2")
+    line = {n: next(l for l in p.stdout.splitlines() if l.startswith("dispatcher ")) for n, p in (("off", p_off),
+                                                                                                  ("on", p_on))}
+    assert "ECHO" not in line["off"] and "echo: auto" not in p_off.stdout, line["off"]
+    assert "PaddedDispatcher, ECHO on (2 slots per rank)" in line["on"], line["on"]
     recipe(tmp_path / "recompute", 2, *common, "--moe_echo.echo", "true", "--moe_echo.echo_recompute", "true")
     off, on = losses(tmp_path / "off"), losses(tmp_path / "on")
     recomputed = losses(tmp_path / "recompute")
