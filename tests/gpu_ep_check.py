@@ -5,7 +5,8 @@
 2. the alltoall baseline does raise there (so the check is real);
 3. the bf16 EP=2 layer matches the same layer at EP=1 (every backend);
 4. in fp32, nvlink's outputs and input/weight gradients (either copy path, and with the layer's tokens in 3
-   pipelined chunks) equal alltoall's (exact path) to 1e-5."""
+   pipelined chunks, or in 2 with the shared experts at the pipeline's ends) equal alltoall's (exact path) to
+   1e-5."""
 
 import copy
 import os
@@ -39,10 +40,12 @@ def main():
     mesh = init_device_mesh("cuda", (world,), mesh_dim_names=("ep",))
     ref = make(dev)
     x_all = torch.randn(world, 1024, 512, device=dev, generator=torch.Generator(device=dev).manual_seed(1))
-    for backend, echo, copies, chunks in (("padded", False, "kernel", 1), ("padded", True, "kernel", 1),
-                                          ("nvlink", False, "kernel", 1), ("nvlink", True, "kernel", 1),
-                                          ("nvlink", True, "copy_engine", 1), ("nvlink", True, "kernel", 2),
-                                          ("nvlink", True, "copy_engine", 2), ("alltoall", False, "kernel", 1)):
+    for backend, echo, copies, chunks, shared in (
+            ("padded", False, "kernel", 1, "auto"), ("padded", True, "kernel", 1, "auto"),
+            ("nvlink", False, "kernel", 1, "auto"), ("nvlink", True, "kernel", 1, "auto"),
+            ("nvlink", True, "copy_engine", 1, "auto"), ("nvlink", True, "kernel", 2, "auto"),
+            ("nvlink", True, "kernel", 2, "ends"), ("nvlink", True, "copy_engine", 2, "auto"),
+            ("alltoall", False, "kernel", 1, "auto")):
         base = copy.deepcopy(ref)
         if echo:  # two hot experts on rank 0, so ECHO really clones
             base.expert_bias[:2] = 0.5
@@ -50,7 +53,8 @@ def main():
             y_ref = base(x_all)
         layer = copy.deepcopy(base)
         apply_expert_parallel(layer, mesh, MoEEchoConfig(dispatcher=backend, capacity_factor=float(world), echo=echo,
-                                                         nvlink_copy=copies, overlap_chunks=chunks))
+                                                         nvlink_copy=copies, overlap_chunks=chunks,
+                                                         shared_experts_stream=shared))
         x = x_all[rank:rank + 1].clone().requires_grad_()
         with torch.autocast("cuda", dtype=torch.bfloat16):
             y = layer(x)
@@ -78,26 +82,29 @@ def main():
         else:
             assert synced is not None, "alltoall did not sync: the check is not real"
         if rank == 0:
-            print(f"{backend} echo={echo} copies={copies} chunks={chunks}: rel err vs EP=1 {rel:.2e}; host sync: {synced or 'none'}", flush=True)
+            print(f"{backend} echo={echo} copies={copies} chunks={chunks} shared={shared}: rel err vs EP=1 {rel:.2e}; host sync: {synced or 'none'}", flush=True)
     # fp32: nvlink (with ECHO) against the exact alltoall path, outputs and gradients
     grads = {}
     for backend, copies, chunks in (("alltoall", "kernel", 1), ("nvlink", "kernel", 1), ("nvlink_ce", "copy_engine", 1),
-                                    ("nvlink_c3", "kernel", 3), ("nvlink_ce_c2", "copy_engine", 2)):
+                                    ("nvlink_c3", "kernel", 3), ("nvlink_ce_c2", "copy_engine", 2),
+                                    ("nvlink_c2_ends", "kernel", 2)):
         layer = copy.deepcopy(ref)
         layer.expert_bias[:2] = 0.5
         apply_expert_parallel(layer, mesh, MoEEchoConfig(dispatcher=backend.split("_")[0], capacity_factor=float(world),
-                                                         echo=True, nvlink_copy=copies, overlap_chunks=chunks))
+                                                         echo=True, nvlink_copy=copies, overlap_chunks=chunks,
+                                                         shared_experts_stream="ends" if "ends" in backend else "auto"))
         x = x_all[rank:rank + 1].clone().requires_grad_()
         y = layer(x)
         (y * torch.linspace(-1, 1, y.numel(), device=dev).view_as(y)).sum().backward()
         grads[backend] = [y.detach(), x.grad] + [p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad
                                                   for p in layer.parameters()]
-    for name in ("nvlink", "nvlink_ce", "nvlink_c3", "nvlink_ce_c2"):
+    for name in ("nvlink", "nvlink_ce", "nvlink_c3", "nvlink_ce_c2", "nvlink_c2_ends"):
         for a, b in zip(grads["alltoall"], grads[name]):
             err = float((a - b).norm() / b.norm().clamp_min(1e-30))
             assert err < 1e-5, f"fp32 {name} vs alltoall: rel err {err}"
     if rank == 0:
-        print(f"fp32 nvlink (kernels, copy engines, 3 chunks, copy engines in 2 chunks) == alltoall (outputs, input and {len(grads['nvlink']) - 2} parameter grads)", flush=True)
+        print(f"fp32 nvlink (kernels, copy engines, 3 chunks, copy engines in 2 chunks, 2 chunks with the shared "
+              f"experts at the pipeline's ends) == alltoall (outputs, input and {len(grads['nvlink']) - 2} parameter grads)", flush=True)
     dist.barrier()
     if rank == 0:
         print("GPU-EP-OK", flush=True)

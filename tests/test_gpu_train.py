@@ -50,6 +50,9 @@ CASES["overlap_echo_padded_2gpu"] = (2, CASES["padded_2gpu"][1] + ["--moe_echo.o
 # the whole step in FP8: torchao's rowwise Float8Linear for the dense layers, FP8 routed experts
 CASES["float8_rowwise_1gpu"] = (1, ["--model.converters", "float8", "--quantize.linear.float8.recipe_name", "rowwise"])
 CASES["overlap_echo_nvlink_2gpu"] = (2, CASES["echo_nvlink_2gpu"][1] + ["--moe_echo.overlap_chunks", "2"])
+# the same with the shared experts on half the tokens at each end of the pipeline (on the main stream)
+CASES["overlap_ends_nvlink_2gpu"] = (2, CASES["overlap_echo_nvlink_2gpu"][1] + ["--moe_echo.shared_experts_stream",
+                                                                               "ends"])
 # FSDP reduce-scatters the dense gradients in bf16 (half the bytes of the fp32 default)
 CASES["bf16_reduce_nvlink_2gpu"] = (2, CASES["echo_nvlink_2gpu"][1] + ["--training.mixed_precision_reduce", "bfloat16"])
 CASES["echo_nvlink_quack_2gpu"] = (2, CASES["echo_nvlink_2gpu"][1] + ["--moe_echo.experts_gemm", "quack"])

@@ -301,7 +301,7 @@ def test_nvlink_weight_multicast_and_gradient_reduce_back(shape, into):
 @pytest.mark.parametrize("gathered, copies", [(False, "kernel"), (True, "kernel"), (False, "copy_engine"),
                                             (True, "copy_engine")],
                          ids=["dispatched", "gathered", "dispatched-ce", "gathered-ce"])
-def test_echo_layer_over_nvlink_equals_ep1(R, routing, recompute, gathered, copies, chunks=1):
+def test_echo_layer_over_nvlink_equals_ep1(R, routing, recompute, gathered, copies, chunks=1, shared="auto"):
     """The whole MoE layer with ECHO on the nvlink backend (plan, rewrite, peer dispatch, clone
     weights and gradient reduce-back over peer memory, combine) against the same layer at EP=1:
     outputs, input gradients, expert gradients and replicated gradients, fp64 to 1e-12. With
@@ -340,7 +340,8 @@ def test_echo_layer_over_nvlink_equals_ep1(R, routing, recompute, gathered, copi
 
     def rank_fn(rank, ws):
         layer = layers[rank]
-        layer.cfg = dataclasses.replace(layer.cfg, gathered_experts=gathered, overlap_chunks=chunks)
+        layer.cfg = dataclasses.replace(layer.cfg, gathered_experts=gathered, overlap_chunks=chunks,
+                                        shared_experts_stream=shared)
         for name in ("w1", "w2", "w3"):
             full = getattr(layer.experts, name).data
             setattr(layer.experts, name, torch.nn.Parameter(full[rank * e:(rank + 1) * e].clone()))
@@ -383,6 +384,14 @@ def test_pipelined_echo_layer_over_nvlink_equals_ep1(R, routing, recompute, copi
     buffers of its own while the others are in flight; equal to EP=1 to 1e-12, also after every shared buffer
     was poisoned."""
     test_echo_layer_over_nvlink_equals_ep1(R, routing, recompute, False, copies, chunks=3)
+
+
+@pytest.mark.parametrize("R, routing", [(2, "random"), (4, "all_to_one")])
+def test_pipelined_layer_with_shared_experts_at_the_ends_equals_ep1(R, routing):
+    """``shared_experts_stream = "ends"``: the shared experts run on half the tokens at each end of the pipeline
+    (beside the first chunk's dispatch and the last chunk's combine); the layer still equals EP=1 to 1e-12,
+    outputs and every gradient (the shared experts' included)."""
+    test_echo_layer_over_nvlink_equals_ep1(R, routing, False, False, "kernel", chunks=3, shared="ends")
 
 
 _LAUNCHES = r"""

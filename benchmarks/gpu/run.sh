@@ -482,13 +482,15 @@ print('largest step difference over steps 1-20: %.2e at step %d' % max(rel[:20])
           --profiling.profiler_warmup 8 --profiling.profiler_active 4 --training.cuda_graph true --compile.enable true
           --parallelism.expert_parallel_degree $EP --moe_echo.capacity_factor 2 ${ARGS:-}"
     # PART=nvlink: nvlink unsplit and in 2 chunks only -> step_breakdown_v2lite_1b_gpu_overlap_nvlink_ep2_2x<GPU>.md
+    # RUNS= picks the runs (nvlink nvlink_c2 nvlink_c4 padded padded_c2 ce ce_c2), in the named file
     # PART=ce: nvlink's copies by the copy engines (no SM taken from the experts' GEMMs), unsplit and in 2 chunks,
     # beside the kernel copies -> step_breakdown_v2lite_1b_gpu_overlap_ce_ep2_2x<GPU>.md
     runs="nvlink nvlink_c2 padded padded_c2"; name=v2lite_1b_gpu_overlap_ep$EP
     [ "${PART:-}" = nvlink ] && { runs="nvlink nvlink_c2"; name=v2lite_1b_gpu_overlap_nvlink_ep$EP; }
     [ "${PART:-}" = ce ] && { runs="nvlink ce ce_c2"; name=v2lite_1b_gpu_overlap_ce_ep$EP; }
+    runs=${RUNS:-$runs}  # e.g. RUNS="nvlink nvlink_c2 nvlink_c4"
     name=$name${LABEL:+_$LABEL}
-    for v in "nvlink:nvlink 1" "nvlink_c2:nvlink 2" "padded:padded 1" "padded_c2:padded 2" "ce:nvlink 1 copy_engine" \
+    for v in "nvlink:nvlink 1" "nvlink_c2:nvlink 2" "nvlink_c4:nvlink 4" "padded:padded 1" "padded_c2:padded 2" "ce:nvlink 1 copy_engine" \
              "ce_c2:nvlink 2 copy_engine"; do
       [[ " $runs " == *" ${v%%:*} "* ]] || continue
       r=${v%%:*}; set -- ${v#*:}

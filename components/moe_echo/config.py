@@ -88,11 +88,13 @@ class MoEEchoConfig:
     a replay) is up to 1.7× slower at 4096 tokens, and the graphed v2lite_1b step at EP=2 is the same (its clean
     windows 191–209k tokens/s per GPU with either): the kernels stay the default."""
 
-    shared_experts_stream: Literal["auto", "on", "off"] = "auto"
+    shared_experts_stream: Literal["auto", "on", "off", "ends"] = "auto"
     """Run the shared experts on a side CUDA stream, concurrent with the router, dispatch, routed
     experts and combine (their backward follows on the same stream). ``auto``: where the dispatcher
-    moves tokens between GPUs (EP > 1); ``on``: also at EP=1; ``off``: one stream. Same results
-    either way (the same kernels, ordered by stream waits)."""
+    moves tokens between GPUs (EP > 1); ``on``: also at EP=1; ``off``: one stream; ``ends``: in a
+    pipelined layer (``overlap_chunks`` > 1) on the current stream, where it would wait for communication: on
+    the first half of the tokens while the first chunk is dispatched and on the second half while the last
+    chunk is combined (elsewhere as ``auto``). Same results (``ends``: up to the GEMMs' rounding on half the rows)."""
 
     overlap_chunks: int | Literal["auto"] = "auto"
     """Split each MoE layer's tokens into this many chunks and pipeline them: while the experts compute chunk

@@ -134,7 +134,9 @@ class MoELayer(nn.Module):
         x_TD = x_BSD.reshape(B * S, D)
         use_bias = self.load_balance_coeff is not None or self.cfg.debug_hot_experts > 0
         bias_E = self.expert_bias if use_bias else None
-        side = self._shared_stream(x_TD)
+        chunks = self.chunks = chunks_for(self.cfg, self.dispatcher, x_TD.shape[0], self.echo is not None)
+        ends = self._shared_at_ends(x_TD, chunks)
+        side = None if ends else self._shared_stream(x_TD)
         if side is not None:  # fork: the shared experts run beside everything up to the sum below
             side.wait_stream(torch.cuda.current_stream(x_TD.device))
             with torch.cuda.stream(side):
@@ -145,7 +147,6 @@ class MoELayer(nn.Module):
             self.tokens_per_expert.add_(r.counts_E)
 
         ids_TK, plan = r.topk_ids_TK, None
-        chunks = self.chunks = chunks_for(self.cfg, self.dispatcher, x_TD.shape[0], self.echo is not None)
         if self.echo is not None:
             with torch.no_grad():
                 ids_TK, plan = self.echo.route(ids_TK, r.counts_E, chunks)
@@ -153,15 +154,14 @@ class MoELayer(nn.Module):
         if self.cfg.gathered_experts:
             y_TD = self._gathered(x_TD, ids_TK, r.topk_w_TK, plan)
         elif chunks > 1:
-            y_TD = pipelined_routed(self.dispatcher, lambda x, c, ext: self._experts(x, c, extend=ext),
-                                    self._count_overflow, x_TD, ids_TK, r.topk_w_TK, chunks, self._extend(plan))
+            y_TD = self._pipelined(x_TD, ids_TK, r.topk_w_TK, chunks, plan, shared_at_ends=ends)
         else:
             y_TD = self._dispatched(x_TD, ids_TK, r.topk_w_TK, plan)
         if side is not None:  # join
             torch.cuda.current_stream(x_TD.device).wait_stream(side)
             shared_TD.record_stream(torch.cuda.current_stream(x_TD.device))
             y_TD = y_TD + shared_TD
-        elif self.shared_experts is not None:
+        elif self.shared_experts is not None and not ends:
             y_TD = y_TD + self.shared_experts(x_TD)
 
         if self.cfg.aux_loss_coeff > 0 and self.training and torch.is_grad_enabled():
@@ -197,6 +197,17 @@ class MoELayer(nn.Module):
         y_ND = self._experts(x_ND, counts_e, extend=self._extend(plan))
         return self.dispatcher.combine(y_ND, handle)
 
+    def _pipelined(self, x_TD, ids_TK, w_TK, chunks: int, plan, shared_at_ends: bool) -> torch.Tensor:
+        """The routed experts over token chunks (pipelined.py); with ``shared_at_ends`` plus the shared experts,
+        run on the current stream on the first half of the tokens while chunk 0 is dispatched and on the second
+        half while the last chunk is combined (returns routed + shared)."""
+        shared, beside = [], None
+        if shared_at_ends:
+            beside = tuple((lambda x=x: shared.append(self.shared_experts(x))) for x in x_TD.chunk(2))
+        y_TD = pipelined_routed(self.dispatcher, lambda x, c, ext: self._experts(x, c, extend=ext),
+                                self._count_overflow, x_TD, ids_TK, w_TK, chunks, self._extend(plan), beside)
+        return y_TD + torch.cat(shared) if shared else y_TD
+
     def _extend(self, plan):
         return None if plan is None else (lambda w, i, out=None: self.echo.local_weights(w, plan, i, out))
 
@@ -219,6 +230,11 @@ class MoELayer(nn.Module):
         are cast per call."""
         if self.experts.precision == "fp8" and self.echo is None and not self.cfg.gathered_experts:
             self.experts.enable_fp8_copies()
+
+    def _shared_at_ends(self, x_TD: torch.Tensor, chunks: int) -> bool:
+        """True where the shared experts fill the ends of a pipelined layer (``shared_experts_stream = "ends"``)."""
+        return (self.shared_experts is not None and chunks > 1 and x_TD.shape[0] > 1
+                and self.cfg.shared_experts_stream == "ends")
 
     def _shared_stream(self, x_TD: torch.Tensor) -> torch.cuda.Stream | None:
         """The side stream for the shared experts, or None where they run on the current stream."""

@@ -92,11 +92,15 @@ def fetched_once(extend):
     return once
 
 
-def pipelined_routed(dispatcher, experts, count, x_TD, ids_TK, w_TK, chunks: int, extend=None) -> torch.Tensor:
+def pipelined_routed(dispatcher, experts, count, x_TD, ids_TK, w_TK, chunks: int, extend=None,
+                     beside=None) -> torch.Tensor:
     """The routed experts' y_TD [T, D] as dispatch -> experts -> combine over ``chunks`` token chunks.
 
     ``experts(x_ND, counts_e, extend) -> y_ND`` and ``count(handle)`` (overflow bookkeeping) are the layer's;
-    on CUDA, dispatch and combine run on the ``moe_comm`` side stream (on CPU: in order, one stream)."""
+    on CUDA, dispatch and combine run on the ``moe_comm`` side stream (on CPU: in order, one stream).
+    ``beside`` (two callables): work for the current stream at the pipeline's two ends, where it has nothing
+    else to do: the first is issued while chunk 0 is dispatched, the second while the last chunk is combined
+    (autograd runs their backward beside those ops' backward the same way)."""
     xs, ids, ws = x_TD.chunk(chunks), ids_TK.chunk(chunks), w_TK.chunk(chunks)
     view = getattr(dispatcher, "chunk_view", None)
     ds = [view(i) if view is not None else dispatcher for i in range(len(xs))]
@@ -117,6 +121,8 @@ def pipelined_routed(dispatcher, experts, count, x_TD, ids_TK, w_TK, chunks: int
         return x_ND, counts_e, handle, done
 
     ys, nxt = [], dispatched(0)
+    if beside is not None:
+        beside[0]()
     for i in range(len(xs)):
         x_ND, counts_e, handle, done = nxt
         if i + 1 < len(xs):
@@ -132,6 +138,8 @@ def pipelined_routed(dispatcher, experts, count, x_TD, ids_TK, w_TK, chunks: int
                 comm.wait_event(computed)
                 y_ND.record_stream(comm)
             ys.append(ds[i].combine(y_ND, handle))
+    if beside is not None:
+        beside[1]()
     if comm is not None:  # join
         main.wait_stream(comm)
         for y in ys:
