@@ -36,12 +36,15 @@ summed kernel time; ``busy_ms`` is the union of kernel intervals per step (what 
 Communication: the kernels that move data between GPUs, by name (NCCL's, the peer-memory kernels
 ``_peer_*`` and barriers, peer-to-peer memcpys); ``comm_ms`` is the union of their intervals per step and
 ``comm_exposed_ms`` the part of it when no other kernel runs (on any stream): communication that nothing
-hides; ``comm_by_kernel`` splits it by kernel name. (``nvlink``'s pull of the combined rows runs in ``_gather_sum_kernel``, which also does local sums:
-it counts as dispatch work, not communication, so its exposed share is a lower bound; ``comm_exposed_upper_ms``
-counts those kernels as communication too, an upper bound.) ``comm_exposed_by_phase`` splits both by where in
-the step it falls (``phase_of``): ``forward`` (up to the loss), ``backward`` (from the loss to the optimizer) and
-``optimizer`` (the optimizer, then the next step's collectives before its first compute, such as FSDP's first
-all-gather).
+hides; ``comm_by_kernel`` splits it by kernel name. ``nvlink``'s kernels that touch only this rank's memory have
+names of their own (``_scatter_rows_kernel``: the expansion into expert rows; ``_gather_sum_kernel``: the owner's
+sums) and are dispatch work, not communication; its peer reads and writes are ``_peer_*`` kernels. (Traces from
+before that split ran the combine's pull in ``_gather_sum_kernel`` with the local sums: for them the exposed
+share is a lower bound and ``comm_exposed_upper_ms`` counts those kernels as communication too, an upper bound;
+the expansion ran in ``_peer_scatter_kernel`` and counts as communication.) ``comm_exposed_by_phase`` splits both
+by where in the step it falls (``phase_of``): ``forward`` (up to the loss), ``backward`` (from the loss to the
+optimizer) and ``optimizer`` (the optimizer, then the next step's collectives before its first compute, such as
+FSDP's first all-gather); ``ms_by_phase`` splits each category's kernel time the same way.
 """
 
 import argparse
@@ -89,7 +92,8 @@ KERNEL_RULES = [  # kernel names that say it all (no launching op found, e.g. Tr
 
 COMM_KERNEL = re.compile(r"^nccl|_peer_\w*kernel|barrier|PtoP", re.I)  # kernels that move data between GPUs
 BARRIER = re.compile(r"barrier", re.I)  # symmetric-memory / peer barriers: time a rank spends waiting for its peers
-PEER_READ = re.compile(r"_gather_sum_kernel")  # nvlink's combine: reads the peers' sums (and sums local rows)
+PEER_READ = re.compile(r"^_gather_sum_kernel")  # before the local / peer split: the combine's pull and local sums
+SPLIT_PEER_READ = "_peer_gather_sum_kernel"  # the pull in a kernel of its own: _gather_sum_kernel is local only
 
 
 PHASES = ("forward", "backward", "optimizer")
@@ -190,6 +194,7 @@ def breakdown(trace_path: str) -> dict:
     ms, top, wait = defaultdict(float), defaultdict(float), 0.0
     intervals, comm, reads, others, comm_named, kinds = [], [], [], [], [], []
     kernels = sorted(kernels, key=lambda k: k["ts"])
+    mixed_reads = PEER_READ if not any(k.get("name") == SPLIT_PEER_READ for k in kernels) else re.compile(r"(?!)")
     for k in kernels:
         corr = k.get("args", {}).get("correlation")
         stack = stacks.get(corr, [])
@@ -202,8 +207,8 @@ def breakdown(trace_path: str) -> dict:
         span = (k["ts"], k["ts"] + k.get("dur", 0))
         intervals.append(span)
         name = k.get("name", "")
-        (comm if COMM_KERNEL.search(name) else reads if PEER_READ.search(name) else others).append(span)
-        kinds.append((span, cat, "comm" if COMM_KERNEL.search(name) else "read" if PEER_READ.search(name) else ""))
+        (comm if COMM_KERNEL.search(name) else reads if mixed_reads.search(name) else others).append(span)
+        kinds.append((span, cat, "comm" if COMM_KERNEL.search(name) else "read" if mixed_reads.search(name) else ""))
         if COMM_KERNEL.search(name):
             comm_named.append((span, name))
     busy = _length(_union(intervals))
@@ -214,6 +219,9 @@ def breakdown(trace_path: str) -> dict:
     wide_U = _union(comm + reads)
     comm_exposed_upper = _length(wide_U) - _overlap(wide_U, _union(others)) if reads else comm_exposed
     phases = phase_of([c for _, c, _ in kinds])
+    by_phase = {ph: defaultdict(float) for ph in PHASES}
+    for (span, cat, _), ph in zip(kinds, phases):
+        by_phase[ph][cat] += (span[1] - span[0]) / 1e3
     low = _exposed_by_phase([s for s, _, kind in kinds if kind == "comm"],
                             [p for p, (_, _, kind) in zip(phases, kinds) if kind == "comm"], rest_U)
     wide = [(s, p) for p, (s, _, kind) in zip(phases, kinds) if kind]
@@ -234,6 +242,7 @@ def breakdown(trace_path: str) -> dict:
             "comm_by_kernel": [{"kernel": k, "ms": v[0] / 1e3 / n, "exposed_ms": v[1] / 1e3 / n}
                                for k, v in sorted(by_kernel.items(), key=lambda kv: -kv[1][1])[:12]],
             "ms": {c: ms.get(c, 0.0) / n for c in CATEGORIES},
+            "ms_by_phase": {ph: {c: by_phase[ph].get(c, 0.0) / n for c in CATEGORIES} for ph in PHASES},
             "pct": {c: 100 * ms.get(c, 0.0) / total if total else 0.0 for c in CATEGORIES},
             "top": [{"category": c, "ops": o, "kernel": k, "ms": v / n} for (c, o, k), v in ranked[:30]],
             "by_category": {cat: [{"ops": o, "kernel": k, "ms": v / n} for (c, o, k), v in ranked if c == cat][:12]
@@ -299,6 +308,22 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def phase_table(rows: list[dict]) -> str:
+    """Kernel time per step by category and phase, one cell "forward / backward / optimizer" per run; rows of
+    older results (no ``ms_by_phase``) are left out."""
+    rows = [r for r in rows if r.get("ms_by_phase")]
+    if not rows:
+        return ""
+    cats = [c for c in CATEGORIES if any(r["ms_by_phase"][ph][c] for r in rows for ph in PHASES)]
+    head = "| category | " + " | ".join(f"{r['label']} ms: " + " / ".join(PHASES) for r in rows) + " |"
+    lines = [head, "|---|" + "---|" * len(rows)]
+    for c in cats + ["**kernel time**"]:
+        cell = (lambda r, ph: sum(r["ms_by_phase"][ph].values())) if c.startswith("**") else (
+            lambda r, ph, c=c: r["ms_by_phase"][ph][c])
+        lines.append(f"| {c} | " + " | ".join(" / ".join(f"{cell(r, ph):.2f}" for ph in PHASES) for r in rows) + " |")
+    return "\n".join(lines)
+
+
 def trace_machine(trace_path: str) -> tuple[str, int]:
     """(GPU name, world size) a profiler trace records (``deviceProperties``, ``distributedInfo``); ("", 1)
     where it does not say."""
@@ -327,6 +352,8 @@ def main():
         r["label"], r["trace"] = label or os.path.basename(os.path.dirname(path)), path
         rows.append(r)
     text = table(rows)
+    if phase_table(rows):
+        text += "\n\nKernel time by phase of the step (ms per step; phases as for the exposed rows):\n\n" + phase_table(rows)
     for r in rows:
         text += f"\n\nLargest kernels of {r['label']} (ms per step; innermost op < its parent):\n\n"
         text += "| ms | category | ops | kernel |\n|---|---|---|---|\n"

@@ -65,9 +65,9 @@ def combine_backward_torch(g_TD, y_ND, w_TK, idx_TK):
 if triton is not None:
 
     @triton.jit
-    def _gather_sum_kernel(out_ptr, src_ptr, idx_ptr, rank_ptr, ptrs_ptr, w_ptr, T, D, K: tl.constexpr,
-                           HAS_W: tl.constexpr, PEERS: tl.constexpr, ACCUMULATE: tl.constexpr,
-                           BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr):
+    def _gather_sum_rows(out_ptr, src_ptr, idx_ptr, rank_ptr, ptrs_ptr, w_ptr, T, D, K: tl.constexpr,
+                         HAS_W: tl.constexpr, PEERS: tl.constexpr, ACCUMULATE: tl.constexpr,
+                         BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr):
         """out[t] = Σ_k w[t, k] · src[idx[t, k]] over BLOCK_T whole rows per iteration of a persistent
         grid; PEERS: slot (t, k) reads the buffer at address ptrs[rank[t, k]] (src_ptr only gives
         the dtype); ACCUMULATE: out[t] += the sum, and rows with no slot (every idx -1) are not touched."""
@@ -98,6 +98,20 @@ if triton is not None:
                     v = v * tl.load(w_ptr + t_T * K + k, mask=ok_T, other=0.0).to(tl.float32)[:, None]
                 acc += v
             tl.store(out_ptr + t_T[:, None] * D + cols, acc.to(out_ptr.dtype.element_ty), mask=ok_T[:, None] & in_row)
+
+    # two kernels over one body, so a profile tells the local sums from the reads of peer memory (NVLink)
+    @triton.jit
+    def _gather_sum_kernel(out_ptr, src_ptr, idx_ptr, w_ptr, T, D, K: tl.constexpr, HAS_W: tl.constexpr,
+                           ACCUMULATE: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr):
+        _gather_sum_rows(out_ptr, src_ptr, idx_ptr, idx_ptr, idx_ptr, w_ptr, T, D, K, HAS_W, False, ACCUMULATE,
+                         BLOCK_T, BLOCK_D)
+
+    @triton.jit
+    def _peer_gather_sum_kernel(out_ptr, src_ptr, idx_ptr, rank_ptr, ptrs_ptr, w_ptr, T, D, K: tl.constexpr,
+                                HAS_W: tl.constexpr, ACCUMULATE: tl.constexpr, BLOCK_T: tl.constexpr,
+                                BLOCK_D: tl.constexpr):
+        _gather_sum_rows(out_ptr, src_ptr, idx_ptr, rank_ptr, ptrs_ptr, w_ptr, T, D, K, HAS_W, True, ACCUMULATE,
+                         BLOCK_T, BLOCK_D)
 
     @triton.jit
     def _combine_bwd_kernel(g_ptr, y_ptr, w_ptr, idx_ptr, gy_ptr, gw_ptr, D, K: tl.constexpr,
@@ -149,11 +163,12 @@ def launch_gather_sum(out_TD, src, idx_TK, w_TK=None, rank_TK=None, ptrs_R=None,
         return out_TD
     grid, meta = row_launch(T, out_TD.shape[1], programs, block_t, num_warps)
     idx_TK = idx_TK.contiguous()
-    peers = rank_TK is not None
-    w = w_TK.contiguous() if w_TK is not None else idx_TK  # dummy pointers where unused
-    _gather_sum_kernel[grid](out_TD, src, idx_TK, rank_TK.contiguous() if peers else idx_TK,
-                             ptrs_R if peers else idx_TK, w, T, out_TD.shape[1], K=K, HAS_W=w_TK is not None,
-                             PEERS=peers, ACCUMULATE=accumulate, **meta)
+    w = w_TK.contiguous() if w_TK is not None else idx_TK  # dummy pointer without weights
+    flags = dict(K=K, HAS_W=w_TK is not None, ACCUMULATE=accumulate, **meta)
+    if rank_TK is not None:
+        _peer_gather_sum_kernel[grid](out_TD, src, idx_TK, rank_TK.contiguous(), ptrs_R, w, T, out_TD.shape[1], **flags)
+    else:
+        _gather_sum_kernel[grid](out_TD, src, idx_TK, w, T, out_TD.shape[1], **flags)
     return out_TD
 
 

@@ -86,9 +86,9 @@ def peer_route_meta_torch(ids_TK, rank_in_id_TK, base_X, e: int, capacity: int, 
 if triton is not None:
 
     @triton.jit
-    def _peer_scatter_kernel(x_ptr, src_ptr, rank_ptr, row_ptr, ptrs_ptr, buf_like, scale_ptr, T, D, K: tl.constexpr,
-                             HAS_SRC: tl.constexpr, HAS_SCALE: tl.constexpr, ONE_DEST: tl.constexpr,
-                             BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr):
+    def _scatter_rows(x_ptr, src_ptr, rank_ptr, row_ptr, ptrs_ptr, buf_like, scale_ptr, T, D, K: tl.constexpr,
+                      HAS_SRC: tl.constexpr, HAS_SCALE: tl.constexpr, ONE_DEST: tl.constexpr,
+                      BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr):
         ty = buf_like.dtype.element_ty
         cols = tl.arange(0, BLOCK_D)[None, :]
         in_row = cols < D
@@ -114,6 +114,22 @@ if triton is not None:
                     s_T = tl.load(scale_ptr + t_T * K + k, mask=ok_T, other=0.0).to(tl.float32)
                     v = x.to(tl.float32) * s_T[:, None]
                 tl.store(dst_T[:, None] + row_T[:, None] * D + cols, v.to(ty), mask=(row_T >= 0)[:, None] & in_row)
+
+    # two kernels over one body, so a profile tells the writes into peers (NVLink) from the scatter into one buffer
+    # (the owner's expansion of its received tokens into expert rows, in its own memory)
+    @triton.jit
+    def _peer_scatter_kernel(x_ptr, src_ptr, rank_ptr, row_ptr, ptrs_ptr, buf_like, scale_ptr, T, D, K: tl.constexpr,
+                             HAS_SRC: tl.constexpr, HAS_SCALE: tl.constexpr, BLOCK_T: tl.constexpr,
+                             BLOCK_D: tl.constexpr):
+        _scatter_rows(x_ptr, src_ptr, rank_ptr, row_ptr, ptrs_ptr, buf_like, scale_ptr, T, D, K, HAS_SRC, HAS_SCALE,
+                      False, BLOCK_T, BLOCK_D)
+
+    @triton.jit
+    def _scatter_rows_kernel(x_ptr, src_ptr, row_ptr, ptrs_ptr, buf_like, scale_ptr, T, D, K: tl.constexpr,
+                             HAS_SRC: tl.constexpr, HAS_SCALE: tl.constexpr, BLOCK_T: tl.constexpr,
+                             BLOCK_D: tl.constexpr):
+        _scatter_rows(x_ptr, src_ptr, row_ptr, row_ptr, ptrs_ptr, buf_like, scale_ptr, T, D, K, HAS_SRC, HAS_SCALE,
+                      True, BLOCK_T, BLOCK_D)
 
 
     @triton.jit
@@ -173,11 +189,13 @@ def peer_scatter(x_TD, rank_TK, row_TK, ptrs_R, peers, scale_TK=None, programs: 
     D = x_TD.shape[1]
     grid, meta = row_launch(T, D, programs, block_t or (1 if rank_TK is None else peer_block_t(D)))
     scale = scale_TK.contiguous() if scale_TK is not None else row_TK  # dummy pointer without scale
-    rank = rank_TK.contiguous() if rank_TK is not None else row_TK  # dummy pointer with one destination
     src = src_T.contiguous() if src_T is not None else row_TK  # dummy pointer: slot row t reads row t
-    _peer_scatter_kernel[grid](x_TD.contiguous(), src, rank, row_TK.contiguous(), ptrs_R, peers[0], scale, T, D,
-                               K=K, HAS_SRC=src_T is not None, HAS_SCALE=scale_TK is not None,
-                               ONE_DEST=rank_TK is None, **meta)
+    flags = dict(K=K, HAS_SRC=src_T is not None, HAS_SCALE=scale_TK is not None, **meta)
+    x_TD, row_TK = x_TD.contiguous(), row_TK.contiguous()
+    if rank_TK is None:  # every slot into one buffer
+        _scatter_rows_kernel[grid](x_TD, src, row_TK, ptrs_R, peers[0], scale, T, D, **flags)
+    else:
+        _peer_scatter_kernel[grid](x_TD, src, rank_TK.contiguous(), row_TK, ptrs_R, peers[0], scale, T, D, **flags)
 
 
 def peer_gather_sum(rank_TK, row_TK, ptrs_R, peers, w_TK=None, out_dtype=None, programs: int = 32,

@@ -244,3 +244,49 @@ def test_exposed_communication_splits_by_phase_of_the_step(tmp_path):
     assert abs(sum(v["ms"] for v in r["comm_exposed_by_phase"].values()) - r["comm_exposed_ms"]) < 1e-12
     r["label"] = "x"
     assert "| exposed, backward | 0.05 |" in table([r]) and "| exposed with the peer reads, backward | 0.10 |" in table([r])
+
+
+def test_kernel_time_splits_by_phase_per_category(tmp_path):
+    """The trace above: forward 100-400 (a GEMM 0.2 ms, the dispatch 0.15 ms, then the next step's attention 0.1 and
+    barrier 0.02), backward (the loss 0.05, a peer copy 0.05, a GEMM 0.2, the pull 0.1), optimizer (AdamW 0.05, the
+    all-gather 0.1); per phase the categories sum to the phase's kernel time, and the phases to the step's."""
+    from benchmarks.step_breakdown import phase_table
+
+    events = [{"ph": "X", "cat": "user_annotation", "name": "ProfilerStep#1", "ts": 0, "dur": 100, "tid": 1}]
+    for corr, (ts, dur, name) in enumerate([(100, 200, "nvjet_sm90_tst_256x128"), (250, 150, "_peer_scatter_kernel"),
+                                            (400, 50, "_cross_entropy_fwd_kernel"), (450, 50, "_peer_scatter_kernel"),
+                                            (500, 200, "nvjet_sm90_tst_256x128"), (650, 100, "_gather_sum_kernel"),
+                                            (750, 50, "_adamw_kernel"), (800, 100, "ncclDevKernel_AllGather_RING_LL"),
+                                            (900, 100, "cudnn_generated_fort_native_sdpa_sm90_flash_fprop"),
+                                            (1000, 20, "c10d::symmetric_memory::barrier_kernel")], 1):
+        events += [_launch(corr, corr), _kernel(corr, ts, dur, name)]
+    r = breakdown(_trace(tmp_path, events))
+    got = {ph: {c: round(v, 9) for c, v in cats.items() if v} for ph, cats in r["ms_by_phase"].items()}
+    assert got == {"forward": {"dense GEMMs": 0.2, "dispatch": 0.17, "attention": 0.1},
+                   "backward": {"loss": 0.05, "dispatch": 0.15, "dense GEMMs": 0.2},
+                   "optimizer": {"optimizer": 0.05, "collectives": 0.1}}
+    assert abs(sum(sum(c.values()) for c in r["ms_by_phase"].values()) - r["kernel_ms"]) < 1e-12
+    r["label"] = "x"
+    text = phase_table([r])
+    assert "| dispatch | 0.17 / 0.15 / 0.00 |" in text and "| **kernel time** | 0.47 / 0.40 / 0.15 |" in text
+    assert phase_table([{"label": "old"}]) == ""  # results written before the split have no such table
+
+
+def test_the_nvlink_kernels_on_local_memory_are_not_communication(tmp_path):
+    """With the pull in ``_peer_gather_sum_kernel``, the local kernels (``_scatter_rows_kernel``: the expansion,
+    ``_gather_sum_kernel``: the owner's sums) are dispatch work, not communication, and there is no upper bound:
+    a GEMM 100-300, the send 300-400 alone, the expansion 400-500 alone, the owner's sums 500-600 alone, the pull
+    600-700 beside a norm 650-700: exposed 300-400 and 600-650 (0.15 ms)."""
+    from benchmarks.step_breakdown import table
+
+    events = [{"ph": "X", "cat": "user_annotation", "name": "ProfilerStep#1", "ts": 0, "dur": 100, "tid": 1}]
+    for corr, (ts, dur, name) in enumerate([(100, 200, "nvjet_sm90_tst_256x128"), (300, 100, "_peer_scatter_kernel"),
+                                            (400, 100, "_scatter_rows_kernel"), (500, 100, "_gather_sum_kernel"),
+                                            (600, 100, "_peer_gather_sum_kernel"), (650, 50, "rms_norm_kernel")], 1):
+        events += [_launch(corr, corr), _kernel(corr, ts, dur, name)]
+    r = breakdown(_trace(tmp_path, events))
+    assert abs(r["comm_exposed_ms"] - 0.15) < 1e-12 and r["comm_exposed_upper_ms"] == r["comm_exposed_ms"]
+    assert {t["kernel"] for t in r["comm_by_kernel"]} == {"_peer_scatter_kernel", "_peer_gather_sum_kernel"}
+    assert abs(r["ms"]["dispatch"] - 0.4) < 1e-12  # all four are dispatch work
+    r["label"] = "x"
+    assert "peer reads" not in table([r])

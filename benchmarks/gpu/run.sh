@@ -593,7 +593,7 @@ print('largest step difference over steps 1-20: %.2e at step %d' % max(rel[:20])
           2>&1 | noise | grep -E "^\| v2lite" ;;
     esac ;;
 
-  ep8)  # not run yet; PART=a: on the nvlink-push branch test_gpu_ep also checks fp32 nvlink push == alltoall
+  ep8)  # not run yet (needs an 8-GPU host)
     N=$(ngpus); echo "GPUs: $N"
     case ${PART:-a} in
       a) CUDA_VISIBLE_DEVICES=0,1 timeout 200 python3 -m pytest -x tests/test_gpu_ep.py -p no:warnings -q -s 2>&1 | tail -9
