@@ -221,6 +221,19 @@ def test_fp8_scaling_is_its_own_category_and_fp8_gemms_stay_gemms(tmp_path):
     assert abs(r["ms"]["dense GEMMs"] - 0.5) < 1e-12 and abs(r["ms"]["casts/copies"] - 0.04) < 1e-12
 
 
+def _phases_trace(tmp_path):
+    """One step of every phase (the two tests below describe it)."""
+    events = [{"ph": "X", "cat": "user_annotation", "name": "ProfilerStep#1", "ts": 0, "dur": 100, "tid": 1}]
+    for corr, (ts, dur, name) in enumerate([(100, 200, "nvjet_sm90_tst_256x128"), (250, 150, "_peer_scatter_kernel"),
+                                            (400, 50, "_cross_entropy_fwd_kernel"), (450, 50, "_peer_scatter_kernel"),
+                                            (500, 200, "nvjet_sm90_tst_256x128"), (650, 100, "_gather_sum_kernel"),
+                                            (750, 50, "_adamw_kernel"), (800, 100, "ncclDevKernel_AllGather_RING_LL"),
+                                            (900, 100, "cudnn_generated_fort_native_sdpa_sm90_flash_fprop"),
+                                            (1000, 20, "c10d::symmetric_memory::barrier_kernel")], 1):
+        events += [_launch(corr, corr), _kernel(corr, ts, dur, name)]
+    return _trace(tmp_path, events)
+
+
 def test_exposed_communication_splits_by_phase_of_the_step(tmp_path):
     """Forward: a GEMM 100-300, its dispatch 250-400 (exposed 300-400); the loss 400-450; backward: a peer copy
     450-500 alone, then a GEMM 500-700 with the pull 650-750 beside it (upper bound adds 700-750); the optimizer
@@ -230,15 +243,7 @@ def test_exposed_communication_splits_by_phase_of_the_step(tmp_path):
 
     assert phase_of(["attention", "loss", "dense GEMMs", "optimizer", "collectives", "other", "norms", "loss"]) == [
         "forward", "backward", "backward", "optimizer", "optimizer", "optimizer", "forward", "backward"]
-    events = [{"ph": "X", "cat": "user_annotation", "name": "ProfilerStep#1", "ts": 0, "dur": 100, "tid": 1}]
-    for corr, (ts, dur, name) in enumerate([(100, 200, "nvjet_sm90_tst_256x128"), (250, 150, "_peer_scatter_kernel"),
-                                            (400, 50, "_cross_entropy_fwd_kernel"), (450, 50, "_peer_scatter_kernel"),
-                                            (500, 200, "nvjet_sm90_tst_256x128"), (650, 100, "_gather_sum_kernel"),
-                                            (750, 50, "_adamw_kernel"), (800, 100, "ncclDevKernel_AllGather_RING_LL"),
-                                            (900, 100, "cudnn_generated_fort_native_sdpa_sm90_flash_fprop"),
-                                            (1000, 20, "c10d::symmetric_memory::barrier_kernel")], 1):
-        events += [_launch(corr, corr), _kernel(corr, ts, dur, name)]
-    r = breakdown(_trace(tmp_path, events))
+    r = breakdown(_phases_trace(tmp_path))
     got = {ph: (round(v["ms"], 9), round(v["upper_ms"], 9)) for ph, v in r["comm_exposed_by_phase"].items()}
     assert got == {"forward": (0.12, 0.12), "backward": (0.05, 0.1), "optimizer": (0.1, 0.1)}
     assert abs(sum(v["ms"] for v in r["comm_exposed_by_phase"].values()) - r["comm_exposed_ms"]) < 1e-12
@@ -252,15 +257,7 @@ def test_kernel_time_splits_by_phase_per_category(tmp_path):
     all-gather 0.1); per phase the categories sum to the phase's kernel time, and the phases to the step's."""
     from benchmarks.step_breakdown import phase_table
 
-    events = [{"ph": "X", "cat": "user_annotation", "name": "ProfilerStep#1", "ts": 0, "dur": 100, "tid": 1}]
-    for corr, (ts, dur, name) in enumerate([(100, 200, "nvjet_sm90_tst_256x128"), (250, 150, "_peer_scatter_kernel"),
-                                            (400, 50, "_cross_entropy_fwd_kernel"), (450, 50, "_peer_scatter_kernel"),
-                                            (500, 200, "nvjet_sm90_tst_256x128"), (650, 100, "_gather_sum_kernel"),
-                                            (750, 50, "_adamw_kernel"), (800, 100, "ncclDevKernel_AllGather_RING_LL"),
-                                            (900, 100, "cudnn_generated_fort_native_sdpa_sm90_flash_fprop"),
-                                            (1000, 20, "c10d::symmetric_memory::barrier_kernel")], 1):
-        events += [_launch(corr, corr), _kernel(corr, ts, dur, name)]
-    r = breakdown(_trace(tmp_path, events))
+    r = breakdown(_phases_trace(tmp_path))
     got = {ph: {c: round(v, 9) for c, v in cats.items() if v} for ph, cats in r["ms_by_phase"].items()}
     assert got == {"forward": {"dense GEMMs": 0.2, "dispatch": 0.17, "attention": 0.1},
                    "backward": {"loss": 0.05, "dispatch": 0.15, "dense GEMMs": 0.2},
