@@ -293,3 +293,15 @@ def test_gpu_counts_run_in_one_invocation_and_multi_gpu_rows_get_their_scaling(t
     header = next(l for l in table.splitlines() if l.startswith("| config"))
     assert "scaling" in [c.strip() for c in header.split("|")]
     assert "| 97.0% |" in table and "| 90.0% (vs no variant) |" in table
+
+
+def test_gpu_run_script_refuses_options_given_as_arguments():
+    """``run.sh scaling PART=b P=1,4`` would run part a (options are environment variables): one error line that
+    shows the command to run, exit 2, nothing run."""
+    import subprocess
+
+    p = subprocess.run(["bash", "benchmarks/gpu/run.sh", "scaling", "PART=b", "P=1,4"], cwd=ROOT, capture_output=True,
+                       text=True, timeout=60)
+    assert p.returncode == 2 and p.stdout == "", (p.returncode, p.stdout, p.stderr)
+    assert p.stderr.strip().splitlines() == ["error: run.sh takes one suite name, got: scaling PART=b P=1,4; set the "
+                                             "options before it: PART=b P=1,4 bash benchmarks/gpu/run.sh scaling"]

@@ -94,6 +94,9 @@
 #                    vs flat padded, ECHO off/on, natural and 8 hot experts -> e2e_<N>x<GPU>.md (label hosts2),
 #                    e2e_hosts_<N>x<GPU>.md; PART=c hierarchical whole vs in 2 chunks (label overlap_hosts<L><L>)
 set -uo pipefail
+if [ $# -gt 1 ]; then  # PART=b and the like are environment variables: as arguments they would be ignored
+  echo "error: run.sh takes one suite name, got: $*; set the options before it: ${*:2} bash benchmarks/gpu/run.sh $1" >&2
+  exit 2; fi
 if [ "${1:-}" = quack_unpack ]; then  # step 1 of 2 for QuACK (build/quack alone: with .whl it is too large to copy at once)
   xz -dc build/quack/ir.so.xz > /tmp/quack_ir.so && ls -la /tmp/quack_ir.so; exit; fi
 source benchmarks/gpu/lib.sh
