@@ -22,6 +22,10 @@ once into every rank it goes to, no expert-major copy of the received tokens; th
 pulled back. Same bytes as nvlink's rows; ``gathered_rel_err`` compares its value (identity experts) with
 nvlink's dispatch + combine.
 
+``nvlink_fp8_*``: nvlink with the fp8 wire (``dispatch_precision = "fp8"``: token rows cross as e4m3 + a scale,
+``fp8_wire_bytes_frac`` of bf16's bytes), dispatch alone and dispatch + combine (which stays bf16), graphed, at the
+main table's CTAs; ``fp8_*_speedup``: bf16's time over fp8's.
+
 SM budgets (``--sms 24,64``; the main table runs nvlink at the first): nvlink and DeepEP's intranode kernels
 (the ``deepep`` dispatcher, where ``deep_ep`` imports; eager only: its normal mode sizes buffers on the host)
 at each budget, eager, one row per shape and budget. nvlink's budget is its kernels' CTAs, DeepEP's the SMs of
@@ -47,7 +51,8 @@ from benchmarks.common import beside, environment, host_ms, markdown_table, rout
 from components.moe_echo.deepep_dispatch import DeepEPDispatcher, _buffer, release_buffers
 from components.moe_echo.ep_dispatch import AllToAllDispatcher, PaddedDispatcher, padded_capacity
 from components.moe_echo.gathered_experts import _to_rows
-from components.moe_echo.nvlink_dispatch import NVLinkDispatcher, nvlink_capacity, owner_sums, send_tokens, sum_back
+from components.moe_echo.nvlink_dispatch import (NVLinkDispatcher, fp8_wire_bytes, nvlink_capacity, owner_sums, send_tokens,
+                                                 sum_back)
 from kernels.peer_rows import peer_gather_sum, peer_scatter
 
 E, K = 64, 8
@@ -377,6 +382,9 @@ def main():
                 t_nv_host = bench(nvlink(main_sms), host=True)
                 t_nv_g = bench(nvlink(main_sms), graph=True)
                 t_nv_disp_g = bench(nvlink(main_sms), graph=True, dispatch_only=True)
+                fp8 = nvlink(main_sms)  # dispatch_precision = "fp8": token rows cross as e4m3 + a scale each
+                fp8.wire = "fp8"
+                t_fp8_disp_g, t_fp8_g = bench(fp8, graph=True, dispatch_only=True), bench(fp8, graph=True)
                 t_pad_g = bench(padded, graph=True)
                 # gathered experts' movement (no expert-major copy of the received tokens), checked against
                 # nvlink's dispatch + combine with identity experts (both sum bf16 rows in fp32; the owner's
@@ -453,6 +461,9 @@ def main():
                     "padded_cf": cf, "padded_rows_per_peer": padded_capacity(T, K, world, cf),
                     "alltoall_ms": t_a2a, "padded_ms": t_pad, "nvlink_ms": t_nv, "nvlink_host_ms": t_nv_host, "nvlink_sms": main_sms,
                     "nvlink_graph_ms": t_nv_g, "nvlink_dispatch_graph_ms": t_nv_disp_g, "padded_graph_ms": t_pad_g,
+                    "fp8_wire_bytes_frac": fp8_wire_bytes(D) / (2 * D), "nvlink_fp8_dispatch_graph_ms": t_fp8_disp_g,
+                    "fp8_dispatch_speedup": t_nv_disp_g / t_fp8_disp_g, "nvlink_fp8_graph_ms": t_fp8_g,
+                    "fp8_round_trip_speedup": t_nv_g / t_fp8_g,
                     "nvlink_GBs": tok_gbs(t_nv), "nvlink_graph_GBs": tok_gbs(t_nv_g), "nvlink_vs_alltoall": t_a2a / t_nv,
                     "nvlink_graph_vs_alltoall": t_a2a / t_nv_g, "nvlink_frac_of_ceiling": t_copy / t_nv,
                     "nvlink_graph_frac_of_ceiling": t_copy / t_nv_g,
@@ -512,6 +523,11 @@ def main():
                 "gathered_graph_ms", "gathered_graph_GBs", "gathered_vs_alltoall", "gathered_graph_vs_alltoall",
                 "gathered_graph_frac_of_ceiling", "gathered_rel_err"]
         table = markdown_table(rows, cols)
+        table += ("\n\nThe fp8 wire (``dispatch_precision = \"fp8\"``), graphed: bytes a token row crosses as, against "
+                  "bf16's, and dispatch / dispatch + combine against bf16 at the same CTAs:\n\n"
+                  + markdown_table(rows, ["T", "D", "routing", "fp8_wire_bytes_frac", "nvlink_dispatch_graph_ms",
+                                          "nvlink_fp8_dispatch_graph_ms", "fp8_dispatch_speedup", "nvlink_graph_ms",
+                                          "nvlink_fp8_graph_ms", "fp8_round_trip_speedup"]))
         table += ("\n\nThe gathered round trip in parts, graphed (``gathered_phases``; *_frac_of_copy: one direction of the "
                   "ceiling against that kernel alone):\n\n"
                   + markdown_table(rows, ["T", "D", "routing", "peer_copy_ms", "gathered_graph_ms"]

@@ -43,8 +43,19 @@ def test_a_row_on_the_grid_crosses_unchanged():
         assert torch.equal(rows_of_fp8(fp8_rows(rows), torch.float64), rows)
 
 
-@pytest.mark.parametrize("backend", ["nvlink", "deepep"])
-def test_backends_without_the_wire_refuse_it(backend):
+def test_wire_rows_padded_to_an_alignment_carry_the_same_rows():
+    """``align``: the nvlink wire pads each row to a multiple of 64 bytes (zeros after the scale); dequantised into a
+    given buffer, the rows equal the unpadded wire's."""
+    x = _rows(torch.Generator().manual_seed(3))
+    packed = fp8_rows(x, align=64)
+    assert packed.shape == (64, 320) and torch.equal(packed[:, 260:], torch.zeros(64, 60, dtype=torch.uint8))
+    assert torch.equal(packed[:, :260], fp8_rows(x))
+    out = torch.full((64, 256), float("nan"), dtype=torch.bfloat16)
+    assert rows_of_fp8(packed, torch.bfloat16, D=256, out=out) is out
+    assert torch.equal(out.double(), rows_of_fp8(fp8_rows(x), torch.float64))
+
+
+def test_deepep_refuses_the_wire():
     from components.errors import UserError
     from components.moe_echo.backends import build_dispatcher
     from components.moe_echo.config import MoEEchoConfig
@@ -53,9 +64,9 @@ def test_backends_without_the_wire_refuse_it(backend):
         def size(self):
             return 2
 
-    with pytest.raises(UserError, match=r"dispatch_precision = 'fp8' needs dispatcher 'padded', 'hierarchical' or "
-                                        r"'alltoall'"):
-        build_dispatcher(MoEEchoConfig(dispatcher=backend, dispatch_precision="fp8"), 8, Group(), 2, on_cuda=True)
+    with pytest.raises(UserError, match=r"dispatch_precision = 'fp8' needs dispatcher 'nvlink', 'padded', "
+                                        r"'hierarchical' or 'alltoall' \(this run's is 'deepep'\)"):
+        build_dispatcher(MoEEchoConfig(dispatcher="deepep", dispatch_precision="fp8"), 8, Group(), 2, on_cuda=True)
 
 
 @pytest.mark.gpu
@@ -76,3 +87,7 @@ def test_fp8_wire_kernel_on_gpu_equals_the_torch_path(dtype, D):
     back = rows_of_fp8(packed, dtype)
     assert torch.equal(back.cpu(), rows_of_fp8(fp8_rows(x), dtype)) and torch.equal(back[5].cpu(), x[5])
     assert fp8_rows(x[:0].cuda()).shape == (0, D + 4)
+    padded = fp8_rows(x.cuda(), align=64)  # the nvlink wire's rows: written in place by the kernel where D % 4 == 0
+    assert torch.equal(padded[:, :D + 4].cpu(), fp8_rows(x)) and not padded[:, D + 4:].any()
+    out = torch.empty(300, D, dtype=dtype, device="cuda")
+    assert torch.equal(rows_of_fp8(padded, dtype, D=D, out=out).cpu(), rows_of_fp8(fp8_rows(x), dtype))

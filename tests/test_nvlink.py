@@ -5,6 +5,7 @@ the peer-copy kernels themselves in the Triton interpreter."""
 import pytest
 import torch
 
+from components.moe_echo.comm import fp8_rows, rows_of_fp8
 from components.moe_echo.nvlink_dispatch import NVLinkDispatcher, nvlink_capacity
 from test_kernels import needs_cpu_interpreter, run_in_interpreter
 from threaded_ranks import run_ranks
@@ -51,10 +52,12 @@ def _poison(ws) -> None:
 
 
 def _run(R: int, kind: str, capacity_factor: float, dtype=torch.float64, tol: float = 1e-12, copies: str = "kernel",
-         poison: bool = False):
+         poison: bool = False, wire: str = "bf16", quantised_reference: bool = False):
     """fp64 runs the torch path; fp32 under TRITON_INTERPRET=1 runs the kernels themselves. ``copies``: the
     dispatcher's ``nvlink_copy`` (``copy_engine`` sends whole blocks: rows of tokens routed elsewhere cross too).
-    ``poison``: a first step builds the buffers, every shared buffer is poisoned, and the second step is checked."""
+    ``poison``: a first step builds the buffers, every shared buffer is poisoned, and the second step is checked.
+    ``wire``: the dispatcher's; ``quantised_reference``: the reference takes the tokens and the output gradients
+    through the fp8 wire's quantisation (comm.fp8_rows) first."""
     E = R * E_LOCAL
     scale_E = torch.linspace(0.5, 2.0, E, dtype=torch.float64)  # "expert e" multiplies its rows by scale[e]
     inputs = []
@@ -67,6 +70,7 @@ def _run(R: int, kind: str, capacity_factor: float, dtype=torch.float64, tol: fl
 
     def rank_fn(rank, ws):
         disp = NVLinkDispatcher(E, None, R, capacity_factor, workspace=ws, name="layer", copies=copies)
+        disp.wire = wire
         if poison:
             step(rank, disp)
             _poison(ws)
@@ -94,6 +98,8 @@ def _run(R: int, kind: str, capacity_factor: float, dtype=torch.float64, tol: fl
     assert all(o[5] == pytest.approx(float(received_R.max()) / (T * K)) for o in outs)  # same on every rank
     _run.needed = outs[0][5]
     for rank, ((x, ids, w, g), (y, gx, gw, dropped, *_)) in enumerate(zip(inputs, outs)):
+        if quantised_reference:
+            x, g = (rows_of_fp8(fp8_rows(t), torch.float64) for t in (x, g))
         keep_TK = (~drops[rank]).double()
         f_TK = scale_E[ids] * keep_TK
         y_ref = ((w * f_TK)[:, :, None] * x[:, None, :]).sum(1)
@@ -135,6 +141,26 @@ def test_rows_not_written_this_step_are_never_read(R, kind, copies):
     """The copy-engine send relies on it (rows of tokens routed elsewhere cross but must not count), and so does
     buffer reuse across steps: with every shared buffer poisoned between two steps, the second is still exact."""
     assert _run(R, kind, capacity_factor=float(R), copies=copies, poison=True) == 0
+
+
+@COPIES
+@pytest.mark.parametrize("R, kind", [(2, "random"), (4, "skewed"), (4, "all_to_one")])
+def test_fp8_wire_equals_ep1_through_the_same_quantisation(R, kind, copies):
+    """``wire = "fp8"``: tokens and output gradients cross as e4m3 rows; outputs and both gradients equal, in fp64,
+    the exact layer fed the quantised tokens and gradients (overflow included: skewed at capacity 1.0 drops rows),
+    with every shared buffer poisoned between two steps (a wire row not sent this step is never read)."""
+    dropped = _run(R, kind, capacity_factor=1.0 if kind == "skewed" else float(R), copies=copies, poison=True,
+                   wire="fp8", quantised_reference=True)
+    assert (dropped > 0) == (kind == "skewed")
+
+
+def test_fp8_wire_is_not_the_exact_wire():
+    """The check above can fail: the fp8 wire against the unquantised reference, and the bf16 wire against the
+    quantised one, both miss."""
+    with pytest.raises(AssertionError):
+        _run(2, "random", capacity_factor=2.0, wire="fp8")
+    with pytest.raises(AssertionError):
+        _run(2, "random", capacity_factor=2.0, quantised_reference=True)
 
 
 def test_nvlink_copy_is_checked():
@@ -236,6 +262,8 @@ assert use_triton(torch.zeros(1))
 # fp32 through the real kernels (token scatter, local expand, partial sums, pulls, combine backward)
 assert _run(3, "one_hot_per_rank", 3.0, torch.float32, 1e-5) == 0
 assert _run(2, "all_to_one", 1.0, torch.float32, 1e-5) == 2 * T * K - nvlink_capacity(T, K, 1.0)  # counted
+# the fp8 wire: packed rows moved as 4-byte words by the same kernels
+assert _run(2, "random", 2.0, torch.float32, 1e-5, wire="fp8", quantised_reference=True) == 0
 print("DISPATCHER-OK")
 """
 

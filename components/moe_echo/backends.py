@@ -54,10 +54,10 @@ def build_dispatcher(cfg: MoEEchoConfig, num_experts: int, ep_group=None, ep_siz
                      on_cuda: bool = False, hosts=None) -> Dispatcher:
     spans = hosts is not None and hosts.hosts > 1
     backend = resolve_backend(cfg, ep_size, on_cuda, spans)
-    if cfg.dispatch_precision != "bf16" and backend not in ("local", "padded", "hierarchical", "alltoall"):
-        raise UserError(f"[moe_echo] dispatch_precision = {cfg.dispatch_precision!r} needs dispatcher 'padded', "
-                        f"'hierarchical' or 'alltoall' (this run's is {backend!r}); choose one of them or set "
-                        f"dispatch_precision = 'bf16'")
+    if cfg.dispatch_precision != "bf16" and backend == "deepep":
+        raise UserError(f"[moe_echo] dispatch_precision = {cfg.dispatch_precision!r} needs dispatcher 'nvlink', "
+                        f"'padded', 'hierarchical' or 'alltoall' (this run's is {backend!r}); choose one of them or "
+                        f"set dispatch_precision = 'bf16'")
     d = _build(cfg, backend, num_experts, ep_group, ep_size, hosts)
     if d.communicates:
         d.wire = cfg.dispatch_precision

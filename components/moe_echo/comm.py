@@ -11,25 +11,39 @@
 import torch
 import torch.distributed as dist
 
-from kernels.fp8 import quant_rows
+from kernels.fp8 import FP8, dequant_rows, quant_rows
 
 
-def fp8_rows(x_ND: torch.Tensor) -> torch.Tensor:
-    """[N, D + 4] uint8: each row in e4m3 after division by its power-of-two scale (its absolute max / 448,
-    rounded up to a power of two; 1 for a zero row), then the scale's four fp32 bytes. On CUDA the rows
-    are quantised by one Triton kernel (kernels/fp8.py ``quant_rows``), then packed."""
-    q_ND, s_N = quant_rows(x_ND)
-    return torch.cat([q_ND.view(torch.uint8), s_N.view(torch.uint8).view(-1, 4)], dim=1)
+def fp8_rows(x_ND: torch.Tensor, align: int = 1) -> torch.Tensor:
+    """[N, P] uint8, P = round_up(D + 4, align): each row in e4m3 after division by its power-of-two scale (its
+    absolute max / 448, rounded up to a power of two; 1 for a zero row), then the scale's four fp32 bytes, then
+    zeros. On CUDA one Triton kernel (kernels/fp8.py ``quant_rows``) writes both parts in place where D and P
+    are multiples of 4."""
+    N, D = x_ND.shape
+    P = -(-(D + 4) // align) * align
+    packed = torch.empty(N, P, dtype=torch.uint8, device=x_ND.device)
+    if P > D + 4:
+        packed[:, D + 4:].zero_()
+    if D % 4 == 0 and P % 4 == 0:
+        quant_rows(x_ND, out=(packed[:, :D].view(FP8), packed.view(torch.float32)[:, D // 4]))
+    else:
+        q_ND, s_N = quant_rows(x_ND)
+        packed[:, :D] = q_ND.view(torch.uint8)
+        packed[:, D:D + 4] = s_N.view(torch.uint8).view(-1, 4)
+    return packed
 
 
-def rows_of_fp8(packed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """[N, D] in ``dtype``: fp8_rows' rows dequantised (exact in bf16 and wider: the scales are powers of two)."""
-    D = packed.shape[1] - 4
-    tail_N4 = packed[:, D:]
+def rows_of_fp8(packed: torch.Tensor, dtype: torch.dtype, D: int | None = None,
+                out: torch.Tensor | None = None) -> torch.Tensor:
+    """[N, D] in ``dtype`` (``out``, contiguous, where given): fp8_rows' rows dequantised (exact in bf16 and wider:
+    the scales are powers of two). ``D``: the row width (default: all bytes but the scale's four)."""
+    D = packed.shape[1] - 4 if D is None else D
+    tail_N4 = packed[:, D:D + 4]
     if tail_N4.storage_offset() % 4 or (tail_N4.shape[0] > 1 and tail_N4.stride(0) % 4):  # not viewable as fp32
         tail_N4 = torch.empty_like(tail_N4, memory_format=torch.contiguous_format).copy_(tail_N4)
-    out = packed[:, :D].view(torch.float8_e4m3fn).to(dtype)
-    return out.mul_(tail_N4.view(torch.float32).to(dtype))
+    s_N = tail_N4.view(torch.float32)[:, 0]
+    out = torch.empty(packed.shape[0], D, dtype=dtype, device=packed.device) if out is None else out
+    return dequant_rows(packed[:, :D].view(FP8), s_N, out)
 
 
 def _exchange(x: torch.Tensor, out_splits, in_splits, group, wire: str) -> torch.Tensor:

@@ -39,7 +39,7 @@ class MoEEchoConfig:
     """How token rows cross GPUs (and hosts) toward the experts. ``fp8``: in e4m3 with a power-of-two fp32 scale
     per row, dequantised on arrival (D + 4 bytes a row instead of 2·D): the tokens on dispatch and, in backward,
     the output gradients sent to the experts; the combined outputs and the gradients back to the tokens stay
-    bf16. ``padded``, ``hierarchical`` and ``alltoall``."""
+    bf16. ``nvlink``, ``padded``, ``hierarchical`` and ``alltoall``."""
 
     experts_gemm: Literal["torch", "quack"] = "torch"
     """Kernels of the routed experts' bf16 GEMMs. ``torch``: ``torch._grouped_mm`` and fused SwiGLU

@@ -25,6 +25,11 @@ and, shared by all layers, the backward's token-row gradients (``grad_tok`` [R·
                grad_w = <g, y[row]> ─► barrier ─► sources read their grad_w
                dispatch: grad_tok[s·T+t] = Σ_k grad_x[row] (owner) ─► barrier ─► Σ_r peer rows
 
+With ``wire = "fp8"`` (``[moe_echo] dispatch_precision``) the rows sent toward the experts (the tokens, and in
+backward the output gradients) cross as e4m3 + a power-of-two scale each, padded to ``WIRE_ALIGN`` bytes (2112
+bytes a row of 2048 instead of 4096), into a wire buffer beside ``tok`` / ``grad_tok``; after the barrier each rank
+dequantises its wire rows into them, and the rest is unchanged. Sums and gradients sent back stay in bf16.
+
 What moves the token rows (``copies``, ``[moe_echo] nvlink_copy``):
     ``copy_engine``: the copy engines, no SM. A send copies the whole [T, D] block into rows s·T.. of
         every rank (rows of tokens that go nowhere there cross too and are never read: their meta rows are -1).
@@ -56,10 +61,18 @@ from kernels.moe_rows import combine_backward, gather_sum
 from kernels.peer_rows import peer_gather_sum, peer_route_meta, peer_scatter
 from kernels.route_layout import layout_tail, slot_ranks
 
+from .comm import fp8_rows, rows_of_fp8
 from .dispatcher import DispatchHandle, ExpertParallel, FixedCapacity, capacity_rows
 from .symmetric import SymmBuffer, workspace_for
 
 _instance_ids = itertools.count()
+WIRE_ALIGN = 64  # bytes of an fp8 wire row are a multiple of this: the copy kernels move its 4-byte words in 16-byte
+# vectors (Triton specialises row widths divisible by 16 words)
+
+
+def fp8_wire_bytes(D: int) -> int:
+    """Bytes a token row of width D crosses as on the fp8 wire: e4m3 values, a 4-byte scale, padding."""
+    return -(-(D + 4) // WIRE_ALIGN) * WIRE_ALIGN
 
 
 def nvlink_capacity(num_tokens: int, top_k: int, capacity_factor: float) -> int:
@@ -140,8 +153,11 @@ class NVLinkDispatcher(FixedCapacity, ExpertParallel):
     chunk = 0  # chunk_view's index: which set of the layers' shared backward buffers this one uses
 
     def _shared(self, role: str, shape: tuple, dtype, device) -> SymmBuffer:
-        tag = f"chunk{self.chunk}/" if self.chunk else ""
-        return self.ws.buffer(f"shared/{tag}{role}/{'x'.join(map(str, shape))}/{dtype}", shape, dtype, device)
+        return self.ws.buffer(f"{self._shared_name(role)}/{'x'.join(map(str, shape))}/{dtype}", shape, dtype, device)
+
+    def _shared_name(self, role: str) -> str:
+        """The name prefix of a buffer the layers share (one per chunk index)."""
+        return f"shared/{f'chunk{self.chunk}/' if self.chunk else ''}{role}"
 
     def _ranks_TR(self, T: int, device) -> tuple[torch.Tensor, torch.Tensor]:
         """([T, R] = r: the destination column of the token routes, [T, R] = r·T + t: the staging row of a
@@ -230,10 +246,27 @@ def _join(x: torch.Tensor) -> None:
         torch.cuda.current_stream(x.device).wait_stream(side_stream(x.device, "nvlink_copies"))
 
 
+def send_on_wire(disp: NVLinkDispatcher, h: NVLinkHandle, x_TD: torch.Tensor, buf: SymmBuffer,
+                 wire_name: str) -> None:
+    """``send_rows`` of x_TD into ``buf`` as the dispatcher's ``wire`` carries them: as they are (bf16), or (``fp8``)
+    packed by ``fp8_rows`` into the symmetric ``wire_name`` buffer [R·T, WIRE_ALIGN-padded bytes] and, after its
+    barrier, dequantised from there into every row of ``buf.local`` (rows no peer sent this step hold stale bytes
+    and are never read; the rows sent here are exactly the ones read)."""
+    if disp.wire != "fp8":
+        send_rows(disp, h, x_TD, buf)
+        return
+    D = x_TD.shape[1]
+    packed_TW = fp8_rows(x_TD, align=WIRE_ALIGN).view(torch.int32)  # moved as 4-byte words
+    shape = (buf.local.shape[0], packed_TW.shape[1])
+    wire = disp.ws.buffer(f"{wire_name}/{shape[0]}x{shape[1]}", shape, torch.int32, x_TD.device)
+    send_rows(disp, h, packed_TW, wire)
+    rows_of_fp8(wire.local.view(torch.uint8), buf.local.dtype, D=D, out=buf.local)
+
+
 def send_tokens(disp: NVLinkDispatcher, h: NVLinkHandle, x_TD: torch.Tensor) -> None:
     """Each token into ``tok`` of every rank it goes to; after the barrier every token row and meta row is in
     place on every rank."""
-    send_rows(disp, h, x_TD, h.tok)
+    send_on_wire(disp, h, x_TD, h.tok, f"{disp.name}/wire")
 
 
 def sum_back(disp: NVLinkDispatcher, h: NVLinkHandle, y_ND: torch.Tensor, into: SymmBuffer, weighted: bool,
@@ -288,7 +321,7 @@ def owner_sums(y_ND: torch.Tensor, h: NVLinkHandle, into: SymmBuffer | torch.Ten
 def grad_tokens(disp: NVLinkDispatcher, h: NVLinkHandle, grad_TD: torch.Tensor) -> SymmBuffer:
     """Each token's output gradient into the shared ``grad_tok`` [R·T, D] of every rank it went to (barrier)."""
     gt = disp._shared("grad_tok", tuple(h.tok.local.shape), grad_TD.dtype, grad_TD.device)
-    send_rows(disp, h, grad_TD, gt)
+    send_on_wire(disp, h, grad_TD, gt, disp._shared_name("grad_wire"))
     return gt
 
 
