@@ -21,6 +21,8 @@
 #   copies      2    the optimizer-written expert copies' GPU tests (QuACK's after quack_unpack), ~300 s
 #   layer       1    MoE layer fwd+bwd vs torchtitan, Megatron-Core (.whl/extra/mcore) and a dense SwiGLU; bf16 and FP8 experts
 #                    (+ the layer/kernel tests)
+#   nvlink_fp8  2-4  the fp8 wire over NVLink: PART=a its GPU tests + dispatch bytes and times, b v2lite_1b EP=2/4 bf16
+#                    vs fp8 wire, c 300-step losses at EP=2 (4 GPUs: two pairs at once)
 #   fp8         1    FP8 experts: their tests, v2lite_1b 300 steps bf16 vs fp8 vs bf16 compiled (loss curves), e2e bf16 vs fp8
 #   configs     1    40 steps of each GPU config (RECIPES="debug_gpu ..." to pick)
 #   dispatch    2/4+ dispatch + combine at EP=2 on GPUs 0,1 and what a peer copy costs the SMs (copy engines vs
@@ -281,6 +283,29 @@ print('largest step difference over steps 1-20: %.2e at step %d' % max(rel[:20])
         [ -f "$OUT/f8_6b_bf16_compile.jsonl" ] && python3 benchmarks/loss_match.py "$OUT/f8_6b_bf16.jsonl" \
           "$OUT/f8_6b_fp8.jsonl" --floor "$OUT/f8_6b_bf16_compile.jsonl" --plot "$OUT/fp8_loss_v2lite_6b.png" \
           --names "bf16,FP8,bf16 compiled" | tail -2 ;;
+    esac ;;
+
+  nvlink_fp8)  # the fp8 wire over NVLink (dispatch_precision = "fp8" with the nvlink dispatcher)
+    case "${PART:-a}" in
+      a)  # its GPU tests (2 GPUs), then dispatch at EP = all GPUs -> dispatch_ep<N>_nvlink_fp8_<N>x<GPU>.md
+        timeout 300 python3 -m pytest -q -rA -p no:warnings tests/test_gpu_ep.py -k two_gpu tests/test_fp8_wire.py \
+          2>&1 | grep -E "^(PASSED|FAILED|ERROR)"
+        timeout 200 torchrun --nproc_per_node $(ngpus) benchmarks/dispatch.py --tokens 16384 --no-vdev --sweep 64 \
+          --block-t 4 --label nvlink_fp8 --out "$OUT" 2>&1 | noise | grep -A8 "fp8 wire" ;;
+      b)  # v2lite_1b compiled + graphed at EP=2 and 4, bf16 vs the fp8 wire -> e2e_<N>x<GPU>.md, label nvlink_fp8
+        PART=b P=${P:-2,4} STEPS=${STEPS:-40} LABEL=nvlink_fp8 VARIANTS="bf16=;wire=--moe_echo.dispatch_precision fp8" \
+          bash "$0" scaling ;;
+      c)  # loss, v2lite_1b at EP=2 graphed, 300 steps: bf16, the fp8 wire, and bf16 compiled (the drift of two
+          # equivalent bf16 runs) -> docs/img/nvlink_fp8_loss.png
+        G="--training.steps 300 --training.cuda_graph true --parallelism.expert_parallel_degree 2"
+        (export CUDA_VISIBLE_DEVICES=0,1 PET_MASTER_PORT=29511; TMO=200 recipe w_loss_bf16 2 $G
+         TMO=240 recipe w_loss_bf16_compile 2 $G --compile.enable true) &
+        (export CUDA_VISIBLE_DEVICES=2,3 PET_MASTER_PORT=29522; TMO=200 recipe w_loss_wire 2 $G \
+           --moe_echo.dispatch_precision fp8) &
+        wait
+        python3 benchmarks/loss_match.py "$OUT/w_loss_bf16.jsonl" "$OUT/w_loss_wire.jsonl" \
+          --floor "$OUT/w_loss_bf16_compile.jsonl" --plot "$OUT/nvlink_fp8_loss.png" --names "bf16,fp8 wire,bf16 compiled" \
+          | tail -2 ;;
     esac ;;
 
   fp8)  # -> fp8_experts_1x<GPU>.md: FP8 experts tested, 300 steps of v2lite_1b bf16 vs fp8 (loss curves), e2e rows

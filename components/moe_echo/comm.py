@@ -33,17 +33,22 @@ def fp8_rows(x_ND: torch.Tensor, align: int = 1) -> torch.Tensor:
     return packed
 
 
+def fp8_parts(packed: torch.Tensor, D: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(q [N, D] e4m3, s [N] fp32): views of fp8_rows' values and scales (the scales copied out where they are not
+    4-byte aligned)."""
+    tail_N4 = packed[:, D:D + 4]
+    if tail_N4.storage_offset() % 4 or (tail_N4.shape[0] > 1 and tail_N4.stride(0) % 4):  # not viewable as fp32
+        tail_N4 = torch.empty_like(tail_N4, memory_format=torch.contiguous_format).copy_(tail_N4)
+    return packed[:, :D].view(FP8), tail_N4.view(torch.float32)[:, 0]
+
+
 def rows_of_fp8(packed: torch.Tensor, dtype: torch.dtype, D: int | None = None,
                 out: torch.Tensor | None = None) -> torch.Tensor:
     """[N, D] in ``dtype`` (``out``, contiguous, where given): fp8_rows' rows dequantised (exact in bf16 and wider:
     the scales are powers of two). ``D``: the row width (default: all bytes but the scale's four)."""
     D = packed.shape[1] - 4 if D is None else D
-    tail_N4 = packed[:, D:D + 4]
-    if tail_N4.storage_offset() % 4 or (tail_N4.shape[0] > 1 and tail_N4.stride(0) % 4):  # not viewable as fp32
-        tail_N4 = torch.empty_like(tail_N4, memory_format=torch.contiguous_format).copy_(tail_N4)
-    s_N = tail_N4.view(torch.float32)[:, 0]
     out = torch.empty(packed.shape[0], D, dtype=dtype, device=packed.device) if out is None else out
-    return dequant_rows(packed[:, :D].view(FP8), s_N, out)
+    return dequant_rows(*fp8_parts(packed, D), out)
 
 
 def _exchange(x: torch.Tensor, out_splits, in_splits, group, wire: str) -> torch.Tensor:

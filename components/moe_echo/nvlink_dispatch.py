@@ -27,8 +27,10 @@ and, shared by all layers, the backward's token-row gradients (``grad_tok`` [R·
 
 With ``wire = "fp8"`` (``[moe_echo] dispatch_precision``) the rows sent toward the experts (the tokens, and in
 backward the output gradients) cross as e4m3 + a power-of-two scale each, padded to ``WIRE_ALIGN`` bytes (2112
-bytes a row of 2048 instead of 4096), into a wire buffer beside ``tok`` / ``grad_tok``; after the barrier each rank
-dequantises its wire rows into them, and the rest is unchanged. Sums and gradients sent back stay in bf16.
+bytes a row of 2048 instead of 4096), into a wire buffer beside ``tok`` / ``grad_tok``. After the barrier the
+kernels that read those rows read the wire instead, dequantising on the way: the local expand into expert rows,
+and the combine's backward (gathered experts: the wire rows are dequantised into ``tok`` / ``grad_tok`` first).
+Sums and gradients sent back stay in bf16.
 
 What moves the token rows (``copies``, ``[moe_echo] nvlink_copy``):
     ``copy_engine``: the copy engines, no SM. A send copies the whole [T, D] block into rows s·T.. of
@@ -57,11 +59,12 @@ from dataclasses import dataclass
 import torch
 
 from components.streams import side_stream
+from kernels.fp8 import dequant_rows
 from kernels.moe_rows import combine_backward, gather_sum
 from kernels.peer_rows import peer_gather_sum, peer_route_meta, peer_scatter
 from kernels.route_layout import layout_tail, slot_ranks
 
-from .comm import fp8_rows, rows_of_fp8
+from .comm import fp8_parts, fp8_rows
 from .dispatcher import DispatchHandle, ExpertParallel, FixedCapacity, capacity_rows
 from .symmetric import SymmBuffer, workspace_for
 
@@ -246,21 +249,26 @@ def _join(x: torch.Tensor) -> None:
         torch.cuda.current_stream(x.device).wait_stream(side_stream(x.device, "nvlink_copies"))
 
 
+def send_fp8(disp: NVLinkDispatcher, h: NVLinkHandle, x_TD: torch.Tensor, rows: int,
+             wire_name: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """``send_rows`` of x_TD packed by ``fp8_rows`` into the symmetric ``wire_name`` buffer [rows, WIRE_ALIGN-padded
+    bytes] (barrier): (q [rows, D] e4m3, s [rows] fp32), views of this rank's wire rows (rows no peer sent this
+    step hold stale bytes and are never read)."""
+    packed_TW = fp8_rows(x_TD, align=WIRE_ALIGN).view(torch.int32)  # moved as 4-byte words
+    shape = (rows, packed_TW.shape[1])
+    wire = disp.ws.buffer(f"{wire_name}/{shape[0]}x{shape[1]}", shape, torch.int32, x_TD.device)
+    send_rows(disp, h, packed_TW, wire)
+    return fp8_parts(wire.local.view(torch.uint8), x_TD.shape[1])
+
+
 def send_on_wire(disp: NVLinkDispatcher, h: NVLinkHandle, x_TD: torch.Tensor, buf: SymmBuffer,
                  wire_name: str) -> None:
     """``send_rows`` of x_TD into ``buf`` as the dispatcher's ``wire`` carries them: as they are (bf16), or (``fp8``)
-    packed by ``fp8_rows`` into the symmetric ``wire_name`` buffer [R·T, WIRE_ALIGN-padded bytes] and, after its
-    barrier, dequantised from there into every row of ``buf.local`` (rows no peer sent this step hold stale bytes
-    and are never read; the rows sent here are exactly the ones read)."""
+    by ``send_fp8``, then dequantised into every row of ``buf.local``."""
     if disp.wire != "fp8":
         send_rows(disp, h, x_TD, buf)
         return
-    D = x_TD.shape[1]
-    packed_TW = fp8_rows(x_TD, align=WIRE_ALIGN).view(torch.int32)  # moved as 4-byte words
-    shape = (buf.local.shape[0], packed_TW.shape[1])
-    wire = disp.ws.buffer(f"{wire_name}/{shape[0]}x{shape[1]}", shape, torch.int32, x_TD.device)
-    send_rows(disp, h, packed_TW, wire)
-    rows_of_fp8(wire.local.view(torch.uint8), buf.local.dtype, D=D, out=buf.local)
+    dequant_rows(*send_fp8(disp, h, x_TD, buf.local.shape[0], wire_name), buf.local)
 
 
 def send_tokens(disp: NVLinkDispatcher, h: NVLinkHandle, x_TD: torch.Tensor) -> None:
@@ -340,10 +348,14 @@ def pull_grad_w(disp: NVLinkDispatcher, h: NVLinkHandle, gw_UK: torch.Tensor) ->
 class _NVLinkDispatch(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x_TD, disp: NVLinkDispatcher, h: NVLinkHandle, x_buf: SymmBuffer):
-        send_tokens(disp, h, x_TD)
+        tok_UD, scale_U = h.tok.local, None
+        if disp.wire == "fp8":  # expanded straight from the wire rows
+            tok_UD, scale_U = send_fp8(disp, h, x_TD, tok_UD.shape[0], f"{disp.name}/wire")
+        else:
+            send_tokens(disp, h, x_TD)
         r = disp.rank
-        peer_scatter(h.tok.local, None, h.meta_row.local, x_buf.ptrs_R[r:r + 1], [x_buf.local],
-                     programs=disp.LOCAL_PROGRAMS)
+        peer_scatter(tok_UD, None, h.meta_row.local, x_buf.ptrs_R[r:r + 1], [x_buf.local],
+                     programs=disp.LOCAL_PROGRAMS, row_scale=scale_U)
         ctx.disp, ctx.h = disp, h
         return x_buf.local.view(x_buf.local.shape)
 
@@ -366,7 +378,11 @@ class _NVLinkCombine(torch.autograd.Function):
     def backward(ctx, grad_TD):
         (y_ND,) = ctx.saved_tensors
         disp, h = ctx.disp, ctx.h
-        gt = grad_tokens(disp, h, grad_TD)
+        if disp.wire == "fp8":  # the gradient rows read straight from the wire
+            g_UD, scale_U = send_fp8(disp, h, grad_TD, h.tok.local.shape[0], disp._shared_name("grad_wire"))
+        else:
+            g_UD, scale_U = grad_tokens(disp, h, grad_TD).local, None
         gy = disp._shared("grad_y", tuple(y_ND.shape), y_ND.dtype, y_ND.device)
-        _, gw_UK = combine_backward(gt.local, y_ND, h.meta_w.local, h.meta_row.local, grad_y_out=gy.local)
+        _, gw_UK = combine_backward(g_UD, y_ND, h.meta_w.local, h.meta_row.local, grad_y_out=gy.local,
+                                    g_scale_T=scale_U)
         return gy.local.view(gy.local.shape), pull_grad_w(disp, h, gw_UK), None, None
