@@ -94,6 +94,7 @@ import torch
 
 from benchmarks.common import RESULTS, environment, gpu_short, markdown_table, results_stem, write_results
 from benchmarks.planner import drifting_counts
+from components.moe_echo.comm import wire_scales
 from components.moe_echo.ep_dispatch import padded_capacity
 from components.moe_echo.hierarchical_dispatch import host_capacity
 from components.moe_echo.planner import RULES, plan_echo
@@ -781,7 +782,7 @@ class HostRun:
     slots: int = 0
     capacity_factor: float = 1.25
     compute_scale: float = 1.0
-    wire: str = "bf16"  # "fp8": rows toward the experts cross as D + 4 bytes (dispatch_precision)
+    wire: str = "bf16"  # "fp8": rows toward the experts cross as D + 4·ceil(D/128) bytes (dispatch_precision)
 
 
 @dataclass
@@ -805,7 +806,7 @@ def hier_capacities(T: int, K: int, hosts: int, gpus_per_host: int, cf: float) -
 def dispatch_legs(dispatcher: str, cluster: Cluster, T: int, D: int, K: int, cf: float,
                   traffic_RR: torch.Tensor | None = None, wire: str = "bf16") -> dict[str, list[Leg]]:
     """{"dispatch": legs, "combine": legs} of one forward round trip, per rank, bf16 rows of D (``wire = "fp8"``:
-    the dispatch legs' rows are D e4m3 bytes + a 4-byte scale; the backward's legs toward the experts, the
+    the dispatch legs' rows are D e4m3 bytes + a 4-byte scale per 128 columns; the backward's legs toward the experts, the
     output gradients, cross the same way, so the round trip stands for the backward too).
 
     padded: one collective each way; (R - L)·C rows to other hosts, (L - 1)·C over NVLink.
@@ -816,7 +817,7 @@ def dispatch_legs(dispatcher: str, cluster: Cluster, T: int, D: int, K: int, cf:
     off-host entries of ``traffic_RR``, else (R - L)·T·K rows."""
     H, L = cluster.hosts, cluster.gpus_per_host
     R, row = H * L, D * BYTES
-    out = D + 4 if wire == "fp8" else row  # bytes of a row toward the experts
+    out = D + 4 * wire_scales(D) if wire == "fp8" else row  # bytes of a row toward the experts
     if dispatcher == "padded":
         C = padded_capacity(T, K, R, cf)
         leg = Leg("all_to_all", (R - L) * C * row, (L - 1) * C * row, R * (R - L) * C * row)

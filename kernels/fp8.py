@@ -3,11 +3,13 @@
 Scales are dequantisation multipliers rounded up to a power of two (x ≈ q · s, an exact rescaling;
 |x| / s ≤ 448): s = 2^ceil(log2(amax / 448)), s = 1 where amax = 0.
 
-    quant_rows(x_RC, n_valid=None, out=None) -> (q_RC fp8, s_R fp32)
+    quant_rows(x_RC, n_valid=None) -> (q_RC fp8, s_R fp32)
         one scale per row over its C columns (the left operand of a 2d×3d grouped GEMM). Rows at or
         past the device scalar n_valid (fixed-capacity padding no GEMM reads) are skipped: unspecified.
-        ``out``: (q_RC, s_R) views to write (any row stride; a packed wire row holds both).
-    dequant_rows(q_RC, s_R, out_RC) -> out_RC       out[r] = q[r] · s[r] (exact: s is a power of two)
+    quant_blocks(x_RC, block, out=None) -> (q_RC fp8, s_RB fp32)          B = ceil(C / block)
+        one scale per ``block`` consecutive columns of a row (1×128 tiles, as DeepSeek-V3 moves tokens in FP8);
+        ``out``: (q, s) views to write, any row strides (a packed wire row holds both).
+    dequant_blocks(q_RC, s_RB, block, out_RC) -> out_RC    out[r, c] = q[r, c] · s[r, c // block] (exact)
     cast_experts_scaled(ws, out_EPI, hint_E) -> s_E
         one scale per expert over every element of its matrices in all of ws (w1 and w3 share one, so
         their FP8 copies stack along the GEMM's reduction dimension), and the stacked plain copy
@@ -64,6 +66,14 @@ def quant_rows_torch(x_RC):
     return _cast(x_RC, s_R[:, None]), s_R
 
 
+def quant_blocks_torch(x_RC, block: int):
+    R, C = x_RC.shape
+    B = -(-C // block)
+    amax_RB = F.pad(x_RC.abs(), (0, B * block - C)).view(R, B, block).amax(2) if C else x_RC.new_zeros(R, 0)
+    s_RB = pow2_scale(amax_RB)
+    return _cast(x_RC, s_RB.repeat_interleave(block, 1)[:, :C]), s_RB
+
+
 def expert_scales_torch(*ws):
     amax_E = torch.stack([w.detach().abs().flatten(1).amax(1).float() for w in ws]).amax(0)
     return pow2_scale(amax_E)
@@ -105,8 +115,7 @@ if triton is not None:
         return m >= 0
 
     @triton.jit
-    def _quant_rows_kernel(x_ptr, q_ptr, s_ptr, n_valid_ptr, C, q_stride, s_stride, HAS_N: tl.constexpr,
-                           BLOCK_C: tl.constexpr):
+    def _quant_rows_kernel(x_ptr, q_ptr, s_ptr, n_valid_ptr, C, HAS_N: tl.constexpr, BLOCK_C: tl.constexpr):
         m = tl.program_id(0).to(tl.int64)
         if _valid(m, n_valid_ptr, HAS_N):
             offs = tl.arange(0, BLOCK_C)
@@ -119,16 +128,30 @@ if triton is not None:
                 mask = c0 + offs < C
                 v = tl.load(x_ptr + m * C + c0 + offs, mask=mask, other=0.0).to(tl.float32)
                 q = tl.clamp(v / s, -448.0, 448.0)
-                tl.store(q_ptr + m * q_stride + c0 + offs, q.to(q_ptr.dtype.element_ty), mask=mask)
-            tl.store(s_ptr + m * s_stride, s)
+                tl.store(q_ptr + m * C + c0 + offs, q.to(q_ptr.dtype.element_ty), mask=mask)
+            tl.store(s_ptr + m, s)
 
     @triton.jit
-    def _dequant_rows_kernel(q_ptr, s_ptr, out_ptr, C, q_stride, s_stride, BLOCK_C: tl.constexpr):
+    def _quant_blocks_kernel(x_ptr, q_ptr, s_ptr, C, q_stride, s_stride, B_P: tl.constexpr, BLOCK: tl.constexpr):
+        """Row m as [B_P, BLOCK] tiles: one scale per tile."""
         m = tl.program_id(0).to(tl.int64)
-        s = tl.load(s_ptr + m * s_stride)
+        b = tl.arange(0, B_P)
+        col = b[:, None] * BLOCK + tl.arange(0, BLOCK)[None, :]
+        mask = col < C
+        v = tl.load(x_ptr + m * C + col, mask=mask, other=0.0).to(tl.float32)
+        s = _pow2_scale(tl.max(tl.abs(v), axis=1))
+        tl.store(q_ptr + m * q_stride + col, tl.clamp(v / s[:, None], -448.0, 448.0).to(q_ptr.dtype.element_ty),
+                 mask=mask)
+        tl.store(s_ptr + m * s_stride + b, s, mask=b * BLOCK < C)
+
+    @triton.jit
+    def _dequant_blocks_kernel(q_ptr, s_ptr, out_ptr, C, q_stride, s_stride, BLOCK: tl.constexpr,
+                               BLOCK_C: tl.constexpr):
+        m = tl.program_id(0).to(tl.int64)
         offs = tl.arange(0, BLOCK_C)
         for c0 in range(0, C, BLOCK_C):
             mask = c0 + offs < C
+            s = tl.load(s_ptr + m * s_stride + (c0 + offs) // BLOCK, mask=mask, other=1.0)
             v = tl.load(q_ptr + m * q_stride + c0 + offs, mask=mask, other=0.0).to(tl.float32) * s
             tl.store(out_ptr + m * C + c0 + offs, v.to(out_ptr.dtype.element_ty), mask=mask)
 
@@ -215,41 +238,58 @@ def _row_warps(block: int) -> int:
     return 4 if block <= 2048 else 8
 
 
-def quant_rows(x_RC: torch.Tensor, n_valid: torch.Tensor | None = None,
-               out: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """``out`` (q_RC fp8 with unit column stride, s_R fp32): written in place of new tensors and returned."""
-    R, C = x_RC.shape
+def quant_rows(x_RC: torch.Tensor, n_valid: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     if not _on_kernels(x_RC):
-        q_RC, s_R = quant_rows_torch(x_RC)
-        if out is None:
-            return q_RC, s_R
-        out[0].copy_(q_RC)
-        out[1].copy_(s_R)
-        return out
+        return quant_rows_torch(x_RC)
     x_RC = x_RC.contiguous()
-    if out is None:
-        out = (torch.empty(R, C, dtype=FP8, device=x_RC.device), torch.empty(R, dtype=torch.float32, device=x_RC.device))
-    q_RC, s_R = out
-    assert q_RC.shape == (R, C) and (C < 2 or q_RC.stride(1) == 1) and s_R.shape == (R,)
+    R, C = x_RC.shape
+    q_RC = torch.empty(R, C, dtype=FP8, device=x_RC.device)
+    s_R = torch.empty(R, dtype=torch.float32, device=x_RC.device)
     if R:
         BLOCK_C = min(4096, triton.next_power_of_2(C))
-        _quant_rows_kernel[(R,)](x_RC, q_RC, s_R, n_valid if n_valid is not None else s_R, C, q_RC.stride(0),
-                                 s_R.stride(0), HAS_N=n_valid is not None, BLOCK_C=BLOCK_C,
-                                 num_warps=_row_warps(BLOCK_C))
+        _quant_rows_kernel[(R,)](x_RC, q_RC, s_R, n_valid if n_valid is not None else s_R, C,
+                                 HAS_N=n_valid is not None, BLOCK_C=BLOCK_C, num_warps=_row_warps(BLOCK_C))
     return q_RC, s_R
 
 
-def dequant_rows(q_RC: torch.Tensor, s_R: torch.Tensor, out_RC: torch.Tensor) -> torch.Tensor:
-    """out_RC (contiguous) = q_RC · s_R[:, None] in out's dtype; q (fp8, unit column stride) and s (fp32) may be
-    strided views, such as the two parts of packed wire rows."""
+def quant_blocks(x_RC: torch.Tensor, block: int,
+                 out: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``out`` (q_RC fp8 and s_RB fp32, each with unit column stride): written in place of new tensors, returned."""
+    R, C = x_RC.shape
+    B = -(-C // block)
+    if not _on_kernels(x_RC):
+        q_RC, s_RB = quant_blocks_torch(x_RC, block)
+        if out is None:
+            return q_RC, s_RB
+        out[0].copy_(q_RC)
+        out[1].copy_(s_RB)
+        return out
+    x_RC = x_RC.contiguous()
+    if out is None:
+        out = (torch.empty(R, C, dtype=FP8, device=x_RC.device),
+               torch.empty(R, B, dtype=torch.float32, device=x_RC.device))
+    q_RC, s_RB = out
+    assert q_RC.shape == (R, C) and s_RB.shape == (R, B) and (C < 2 or q_RC.stride(1) == 1) and \
+        (B < 2 or s_RB.stride(1) == 1)
+    if R and C:
+        B_P = triton.next_power_of_2(B)
+        _quant_blocks_kernel[(R,)](x_RC, q_RC, s_RB, C, q_RC.stride(0), s_RB.stride(0), B_P=B_P, BLOCK=block,
+                                   num_warps=_row_warps(B_P * block))
+    return q_RC, s_RB
+
+
+def dequant_blocks(q_RC: torch.Tensor, s_RB: torch.Tensor, block: int, out_RC: torch.Tensor) -> torch.Tensor:
+    """out_RC (contiguous) = q_RC · s_RB in out's dtype, one scale per ``block`` columns; q (fp8) and s (fp32) have
+    unit column strides and any row strides (the two parts of packed wire rows)."""
     R, C = q_RC.shape
     if not _on_kernels(q_RC):
-        return out_RC.copy_(q_RC.to(out_RC.dtype)).mul_(s_R.to(out_RC.dtype)[:, None])
+        s_RC = s_RB.to(out_RC.dtype).repeat_interleave(block, 1)[:, :C]
+        return out_RC.copy_(q_RC.to(out_RC.dtype)).mul_(s_RC)
     assert out_RC.is_contiguous() and out_RC.shape == (R, C) and (C < 2 or q_RC.stride(1) == 1)
-    if R:
+    if R and C:
         BLOCK_C = min(4096, triton.next_power_of_2(C))
-        _dequant_rows_kernel[(R,)](q_RC, s_R, out_RC, C, q_RC.stride(0), s_R.stride(0), BLOCK_C=BLOCK_C,
-                                   num_warps=_row_warps(BLOCK_C))
+        _dequant_blocks_kernel[(R,)](q_RC, s_RB, out_RC, C, q_RC.stride(0), s_RB.stride(0), BLOCK=block,
+                                     BLOCK_C=BLOCK_C, num_warps=_row_warps(BLOCK_C))
     return out_RC
 
 

@@ -115,11 +115,9 @@ if triton is not None:
 
     @triton.jit
     def _combine_bwd_kernel(g_ptr, y_ptr, w_ptr, idx_ptr, gy_ptr, gw_ptr, gs_ptr, D, g_stride, gs_stride,
-                            K: tl.constexpr, G_SCALE: tl.constexpr, BLOCK_D: tl.constexpr):
+                            K: tl.constexpr, SCALE_BLOCK: tl.constexpr, BLOCK_D: tl.constexpr):
+        """SCALE_BLOCK > 0: g's rows are fp8, one scale per SCALE_BLOCK columns (gs [T, ceil(D / SCALE_BLOCK)])."""
         t = tl.program_id(0).to(tl.int64)
-        gs = 1.0
-        if G_SCALE:  # g rows in fp8, one scale each
-            gs = tl.load(gs_ptr + t * gs_stride)
         for k in tl.static_range(K):
             row = tl.load(idx_ptr + t * K + k).to(tl.int64)
             present = (tl.zeros([BLOCK_D], dtype=tl.int64) + row) >= 0  # row -1: slot not sent
@@ -128,7 +126,9 @@ if triton is not None:
             for d0 in range(0, D, BLOCK_D):
                 offs = d0 + tl.arange(0, BLOCK_D)
                 mask = (offs < D) & present
-                g = tl.load(g_ptr + t * g_stride + offs, mask=mask, other=0.0).to(tl.float32) * gs
+                g = tl.load(g_ptr + t * g_stride + offs, mask=mask, other=0.0).to(tl.float32)
+                if SCALE_BLOCK > 0:
+                    g *= tl.load(gs_ptr + t * gs_stride + offs // SCALE_BLOCK, mask=mask, other=1.0)
                 y = tl.load(y_ptr + row * D + offs, mask=mask, other=0.0).to(tl.float32)
                 dot += g * y
                 tl.store(gy_ptr + row * D + offs, (w * g).to(gy_ptr.dtype.element_ty), mask=mask)
@@ -186,13 +186,16 @@ def gather_sum(src_ND, idx_TK, w_TK=None, out=None, programs: int | None = None,
     return launch_gather_sum(out_TD, src_ND, idx_TK, w_TK, programs=programs, block_t=block_t)
 
 
-def combine_backward(g_TD, y_ND, w_TK, idx_TK, allow_missing: bool = True, grad_y_out=None, g_scale_T=None):
+def combine_backward(g_TD, y_ND, w_TK, idx_TK, allow_missing: bool = True, grad_y_out=None, g_scales=None,
+                     scale_block: int = 0):
     """``allow_missing=False`` promises idx is a permutation of all N = T·K rows (skips zero-fill);
     ``grad_y_out`` ([N, D], contiguous) receives the rows some (t, k) maps to and keeps the others;
-    ``g_scale_T`` (fp32 [T], any stride): g's rows are fp8 (unit column stride, any row stride), row t = g[t] · s[t]."""
-    if g_scale_T is not None and not _use_triton(y_ND):
-        g_TD = g_TD.to(y_ND.dtype).mul_(g_scale_T.to(y_ND.dtype)[:, None])  # exact: s is a power of two
-        g_scale_T = None
+    ``g_scales`` (fp32 [T, ceil(D / scale_block)], unit column stride): g is fp8 (unit column stride, any row
+    stride) standing for g[t, c] · g_scales[t, c // scale_block]."""
+    if g_scales is not None and not _use_triton(y_ND):
+        s_TD = g_scales.to(y_ND.dtype).repeat_interleave(scale_block, 1)[:, :g_TD.shape[1]]
+        g_TD = g_TD.to(y_ND.dtype).mul_(s_TD)  # exact: the scales are powers of two
+        g_scales = None
     if not _use_triton(g_TD, y_ND):
         grad_y_ND, grad_w_TK = combine_backward_torch(g_TD, y_ND, w_TK, idx_TK)
         if grad_y_out is None:
@@ -207,9 +210,10 @@ def combine_backward(g_TD, y_ND, w_TK, idx_TK, allow_missing: bool = True, grad_
     T, K = idx_TK.shape
     N, D = y_ND.shape
     y_ND, w_TK, idx_TK = (t.contiguous() for t in (y_ND, w_TK, idx_TK))
-    if g_scale_T is None:
+    if g_scales is None:
         g_TD = g_TD.contiguous()
     assert D < 2 or g_TD.stride(1) == 1
+    assert g_scales is None or (scale_block > 0 and (g_scales.shape[1] < 2 or g_scales.stride(1) == 1))
     # every row is written when the rows are exactly the T*K slots (local dispatch: idx is a
     # permutation); otherwise zero-fill the rows no slot maps to
     if grad_y_out is not None:
@@ -222,7 +226,8 @@ def combine_backward(g_TD, y_ND, w_TK, idx_TK, allow_missing: bool = True, grad_
     if T == 0:
         return grad_y_ND, grad_w_TK
     BLOCK_D = min(1024, triton.next_power_of_2(D))
-    gs = g_scale_T if g_scale_T is not None else w_TK  # dummy pointer without scales
-    _combine_bwd_kernel[(T,)](g_TD, y_ND, w_TK, idx_TK, grad_y_ND, grad_w_TK, gs, D, g_TD.stride(0),
-                              gs.stride(0), K=K, G_SCALE=g_scale_T is not None, BLOCK_D=BLOCK_D, num_warps=4)
+    gs = g_scales if g_scales is not None else w_TK  # dummy pointer without scales
+    _combine_bwd_kernel[(T,)](g_TD, y_ND, w_TK, idx_TK, grad_y_ND, grad_w_TK, gs, D, g_TD.stride(0), gs.stride(0),
+                              K=K, SCALE_BLOCK=scale_block if g_scales is not None else 0, BLOCK_D=BLOCK_D,
+                              num_warps=4)
     return grad_y_ND, grad_w_TK

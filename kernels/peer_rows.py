@@ -4,11 +4,12 @@ Every rank of an expert-parallel group holds a buffer of the same shape in symme
 kernels address a peer's buffer through a table of base pointers ``ptrs_R`` (int64 addresses, one
 per rank, readable on the device) and a (rank, row) pair per (token, choice) slot:
 
-    peer_scatter(x_TD, rank_TK, row_TK, ptrs_R, scale_TK=None, src_T=None, row_scale=None)
+    peer_scatter(x_TD, rank_TK, row_TK, ptrs_R, scale_TK=None, src_T=None, x_scales=None, scale_block=0)
         peer[rank[t, k]][row[t, k]] = x[src[t]] (· scale[t, k])  row = -1: slot not sent
                                                                    rank_TK None: every slot to peer 0
                                                                    src_T None: src[t] = t
-                                                                   row_scale: x is fp8, x[i] · row_scale[i]
+                                                                   x_scales: x is fp8, one scale per
+                                                                   scale_block columns
     peer_gather_sum(rank_TK, row_TK, ptrs_R, peers, w_TK=None, out_dtype=None, add_into=None) -> out_TD
         out[t] = Σ_k w[t, k] · peer[rank[t, k]][row[t, k]]   (fp32 accumulate; -1 adds nothing)
                                                               add_into: out[t] += that, in place
@@ -31,7 +32,7 @@ import os
 
 import torch
 
-from kernels.fp8 import dequant_rows
+from kernels.fp8 import dequant_blocks
 from kernels.moe_rows import gather_sum_torch, launch_gather_sum, row_launch
 
 try:
@@ -90,7 +91,7 @@ if triton is not None:
     @triton.jit
     def _scatter_rows(x_ptr, src_ptr, rank_ptr, row_ptr, ptrs_ptr, buf_like, scale_ptr, rs_ptr, T, D, x_stride,
                       rs_stride, K: tl.constexpr, HAS_SRC: tl.constexpr, HAS_SCALE: tl.constexpr,
-                      ROW_SCALE: tl.constexpr, ONE_DEST: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr):
+                      SCALE_BLOCK: tl.constexpr, ONE_DEST: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr):
         ty = buf_like.dtype.element_ty
         cols = tl.arange(0, BLOCK_D)[None, :]
         in_row = cols < D
@@ -104,8 +105,9 @@ if triton is not None:
             if HAS_SRC:
                 src_T = tl.load(src_ptr + t_T, mask=ok_T, other=0).to(tl.int64)
             x = tl.load(x_ptr + src_T[:, None] * x_stride + cols, mask=read_T[:, None] & in_row)
-            if ROW_SCALE:  # fp8 rows, one scale each
-                x = x.to(tl.float32) * tl.load(rs_ptr + src_T * rs_stride, mask=read_T, other=1.0)[:, None]
+            if SCALE_BLOCK > 0:  # fp8 rows, one scale per SCALE_BLOCK columns
+                x = x.to(tl.float32) * tl.load(rs_ptr + src_T[:, None] * rs_stride + cols // SCALE_BLOCK,
+                                               mask=read_T[:, None] & in_row, other=1.0)
             for k in tl.static_range(K):
                 row_T = tl.load(row_ptr + t_T * K + k, mask=ok_T, other=-1).to(tl.int64)
                 if ONE_DEST:
@@ -124,16 +126,16 @@ if triton is not None:
     @triton.jit
     def _peer_scatter_kernel(x_ptr, src_ptr, rank_ptr, row_ptr, ptrs_ptr, buf_like, scale_ptr, rs_ptr, T, D, x_stride,
                              rs_stride, K: tl.constexpr, HAS_SRC: tl.constexpr, HAS_SCALE: tl.constexpr,
-                             ROW_SCALE: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr):
+                             SCALE_BLOCK: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr):
         _scatter_rows(x_ptr, src_ptr, rank_ptr, row_ptr, ptrs_ptr, buf_like, scale_ptr, rs_ptr, T, D, x_stride,
-                      rs_stride, K, HAS_SRC, HAS_SCALE, ROW_SCALE, False, BLOCK_T, BLOCK_D)
+                      rs_stride, K, HAS_SRC, HAS_SCALE, SCALE_BLOCK, False, BLOCK_T, BLOCK_D)
 
     @triton.jit
     def _scatter_rows_kernel(x_ptr, src_ptr, row_ptr, ptrs_ptr, buf_like, scale_ptr, rs_ptr, T, D, x_stride, rs_stride,
-                             K: tl.constexpr, HAS_SRC: tl.constexpr, HAS_SCALE: tl.constexpr, ROW_SCALE: tl.constexpr,
+                             K: tl.constexpr, HAS_SRC: tl.constexpr, HAS_SCALE: tl.constexpr, SCALE_BLOCK: tl.constexpr,
                              BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr):
         _scatter_rows(x_ptr, src_ptr, row_ptr, row_ptr, ptrs_ptr, buf_like, scale_ptr, rs_ptr, T, D, x_stride,
-                      rs_stride, K, HAS_SRC, HAS_SCALE, ROW_SCALE, True, BLOCK_T, BLOCK_D)
+                      rs_stride, K, HAS_SRC, HAS_SCALE, SCALE_BLOCK, True, BLOCK_T, BLOCK_D)
 
 
     @triton.jit
@@ -180,15 +182,17 @@ def peer_block_t(D: int) -> int:
 
 
 def peer_scatter(x_TD, rank_TK, row_TK, ptrs_R, peers, scale_TK=None, programs: int = 32, block_t: int | None = None,
-                 src_T=None, row_scale=None):
+                 src_T=None, x_scales=None, scale_block: int = 0):
     """``peers`` (list of tensors) is used by the torch path, ``ptrs_R`` by the kernel; ``rank_TK``
     None writes every slot into ``peers[0]`` / ``ptrs_R[0]`` (a local scatter). ``src_T`` (int, [T]): slot row t
     sends row ``src_T[t]`` of ``x`` (x then has any number of rows), in place of a gathered copy of x.
-    ``row_scale`` (fp32, one per row of x, any stride): x is fp8 (unit column stride, any row stride) and row i
-    stands for x[i] · row_scale[i] (dequantised on the way, into the buffers' dtype)."""
+    ``x_scales`` (fp32 [rows of x, ceil(D / scale_block)], unit column stride): x is fp8 (unit column stride, any
+    row stride) standing for x[i, c] · x_scales[i, c // scale_block] (dequantised on the way, into the buffers'
+    dtype)."""
     if not (use_triton(x_TD) and use_triton(peers[0])):
-        if row_scale is not None:
-            x_TD = dequant_rows(x_TD, row_scale, torch.empty(x_TD.shape, dtype=peers[0].dtype, device=x_TD.device))
+        if x_scales is not None:
+            x_TD = dequant_blocks(x_TD, x_scales, scale_block,
+                                  torch.empty(x_TD.shape, dtype=peers[0].dtype, device=x_TD.device))
         return peer_scatter_torch(x_TD if src_T is None else x_TD.index_select(0, src_T), rank_TK, row_TK, peers,
                                   scale_TK)
     T, K = row_TK.shape
@@ -198,12 +202,13 @@ def peer_scatter(x_TD, rank_TK, row_TK, ptrs_R, peers, scale_TK=None, programs: 
     grid, meta = row_launch(T, D, programs, block_t or (1 if rank_TK is None else peer_block_t(D)))
     scale = scale_TK.contiguous() if scale_TK is not None else row_TK  # dummy pointer without scale
     src = src_T.contiguous() if src_T is not None else row_TK  # dummy pointer: slot row t reads row t
-    rs = row_scale if row_scale is not None else scale  # dummy pointer without row scales
-    flags = dict(K=K, HAS_SRC=src_T is not None, HAS_SCALE=scale_TK is not None, ROW_SCALE=row_scale is not None,
-                 **meta)
-    if row_scale is None:
+    rs = x_scales if x_scales is not None else scale  # dummy pointer without fp8 rows
+    flags = dict(K=K, HAS_SRC=src_T is not None, HAS_SCALE=scale_TK is not None,
+                 SCALE_BLOCK=scale_block if x_scales is not None else 0, **meta)
+    if x_scales is None:
         x_TD = x_TD.contiguous()
     assert D < 2 or x_TD.stride(1) == 1
+    assert x_scales is None or (scale_block > 0 and (x_scales.shape[1] < 2 or x_scales.stride(1) == 1))
     row_TK = row_TK.contiguous()
     args = (x_TD, src) + ((row_TK,) if rank_TK is None else (rank_TK.contiguous(), row_TK))
     kernel = _scatter_rows_kernel if rank_TK is None else _peer_scatter_kernel  # one buffer / the peers

@@ -424,11 +424,12 @@ def test_read_host_rows_skips_missing_files_and_incomplete_rows(tmp_path):
 
 
 def test_fp8_wire_shrinks_only_the_legs_toward_the_experts():
-    """dispatch_precision = "fp8" in the model: the dispatch legs' rows are D + 4 bytes, the combine legs keep 2·D."""
+    """dispatch_precision = "fp8" in the model: the dispatch legs' rows are D + 4·D/128 bytes, the combine legs keep
+    2·D."""
     cl = sim.Cluster(2, 4)
     for disp in ("padded", "hierarchical", "alltoall"):
         bf, f8 = (sim.dispatch_legs(disp, cl, 4096, 2048, 6, 1.25, wire=w) for w in ("bf16", "fp8"))
         assert [l.network_bytes for l in f8["combine"]] == [l.network_bytes for l in bf["combine"]]
         out_bf, out_f8 = (sum(l.network_bytes + l.nvlink_bytes for l in legs["dispatch"]) for legs in (bf, f8))
         meta = 0 if disp != "hierarchical" else (2 - 1) * sim.hier_capacities(4096, 6, 2, 4, 1.25)[0] * sim.META_BYTES * 6
-        assert abs((out_f8 - meta) / (out_bf - meta) - (2048 + 4) / (2 * 2048)) < 1e-12, disp
+        assert abs((out_f8 - meta) / (out_bf - meta) - (2048 + 4 * 16) / (2 * 2048)) < 1e-12, disp

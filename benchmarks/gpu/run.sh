@@ -287,9 +287,10 @@ print('largest step difference over steps 1-20: %.2e at step %d' % max(rel[:20])
 
   nvlink_fp8)  # the fp8 wire over NVLink (dispatch_precision = "fp8" with the nvlink dispatcher)
     case "${PART:-a}" in
-      a)  # its GPU tests (2 GPUs), then dispatch at EP = all GPUs -> dispatch_ep<N>_nvlink_fp8_<N>x<GPU>.md
-        timeout 300 python3 -m pytest -q -rA -p no:warnings tests/test_gpu_ep.py -k two_gpu tests/test_fp8_wire.py \
-          2>&1 | grep -E "^(PASSED|FAILED|ERROR)"
+      a)  # its GPU tests (2 GPUs; the wire's and the row kernels' on one), then dispatch at EP = all GPUs -> dispatch_ep<N>_nvlink_fp8_<N>x<GPU>.md
+        timeout 300 python3 -m pytest -q -rA -p no:warnings tests/test_gpu_ep.py -k two_gpu 2>&1 | grep -E "^(PASSED|FAILED|ERROR)"
+        timeout 200 python3 -m pytest -q -rA -p no:warnings tests/test_fp8_wire.py tests/test_kernels.py 2>&1 \
+          | grep -E "^(PASSED|FAILED|ERROR)" | awk '{print $1}' | sort | uniq -c
         timeout 200 torchrun --nproc_per_node $(ngpus) benchmarks/dispatch.py --tokens 16384 --no-vdev --sweep 64 \
           --block-t 4 --label nvlink_fp8 --out "$OUT" 2>&1 | noise | grep -A8 "fp8 wire" ;;
       b)  # v2lite_1b compiled + graphed at EP=2 and 4, bf16 vs the fp8 wire -> e2e_<N>x<GPU>.md, label nvlink_fp8

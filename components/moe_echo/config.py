@@ -37,9 +37,10 @@ class MoEEchoConfig:
 
     dispatch_precision: Literal["bf16", "fp8"] = "bf16"
     """How token rows cross GPUs (and hosts) toward the experts. ``fp8``: in e4m3 with a power-of-two fp32 scale
-    per row, dequantised on arrival (D + 4 bytes a row instead of 2·D): the tokens on dispatch and, in backward,
-    the output gradients sent to the experts; the combined outputs and the gradients back to the tokens stay
-    bf16. ``nvlink``, ``padded``, ``hierarchical`` and ``alltoall``."""
+    per 128 columns (D + D/32 bytes a row instead of 2·D; ``nvlink`` pads rows to 64 bytes), read back in bf16
+    on arrival: the tokens on dispatch and, in backward, the output gradients sent to the experts; the combined
+    outputs and the gradients back to the tokens stay bf16. ``nvlink``, ``padded``, ``hierarchical`` and
+    ``alltoall``."""
 
     experts_gemm: Literal["torch", "quack"] = "torch"
     """Kernels of the routed experts' bf16 GEMMs. ``torch``: ``torch._grouped_mm`` and fused SwiGLU

@@ -34,7 +34,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .comm import all_to_all
+from .comm import all_to_all, wire_scales
 from .dispatcher import DispatchHandle, ExpertParallel, FixedCapacity, capacity_rows
 from .ep_dispatch import EPHandle, PaddedDispatcher
 from .row_ops import gather_rows, weighted_combine
@@ -100,9 +100,9 @@ class HierarchicalDispatcher(FixedCapacity, ExpertParallel):
 
     def network_bytes(self, num_tokens: int, top_k: int, hidden: int, itemsize: int) -> int:
         """Bytes this rank sends to other hosts per dispatch + combine (padding included; dispatch rows of
-        ``hidden + 4`` bytes with the fp8 wire)."""
+        ``hidden + 4·ceil(hidden / 128)`` bytes with the fp8 wire)."""
         rows = (self.hosts - 1) * host_capacity(num_tokens, top_k, self.hosts, self.capacity_factor)
-        out = hidden + 4 if self.wire == "fp8" else hidden * itemsize
+        out = hidden + 4 * wire_scales(hidden) if self.wire == "fp8" else hidden * itemsize
         return rows * (out + hidden * itemsize + 2 * top_k * 4)
 
     def dispatch(self, x_TD, ids_TK, w_TK):

@@ -26,8 +26,8 @@ and, shared by all layers, the backward's token-row gradients (``grad_tok`` [R·
                dispatch: grad_tok[s·T+t] = Σ_k grad_x[row] (owner) ─► barrier ─► Σ_r peer rows
 
 With ``wire = "fp8"`` (``[moe_echo] dispatch_precision``) the rows sent toward the experts (the tokens, and in
-backward the output gradients) cross as e4m3 + a power-of-two scale each, padded to ``WIRE_ALIGN`` bytes (2112
-bytes a row of 2048 instead of 4096), into a wire buffer beside ``tok`` / ``grad_tok``. After the barrier the
+backward the output gradients) cross as e4m3 + a power-of-two scale per 128 columns, padded to ``WIRE_ALIGN``
+bytes (2112 bytes a row of 2048 instead of 4096), into a wire buffer beside ``tok`` / ``grad_tok``. After the barrier the
 kernels that read those rows read the wire instead, dequantising on the way: the local expand into expert rows,
 and the combine's backward (gathered experts: the wire rows are dequantised into ``tok`` / ``grad_tok`` first).
 Sums and gradients sent back stay in bf16.
@@ -59,12 +59,12 @@ from dataclasses import dataclass
 import torch
 
 from components.streams import side_stream
-from kernels.fp8 import dequant_rows
+from kernels.fp8 import dequant_blocks
 from kernels.moe_rows import combine_backward, gather_sum
 from kernels.peer_rows import peer_gather_sum, peer_route_meta, peer_scatter
 from kernels.route_layout import layout_tail, slot_ranks
 
-from .comm import fp8_parts, fp8_rows
+from .comm import WIRE_BLOCK, fp8_parts, fp8_rows, wire_scales
 from .dispatcher import DispatchHandle, ExpertParallel, FixedCapacity, capacity_rows
 from .symmetric import SymmBuffer, workspace_for
 
@@ -74,8 +74,8 @@ WIRE_ALIGN = 64  # bytes of an fp8 wire row are a multiple of this: the copy ker
 
 
 def fp8_wire_bytes(D: int) -> int:
-    """Bytes a token row of width D crosses as on the fp8 wire: e4m3 values, a 4-byte scale, padding."""
-    return -(-(D + 4) // WIRE_ALIGN) * WIRE_ALIGN
+    """Bytes a token row of width D crosses as on the fp8 wire: e4m3 values, a 4-byte scale per 128, padding."""
+    return -(-(D + 4 * wire_scales(D)) // WIRE_ALIGN) * WIRE_ALIGN
 
 
 def nvlink_capacity(num_tokens: int, top_k: int, capacity_factor: float) -> int:
@@ -252,7 +252,7 @@ def _join(x: torch.Tensor) -> None:
 def send_fp8(disp: NVLinkDispatcher, h: NVLinkHandle, x_TD: torch.Tensor, rows: int,
              wire_name: str) -> tuple[torch.Tensor, torch.Tensor]:
     """``send_rows`` of x_TD packed by ``fp8_rows`` into the symmetric ``wire_name`` buffer [rows, WIRE_ALIGN-padded
-    bytes] (barrier): (q [rows, D] e4m3, s [rows] fp32), views of this rank's wire rows (rows no peer sent this
+    bytes] (barrier): (q [rows, D] e4m3, s [rows, D / 128] fp32), views of this rank's wire rows (rows no peer sent this
     step hold stale bytes and are never read)."""
     packed_TW = fp8_rows(x_TD, align=WIRE_ALIGN).view(torch.int32)  # moved as 4-byte words
     shape = (rows, packed_TW.shape[1])
@@ -268,7 +268,8 @@ def send_on_wire(disp: NVLinkDispatcher, h: NVLinkHandle, x_TD: torch.Tensor, bu
     if disp.wire != "fp8":
         send_rows(disp, h, x_TD, buf)
         return
-    dequant_rows(*send_fp8(disp, h, x_TD, buf.local.shape[0], wire_name), buf.local)
+    q_UD, s_UB = send_fp8(disp, h, x_TD, buf.local.shape[0], wire_name)
+    dequant_blocks(q_UD, s_UB, WIRE_BLOCK, buf.local)
 
 
 def send_tokens(disp: NVLinkDispatcher, h: NVLinkHandle, x_TD: torch.Tensor) -> None:
@@ -355,7 +356,7 @@ class _NVLinkDispatch(torch.autograd.Function):
             send_tokens(disp, h, x_TD)
         r = disp.rank
         peer_scatter(tok_UD, None, h.meta_row.local, x_buf.ptrs_R[r:r + 1], [x_buf.local],
-                     programs=disp.LOCAL_PROGRAMS, row_scale=scale_U)
+                     programs=disp.LOCAL_PROGRAMS, x_scales=scale_U, scale_block=WIRE_BLOCK)
         ctx.disp, ctx.h = disp, h
         return x_buf.local.view(x_buf.local.shape)
 
@@ -384,5 +385,5 @@ class _NVLinkCombine(torch.autograd.Function):
             g_UD, scale_U = grad_tokens(disp, h, grad_TD).local, None
         gy = disp._shared("grad_y", tuple(y_ND.shape), y_ND.dtype, y_ND.device)
         _, gw_UK = combine_backward(g_UD, y_ND, h.meta_w.local, h.meta_row.local, grad_y_out=gy.local,
-                                    g_scale_T=scale_U)
+                                    g_scales=scale_U, scale_block=WIRE_BLOCK)
         return gy.local.view(gy.local.shape), pull_grad_w(disp, h, gw_UK), None, None
