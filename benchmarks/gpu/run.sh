@@ -294,7 +294,7 @@ print('largest step difference over steps 1-20: %.2e at step %d' % max(rel[:20])
         timeout 200 torchrun --nproc_per_node $(ngpus) benchmarks/dispatch.py --tokens 16384 --no-vdev --sweep 64 \
           --block-t 4 --label nvlink_fp8 --out "$OUT" 2>&1 | noise | grep -A8 "fp8 wire" ;;
       b)  # v2lite_1b compiled + graphed at EP=2 and 4, bf16 vs the fp8 wire -> e2e_<N>x<GPU>.md, label nvlink_fp8
-        PART=b P=${P:-2,4} STEPS=${STEPS:-40} LABEL=nvlink_fp8 VARIANTS="bf16=;wire=--moe_echo.dispatch_precision fp8" \
+        PART=b P=${P:-2,4} STEPS=${STEPS:-90} LABEL=nvlink_fp8 VARIANTS="bf16=;wire=--moe_echo.dispatch_precision fp8" \
           bash "$0" scaling ;;
       c)  # loss, v2lite_1b at EP=2 graphed, 300 steps: bf16, the fp8 wire, and bf16 compiled (the drift of two
           # equivalent bf16 runs) -> docs/img/nvlink_fp8_loss.png
