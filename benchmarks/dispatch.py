@@ -51,8 +51,8 @@ from benchmarks.common import beside, environment, host_ms, markdown_table, rout
 from components.moe_echo.deepep_dispatch import DeepEPDispatcher, _buffer, release_buffers
 from components.moe_echo.ep_dispatch import AllToAllDispatcher, PaddedDispatcher, padded_capacity
 from components.moe_echo.gathered_experts import _to_rows
-from components.moe_echo.nvlink_dispatch import (NVLinkDispatcher, fp8_wire_bytes, nvlink_capacity, owner_sums, send_tokens,
-                                                 sum_back)
+from components.moe_echo.nvlink_dispatch import (NVLinkDispatcher, fp8_wire_bytes, nvlink_capacity, owner_sums,
+                                                 send_tokens, sum_back)
 from kernels.peer_rows import peer_gather_sum, peer_scatter
 
 E, K = 64, 8

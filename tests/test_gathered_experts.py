@@ -142,16 +142,19 @@ def test_unsupported_settings_are_one_line_errors():
         assert "gathered_experts = false" in str(err.value) and "\n" not in str(err.value)
 
 
-@pytest.mark.parametrize("R, kind, capacity_factor", [(2, "random", 4.0), (4, "one_hot_per_rank", 4.0),
-                                                      (2, "all_to_one", 4.0), (2, "skewed", 0.6)])
-def test_nvlink_gathered_experts_match_the_reference_across_ranks(R, kind, capacity_factor):
+@pytest.mark.parametrize("R, kind, capacity_factor, wire", [
+    (2, "random", 4.0, "bf16"), (4, "one_hot_per_rank", 4.0, "bf16"), (2, "all_to_one", 4.0, "bf16"),
+    (2, "skewed", 0.6, "bf16"), (2, "random", 4.0, "fp8"), (2, "skewed", 0.6, "fp8")])
+def test_nvlink_gathered_experts_match_the_reference_across_ranks(R, kind, capacity_factor, wire):
     """EP over the ``nvlink`` dispatcher (ranks as threads, fp64): tokens cross once per rank into ``tok``, the
     owner's experts read them by index and sum their weighted outputs per source token; outputs and the
     gradients of x, the routing weights and each rank's experts equal the token-by-token reference in which
-    the choices the capacity could not take (counted in ``dropped``) contribute nothing."""
+    the choices the capacity could not take (counted in ``dropped``) contribute nothing. ``fp8`` wire: the
+    reference takes the tokens and the output gradients through the wire's quantisation first."""
     from test_nvlink import E_LOCAL, K as K_NV, T as T_NV, _expected_dropped, _routing
     from threaded_ranks import run_ranks
 
+    from components.moe_echo.comm import fp8_rows, rows_of_fp8
     from components.moe_echo.gathered_experts import nvlink_gathered_swiglu_combine
     from components.moe_echo.nvlink_dispatch import NVLinkDispatcher
 
@@ -173,6 +176,7 @@ def test_nvlink_gathered_experts_match_the_reference_across_ranks(R, kind, capac
         mine = slice(rank * E_LOCAL, (rank + 1) * E_LOCAL)
         w13, w2 = W13[mine].clone().requires_grad_(), W2[mine].clone().requires_grad_()
         disp = NVLinkDispatcher(E, None, R, capacity_factor, workspace=ws, name="layer")
+        disp.wire = wire
         x_c, counts_e, h = disp.route(x, ids, w)
         y = nvlink_gathered_swiglu_combine(x_c, w13, w2, counts_e, disp, h)
         (y * dy).sum().backward()
@@ -187,6 +191,8 @@ def test_nvlink_gathered_experts_match_the_reference_across_ranks(R, kind, capac
         assert sum(o[5] for o in outs) > 0  # the overflow case overflows
 
     # the reference: every rank's tokens through the global expert table, dropped choices weighted 0
+    crossed = (lambda t: rows_of_fp8(fp8_rows(t), f64)) if wire == "fp8" else (lambda t: t)
+    inputs = [(crossed(x), ids, w, crossed(dy)) for x, ids, w, dy in inputs]
     X = [inp[0].clone().requires_grad_() for inp in inputs]
     Wk = [(inp[2] * (~drops[r]).to(f64)).clone().requires_grad_() for r, inp in enumerate(inputs)]
     w13_ref, w2_ref = W13.clone().requires_grad_(), W2.clone().requires_grad_()

@@ -27,10 +27,10 @@ and, shared by all layers, the backward's token-row gradients (``grad_tok`` [R·
 
 With ``wire = "fp8"`` (``[moe_echo] dispatch_precision``) the rows sent toward the experts (the tokens, and in
 backward the output gradients) cross as e4m3 + a power-of-two scale per 128 columns, padded to ``WIRE_ALIGN``
-bytes (2112 bytes a row of 2048 instead of 4096), into a wire buffer beside ``tok`` / ``grad_tok``. After the barrier the
-kernels that read those rows read the wire instead, dequantising on the way: the local expand into expert rows,
-and the combine's backward (gathered experts: the wire rows are dequantised into ``tok`` / ``grad_tok`` first).
-Sums and gradients sent back stay in bf16.
+bytes (2112 bytes a row of 2048 instead of 4096), into a wire buffer beside ``tok`` / ``grad_tok``. After the
+barrier the kernels that read those rows read the wire instead, dequantising on the way: the local expand into
+expert rows, and the combine's backward (gathered experts: the wire rows are dequantised into ``tok`` /
+``grad_tok`` first). Sums and gradients sent back stay in bf16.
 
 What moves the token rows (``copies``, ``[moe_echo] nvlink_copy``):
     ``copy_engine``: the copy engines, no SM. A send copies the whole [T, D] block into rows s·T.. of
@@ -252,8 +252,8 @@ def _join(x: torch.Tensor) -> None:
 def send_fp8(disp: NVLinkDispatcher, h: NVLinkHandle, x_TD: torch.Tensor, rows: int,
              wire_name: str) -> tuple[torch.Tensor, torch.Tensor]:
     """``send_rows`` of x_TD packed by ``fp8_rows`` into the symmetric ``wire_name`` buffer [rows, WIRE_ALIGN-padded
-    bytes] (barrier): (q [rows, D] e4m3, s [rows, D / 128] fp32), views of this rank's wire rows (rows no peer sent this
-    step hold stale bytes and are never read)."""
+    bytes] (barrier): (q [rows, D] e4m3, s [rows, D / 128] fp32), views of this rank's wire rows (rows no peer
+    sent this step hold stale bytes and are never read)."""
     packed_TW = fp8_rows(x_TD, align=WIRE_ALIGN).view(torch.int32)  # moved as 4-byte words
     shape = (rows, packed_TW.shape[1])
     wire = disp.ws.buffer(f"{wire_name}/{shape[0]}x{shape[1]}", shape, torch.int32, x_TD.device)
