@@ -382,7 +382,7 @@ def main():
                 t_nv_host = bench(nvlink(main_sms), host=True)
                 t_nv_g = bench(nvlink(main_sms), graph=True)
                 t_nv_disp_g = bench(nvlink(main_sms), graph=True, dispatch_only=True)
-                fp8 = nvlink(main_sms)  # dispatch_precision = "fp8": token rows cross as e4m3 + a scale each
+                fp8 = nvlink(main_sms)  # dispatch_precision = "fp8": token rows cross as e4m3 + a scale per 128 columns
                 fp8.wire = "fp8"
                 t_fp8_disp_g, t_fp8_g = bench(fp8, graph=True, dispatch_only=True), bench(fp8, graph=True)
                 t_pad_g = bench(padded, graph=True)

@@ -88,7 +88,7 @@ class _AllToAll(torch.autograd.Function):
 def all_to_all(x: torch.Tensor, out_splits: list[int] | None, in_splits: list[int] | None, group,
                wire: str = "bf16", grad_wire: str = "bf16") -> torch.Tensor:
     """Rows of ``x`` split by ``in_splits`` go to the ranks of ``group``; ``None`` splits = equal blocks;
-    an ``"fp8"`` ``wire`` / ``grad_wire``: the rows / their gradients cross in e4m3 with a scale each."""
+    an ``"fp8"`` ``wire`` / ``grad_wire``: the rows / their gradients cross in e4m3 with a scale per 128 columns."""
     return _AllToAll.apply(x, out_splits, in_splits, group, wire, grad_wire)
 
 

@@ -58,7 +58,7 @@ class Dispatcher(ABC):
 class ExpertParallel(Dispatcher):
     """E experts (ids, echo slots included) over the R ranks of ``group``; e = E / R per rank."""
 
-    wire = "bf16"  # how token rows cross on dispatch ("fp8": e4m3 + a scale per row; not deepep)
+    wire = "bf16"  # how token rows cross on dispatch ("fp8": e4m3, a scale per 128 columns; not deepep)
 
     def __init__(self, num_experts: int, group, ep_size: int):
         if num_experts % ep_size != 0:
