@@ -353,3 +353,14 @@ def test_fastest_dispatcher_is_measured_once_cached_and_reported(tmp_path):
     assert set(ms) == {"padded", "alltoall"} and chosen == min(ms, key=ms.get) and "ep2" in key
     p = recipe(tmp_path / "b", 2, *args, env={"MOE_ECHO_CACHE": cache})
     assert f"fastest = {chosen}" in p.stdout and "cached" in p.stdout
+
+
+def test_fp8_wire_from_the_command_line_trains_near_ep1(tmp_path, ep1_losses):
+    """``--moe_echo.dispatch_precision fp8`` at EP=2 (gloo, ``padded``): tokens and output gradients cross in e4m3,
+    so the losses leave EP=1's exact ones, but only by the quantisation's size."""
+    recipe(tmp_path, 2, "--training.local_batch_size", "4", "--parallelism.expert_parallel_degree", "2",
+           "--checkpoint.enable", "false", "--moe_echo.dispatch_precision", "fp8")
+    got = losses(tmp_path)
+    assert sorted(got) == [1, 2, 3, 4, 5]
+    rel = [abs(got[s] - want) / want for s, want in ep1_losses.items()]
+    assert max(rel) < 1e-2 and max(rel) > 2e-5, rel  # off the exact path (2e-5 holds the bf16 wire), not far off
