@@ -4,6 +4,7 @@ torchtitan key is honoured or refused, and metrics never mix runs."""
 
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -343,3 +344,18 @@ def test_profiling_and_hf_export_keys_are_honoured(launches):
     assert a.keys() == b.keys()
     for k in a:
         assert torch.equal(a[k], b[k]), k  # the export holds exactly the final weights
+def test_error_lines_of_ranks_sharing_a_stderr_never_run_into_each_other():
+    """Ranks of a host print their error lines into their agent's one stderr at the same moment (a lost peer):
+    each line is one write, so none is split by another's, even unbuffered (PYTHONUNBUFFERED: print writes the
+    text and its newline apart)."""
+    writer = ("import sys; sys.path.insert(0, sys.argv[2]); from components.train.entry import say_line\n"
+              "for i in range(300): say_line(f'error: [rank {sys.argv[1]}] line {i} ' + 'x' * 200)")
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    r, w = os.pipe()
+    procs = [subprocess.Popen([sys.executable, "-c", writer, str(rank), ROOT], stderr=w, env=env) for rank in range(4)]
+    os.close(w)
+    with os.fdopen(r) as f:
+        lines = f.read().splitlines()
+    assert all(p.wait(timeout=120) == 0 for p in procs)
+    good = [l for l in lines if re.fullmatch(r"error: \[rank \d\] line \d+ x{200}", l)]
+    assert len(good) == len(lines) == 4 * 300, [l for l in lines if l not in good][:3]

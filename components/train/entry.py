@@ -97,7 +97,7 @@ class StopRequest:
         """The line, once per process, on rank 0."""
         if self.rank == 0 and self._said.acquire(blocking=False):
             sys.stdout.flush()
-            print(self.line(), file=sys.stderr, flush=True)
+            say_line(self.line())
 
     def install(self, rank: int) -> None:
         self.rank = rank
@@ -153,6 +153,19 @@ def _interrupted() -> bool:
     return stop.signum is not None
 
 
+def say_line(text: str) -> None:
+    """``text`` and a newline to stderr in one write: the ranks of a host share their agent's stderr, and lines
+    that several ranks print at once (a lost peer) must not run into each other (writes of a pipe's atomic size
+    are never interleaved)."""
+    sys.stderr.flush()
+    try:
+        fd = sys.stderr.fileno()
+    except (AttributeError, OSError, ValueError):  # a stderr without a file descriptor (captured in-process)
+        print(text, file=sys.stderr, flush=True)
+        return
+    os.write(fd, (text + "\n").encode())
+
+
 def run_recipe(train_fn, argv: list[str] | None = None, help_note: str = "") -> None:
     """``train_fn(argv)`` with the exits above. ``help_note``: the recipe's own notes, printed before the
     keys by ``--help``."""
@@ -174,13 +187,13 @@ def run_recipe(train_fn, argv: list[str] | None = None, help_note: str = "") -> 
             sys.exit(stop.exit_code)
         if isinstance(err, (UserError, NonFiniteError)):
             if rank == 0:
-                print(f"error: {err}", file=sys.stderr, flush=True)
+                say_line(f"error: {err}")
             else:
                 time.sleep(_QUIET_RANK_DELAY_S)  # torchrun stops every rank once one exits: rank 0 exits first
             _shutdown()
             sys.exit(err.exit_code)
         if isinstance(err, PeerTimeoutError):
-            print(f"error: [rank {rank}] {err}", file=sys.stderr, flush=True)
+            say_line(f"error: [rank {rank}] {err}")
             sys.stdout.flush()
             os._exit(err.exit_code)  # the process group cannot be shut down cleanly without the peer
         timeout, lost = _is_timeout(err), _peer_lost(err)
@@ -190,11 +203,11 @@ def run_recipe(train_fn, argv: list[str] | None = None, help_note: str = "") -> 
         first = text.splitlines()[0] if text else type(err).__name__
         first = re.sub(r"^\[[^\]]*\.cc:\d+\]\s*", "", first).split(". ")[0][:160]  # gloo's without its source line
         if timeout:
-            print(f"error: [rank {rank}] a collective timed out ({first}): a peer rank is hung or dead; "
-                  "[comm] train_timeout_seconds sets the limit", file=sys.stderr, flush=True)
+            say_line(f"error: [rank {rank}] a collective timed out ({first}): a peer rank is hung or dead; "
+                     "[comm] train_timeout_seconds sets the limit")
         else:
-            print(f"error: [rank {rank}] a collective lost its connection to a peer ({first}): a peer rank or its "
-                  "host died; resume from the last checkpoint", file=sys.stderr, flush=True)
+            say_line(f"error: [rank {rank}] a collective lost its connection to a peer ({first}): a peer rank or its "
+                     "host died; resume from the last checkpoint")
         sys.stdout.flush()
         os._exit(PeerTimeoutError.exit_code)
     _shutdown()
