@@ -41,9 +41,10 @@ class StepWatchdog:
             if idle >= self.timeout_s and not self.reported:
                 self.reported = True
                 self.reports += 1
-                print(f"[rank {self.rank}] no training step has finished for {idle:.0f} s (last finished: step "
-                      f"{self.step}); this rank's Python stacks follow. [training] hang_report_s sets the "
-                      "limit (0: off)", file=self.out, flush=True)
+                self.out.write(f"[rank {self.rank}] no training step has finished for {idle:.0f} s (last finished: "
+                               f"step {self.step}); this rank's Python stacks follow. [training] hang_report_s sets "
+                               "the limit (0: off)\n")  # one write: other ranks report into the same stderr
+                self.out.flush()
                 faulthandler.dump_traceback(file=self.out, all_threads=True)
 
     def close(self) -> None:
