@@ -1001,7 +1001,7 @@ def host_layer_ms(layer: HostLayer, run: HostRun, cal: Calibration, shape: Model
     clones). On a shared network the clones' bytes of all ranks share the aggregate rate; on per-GPU
     links the busiest rank's set the time. Non-network ms × run.compute_scale."""
     cl = run.cluster
-    R, host_R = cl.ranks, cl.host_R()
+    R = cl.ranks
     T, D, K, Hx = shape.tokens_per_rank, shape.dim, shape.top_k, shape.hidden
     lat = cl.collective_ms if cl.collective_ms is not None else default_collective_ms(cal)
     legs = dispatch_legs(run.dispatcher, cl, T, D, K, run.capacity_factor,
