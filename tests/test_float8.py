@@ -137,3 +137,44 @@ def test_precomputed_fsdp_scales_are_written_in_place():
             torch.testing.assert_close(now, want.reshape(now.shape), rtol=1e-6, atol=0)
     finally:
         dist.destroy_process_group()
+
+
+def _small(recipe: str, n_in: int, n_out: int) -> bool:
+    """torchao's documented size thresholds below which FP8 does not pay (H100 measurements), written out here."""
+    if recipe == "tensorwise":
+        return n_in <= 4096 and n_out <= 1024
+    return n_out <= 2048 or n_in <= 1024 or (n_out <= 4096 and n_in <= 2048)
+
+
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
+def test_auto_filter_keeps_the_layers_too_small_for_fp8_to_pay(recipe):
+    """torchtitan's flag ``filter_fqns = ["auto_filter_small_kn"]``: the layers torchao's thresholds rule out stay
+    bf16 beside those named, the others convert; without "output" in the list the head converts too."""
+    from torchao.float8.float8_linear import Float8Linear
+
+    shapes = {"attention.wkv_a": (2048, 576), "attention.wkv_b": (512, 4096), "attention.wq": (2048, 3072),
+              "attention.wo": (2048, 2048), "feed_forward.w1": (2048, 10944), "feed_forward.w2": (10944, 2048),
+              "shared.w1": (2048, 1536), "router.gate": (2048, 8192), "output": (2048, 32768)}
+    for names, head_kept in ((["output", "auto_filter_small_kn"], True), (["auto_filter_small_kn"], False)):
+        with torch.device("meta"):
+            model = torch.nn.Module()
+            for fqn, (i, o) in shapes.items():
+                parent = model
+                for part in fqn.split(".")[:-1]:
+                    if not hasattr(parent, part):
+                        parent.add_module(part, torch.nn.Module())
+                    parent = getattr(parent, part)
+                parent.add_module(fqn.split(".")[-1], torch.nn.Linear(i, o, bias=False))
+        cfg = load_config([*EMULATED, "--quantize.linear.float8.recipe_name", recipe,
+                           "--quantize.linear.float8.filter_fqns", ",".join(names)])
+        swapped = float8.convert_float8(model, cfg)
+        want = sorted(f for f, (i, o) in shapes.items()
+                      if f != "router.gate" and not (f == "output" and head_kept) and not _small(recipe, i, o))
+        assert sorted(swapped) == want, (recipe, names)
+        assert all(isinstance(model.get_submodule(f), Float8Linear) == (f in want) for f in shapes)
+        assert float8.kept_names(cfg.quantize.linear.float8)[-1] == "layers too small to pay (auto_filter_small_kn)"
+    assert "attention.wkv_a" not in want and "feed_forward.w1" in want  # each rule both keeps and converts here
+    with pytest.raises(UserError, match=r'filter_fqns = \["auto_filter_small_kn"\] has size thresholds for '
+                                        r'recipe_name "tensorwise" and "rowwise" only'):
+        load_config([*EMULATED, "--quantize.linear.float8.recipe_name", "rowwise_with_gw_hp",
+                     "--quantize.linear.float8.filter_fqns", "auto_filter_small_kn"])

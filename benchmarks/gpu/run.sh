@@ -72,8 +72,9 @@
 #   fp8_step    1/2  FP8 on the whole step ([model] converters = ["float8"] + FP8 experts): PART=a tests and
 #                    v2lite_1b bf16 vs FP8 beside torchtitan's float8; b (2 GPUs) 500-step loss parity, eager and
 #                    compiled FP8; c (2 GPUs) v2lite_6b_2gpu EP=2, the fp8 dispatch wire at EP=2 and across 2
-#                    emulated hosts; d (1 GPU) FP8 by part and scaling; p (1 GPU) bf16 and FP8 profiled; g (2 GPUs)
-#                    the FSDP FP8 all-gather tested and measured beside torchtitan's; e (2 GPUs)
+#                    emulated hosts; d (1 GPU) FP8 by part and scaling; f (1 GPU) which dense layers pay
+#                    (filter_fqns); p (1 GPU) bf16 and FP8 profiled; g (2 GPUs) the FSDP FP8 all-gather tested
+#                    and measured beside torchtitan's; e (2 GPUs)
 #                    v2lite_6b_2gpu 500-step loss parity (RUNS= bf16 fp8 bf16_compile, a subset per invocation)
 #   guard       1    cost of the non-finite guard: v2lite_1b (CONFIGS=...), eager and graphed, on vs off
 #   titan       2    torchtitan's own trainer with our TrainSpec (EP=2, ECHO) vs the recipe: per-step losses
@@ -248,6 +249,14 @@ print('largest step difference over steps 1-20: %.2e at step %d' % max(rel[:20])
         V="bf16=;experts=--moe_echo.expert_precision fp8;dense_rowwise=$D8 rowwise;dense_tensorwise=$D8 tensorwise;both_rowwise=$F8 --quantize.linear.float8.recipe_name rowwise;both_tensorwise=$F8 --quantize.linear.float8.recipe_name tensorwise;both_tensorwise_head=$F8 --quantize.linear.float8.recipe_name tensorwise --quantize.linear.float8.filter_fqns router.gate"
         [ -n "${PICK:-}" ] && V=$(IFS=';'; for v in $V; do [[ " $PICK " == *" ${v%%=*} "* ]] && printf '%s;' "$v"; done)
         python3 benchmarks/e2e.py --configs v2lite_1b_gpu --runs ours_compile_graph --steps 30 --label ${LABEL:-fp8_parts} \
+          --variants "${V%;}" --out "$OUT" 2>&1 | noise | grep -E "^\| v2lite" | tail -8 ;;
+      f)  # one GPU, v2lite_1b compiled + graphed: which dense layers pay in FP8 (filter_fqns; auto_filter_small_kn:
+          # torchao's size thresholds, torchtitan's flag), the experts in FP8 throughout
+        export CUDA_VISIBLE_DEVICES=${CUDA_VISIBLE_DEVICES:-0}
+        K="--quantize.linear.float8.filter_fqns"
+        V="bf16=;fp8=$F8;fp8_auto=$F8 $K output,auto_filter_small_kn;fp8_kv_bf16=$F8 $K output,wkv_a,wkv_b;fp8_attention_bf16=$F8 $K output,attention;fp8_shared_bf16=$F8 $K output,shared_experts;fp8_rowwise_auto=$F8 $K output,auto_filter_small_kn --quantize.linear.float8.recipe_name rowwise"
+        [ -n "${PICK:-}" ] && V=$(IFS=';'; for v in $V; do [[ " $PICK " == *" ${v%%=*} "* ]] && printf '%s;' "$v"; done)
+        python3 benchmarks/e2e.py --configs v2lite_1b_gpu --runs ours_compile_graph --steps 30 --label ${LABEL:-fp8_filter} \
           --variants "${V%;}" --out "$OUT" 2>&1 | noise | grep -E "^\| v2lite" | tail -8 ;;
       p)  # one GPU, v2lite_1b compiled + graphed: bf16 and FP8 profiled -> step_breakdown_v2lite_1b_gpu_fp8_vs_bf16_1x<GPU>.md
           # (RECIPE=rowwise made that file), ..._fp8_vs_bf16_<RECIPE>_1x<GPU>.md for another RECIPE

@@ -4,7 +4,8 @@
     converters = ["float8"]            # or torchtitan 0.2's name, "quantize.linear.float8"
     [quantize.linear.float8]
     recipe_name = "tensorwise"         # torchao's recipes: "tensorwise" (default), "rowwise", "rowwise_with_gw_hp"
-    filter_fqns = ["output"]           # linear layers left in bf16 (default: the output head)
+    filter_fqns = ["output"]           # linear layers left in bf16 (default: the output head); torchtitan's flag
+                                       # "auto_filter_small_kn" also keeps those torchao measures too small to pay
     emulate = false                    # true: FP8 emulated in higher precision (CPU tests; not with compile)
     enable_fsdp_float8_all_gather = true               # tensorwise + FSDP: weights all-gathered in FP8
     precompute_float8_dynamic_scale_for_fsdp = true    # their scales from one all-reduce after the optimizer step
@@ -13,7 +14,9 @@ Every ``nn.Linear`` of the model whose name matches none of ``filter_fqns`` and 
 are multiples of 16 becomes torchao's ``Float8Linear`` before parallelisation: attention projections,
 dense feed-forwards and the shared experts. Same parameters, same names (checkpoints load either way);
 the forward and both backward GEMMs run in FP8 with scales computed on the device. The routers' gates
-always stay as they are (top-k is decided on their logits). The routed experts follow the same switch
+always stay as they are (top-k is decided on their logits). With ``"auto_filter_small_kn"`` in ``filter_fqns``
+(torchtitan's flag) so do the layers whose (in, out) torchao's size thresholds for the recipe rule out
+(tensorwise: in ≤ 4096 and out ≤ 1024; rowwise: out ≤ 2048, in ≤ 1024, or out ≤ 4096 and in ≤ 2048). The routed experts follow the same switch
 through their own key: ``[moe_echo] expert_precision`` becomes "fp8" unless the config sets it (or
 ``emulate`` is on: the FP8 experts have no emulation).
 
@@ -24,6 +27,7 @@ scales are written into the same tensors every step, so a captured step's replay
 """
 
 import dataclasses
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -33,6 +37,8 @@ from components.errors import UserError
 NAMES = ("float8", "quantize.linear.float8")  # torchtitan's older and 0.2 names of the converter
 ALWAYS_KEPT = ("router.gate",)  # routing decisions stay on unquantised logits
 DEFAULT_KEPT = ("output",)  # where filter_fqns is empty: the output head
+AUTO_FILTER = "auto_filter_small_kn"  # torchtitan's flag in filter_fqns: torchao's per-recipe size thresholds
+AUTO_RECIPES = ("tensorwise", "rowwise")  # the recipes torchao has thresholds for
 
 
 def requested(cfg) -> bool:
@@ -71,6 +77,10 @@ def check_keys(cfg) -> None:
     if f8.enable_fsdp_float8_all_gather and (f8.recipe_name or "tensorwise") != "tensorwise":
         raise UserError(f"[quantize.linear.float8] enable_fsdp_float8_all_gather = true needs recipe_name = "
                         f"\"tensorwise\" (one scale per weight), not {f8.recipe_name!r}; set one or the other")
+    if AUTO_FILTER in f8.filter_fqns and (f8.recipe_name or "tensorwise") not in AUTO_RECIPES:
+        raise UserError(f"[quantize.linear.float8] filter_fqns = [\"{AUTO_FILTER}\"] has size thresholds for "
+                        f"recipe_name \"tensorwise\" and \"rowwise\" only, not {f8.recipe_name!r}; name the layers "
+                        f"to keep in bf16 instead")
     if f8.precompute_float8_dynamic_scale_for_fsdp and not f8.enable_fsdp_float8_all_gather:
         raise UserError("[quantize.linear.float8] precompute_float8_dynamic_scale_for_fsdp = true needs "
                         "enable_fsdp_float8_all_gather = true (the scales it computes are the all-gather's)")
@@ -110,15 +120,34 @@ def kept(fqn: str, module: nn.Module, filter_fqns) -> bool:
     return module.in_features % 16 != 0 or module.out_features % 16 != 0
 
 
+def keep_rule(f8) -> Callable[[str, nn.Module], bool]:
+    """``keep(fqn, module)`` for ``[quantize.linear.float8]``: ``kept`` under its ``filter_fqns`` (the output head
+    where that is empty), and with ``AUTO_FILTER`` among them the layers torchao's thresholds for the recipe
+    find too small for FP8 to pay (``torchao.float8._auto_filter_for_recipe``, as torchtitan applies it)."""
+    names = tuple(f8.filter_fqns) or DEFAULT_KEPT
+    if AUTO_FILTER not in names:
+        return lambda fqn, module: kept(fqn, module, names)
+    from torchao.float8 import _auto_filter_for_recipe
+
+    names = tuple(n for n in names if n != AUTO_FILTER)
+    converts = _auto_filter_for_recipe(f8.recipe_name or "tensorwise", [])
+    return lambda fqn, module: kept(fqn, module, names) or not converts(module, fqn)
+
+
+def kept_names(f8) -> list[str]:
+    """What ``keep_rule`` keeps besides the router gates, in words for the run summary."""
+    return [f"layers too small to pay ({AUTO_FILTER})" if n == AUTO_FILTER else n
+            for n in (f8.filter_fqns or DEFAULT_KEPT)]
+
+
 def convert_float8(model: nn.Module, cfg, fsdp: bool = False) -> list[str]:
-    """Swap the model's dense linear layers for torchao's Float8Linear in place (see ``kept``); returns the
+    """Swap the model's dense linear layers for torchao's Float8Linear in place (see ``keep_rule``); returns the
     names of the swapped layers. ``fsdp``: FSDP will shard them (their weights may then be all-gathered in FP8)."""
     from torchao.float8 import convert_to_float8_training
 
-    filter_fqns = tuple(cfg.quantize.linear.float8.filter_fqns) or DEFAULT_KEPT
-    swapped = [fqn for fqn, m in model.named_modules() if not kept(fqn, m, filter_fqns)]
-    convert_to_float8_training(model, config=torchao_config(cfg, fsdp),
-                               module_filter_fn=lambda m, fqn: not kept(fqn, m, filter_fqns))
+    keep = keep_rule(cfg.quantize.linear.float8)
+    swapped = [fqn for fqn, m in model.named_modules() if not keep(fqn, m)]
+    convert_to_float8_training(model, config=torchao_config(cfg, fsdp), module_filter_fn=lambda m, fqn: not keep(fqn, m))
     return swapped
 
 

@@ -155,7 +155,7 @@ def build_parallel_model(run: Run, tokenizer):
                   else "")
         run.say(f"float8: {len(swapped)} linear layers in FP8 ({f8.recipe_name or 'tensorwise'}"
                 f"{', emulated' if f8.emulate else ''}{gather}); kept: router gates, "
-                f"{', '.join(f8.filter_fqns or float8.DEFAULT_KEPT)}")
+                f"{', '.join(float8.kept_names(f8))}")
         if note := float8.uncompiled_note(cfg):
             run.say(note)
     model = parallelize(model, run.mesh, run.dims, cfg, run.device)
