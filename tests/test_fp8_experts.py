@@ -200,13 +200,16 @@ def test_triton_quantisers_equal_torch_reference():
 
 @pytest.mark.gpu
 @hopper
+@pytest.mark.parametrize("channels", [False, True], ids=["per_expert", "per_channel"])
 @pytest.mark.parametrize("case", sorted(COUNTS))
-def test_fp8_experts_gpu_equal_the_emulated_path(case):
+def test_fp8_experts_gpu_equal_the_emulated_path(case, channels):
     """Triton quantisers + torch._scaled_grouped_mm == the CPU path's quantisation + fp32 GEMMs, up to
-    bf16 rounding of the GEMM outputs (the FP8 error itself, ~5%, is far larger)."""
+    bf16 rounding of the GEMM outputs (the FP8 error itself, ~5%, is far larger); weights scaled per expert or
+    per output channel."""
     x, ws, counts, gy = _experts_case([c * 16 + 3 for c in COUNTS[case]], D=256, H=128)  # unaligned groups
-    cpu = _run(fp8_grouped_swiglu, x, ws, counts, gy)
-    gpu = _run(fp8_grouped_swiglu, x.cuda(), [w.cuda() for w in ws], counts.cuda(), gy.cuda())
+    fn = lambda *a: fp8_grouped_swiglu(*a, channels=channels)
+    cpu = _run(fn, x, ws, counts, gy)
+    gpu = _run(fn, x.cuda(), [w.cuda() for w in ws], counts.cuda(), gy.cuda())
     used = int(counts.sum())
     assert _rel(gpu[0][:used].cpu(), cpu[0][:used]) < 0.02
     assert _rel(gpu[1][:used].cpu(), cpu[1][:used]) < 0.02
@@ -275,3 +278,75 @@ def test_fp8_layer_tracks_bf16_layer_graphs_and_never_syncs():
     torch.cuda.synchronize()
     y_graph, dx_graph = y_g.clone(), x.grad.clone()
     assert torch.equal(y_graph, step()) and torch.equal(dx_graph, x.grad)
+
+
+@pytest.mark.parametrize("case", ["random", "all_to_one", "empty_experts"])
+def test_per_channel_weight_scales_track_fp64_and_survive_an_outlier_channel(case):
+    """``channels=True``: output and every gradient track the fp64 experts as the per-expert scaling does; with one
+    output channel of w2 10⁵× the others in every expert, that channel's scale leaves the rest of each expert's
+    weights in e4m3's subnormals under per-expert scaling, while per-channel scaling keeps the other output
+    columns as close to fp64 as before."""
+    x, ws, counts, gy = _experts_case(COUNTS[case])
+    used = int(counts.sum())
+    run = lambda ch, w: _run(lambda *a: fp8_grouped_swiglu(*a, channels=ch), x, w, counts, gy)
+    y, dx, dws = run(True, ws)
+    y64, dx64, dws64 = _run(_looped_swiglu, x.double(), [w.double() for w in ws], counts, gy.double())
+    assert _rel(y[:used], y64[:used]) < 0.12 and _rel(dx[:used], dx64[:used]) < 0.12
+    for e in range(len(counts)):
+        for d, d64 in zip(dws, dws64):
+            assert (d[e] == 0).all() if not counts[e] else _rel(d[e], d64[e]) < 0.12
+    outlier = [ws[0], ws[1].clone(), ws[2]]
+    outlier[1][:, 0] *= 1e5  # w2's row 0: output column 0 of every expert
+    y64 = _run(_looped_swiglu, x.double(), [w.double() for w in outlier], counts, gy.double())[0][:used, 1:]
+    err_channel = _rel(run(True, outlier)[0][:used, 1:], y64)
+    err_expert = _rel(run(False, outlier)[0][:used, 1:], y64)
+    assert err_channel < 0.12 and err_expert > 3 * err_channel, (err_channel, err_expert)
+
+
+def test_per_channel_casts_scale_each_row_or_column_within_e4m3():
+    """cast_channels: one power-of-two scale per row of [w1; w3] (the smallest that fits); cast_channels_t: the
+    transposed stack with one per column. Each within e4m3's error of the weights."""
+    from components.moe_echo.fp8_experts import cast_channels, cast_channels_t
+
+    g = torch.Generator().manual_seed(3)
+    E, H, D = 3, 32, 48
+    w1 = torch.randn(E, H, D, generator=g) * torch.logspace(-3, 3, H)[None, :, None]
+    w3 = torch.randn(E, H, D, generator=g) * torch.logspace(-2, 2, D)[None, None, :]
+    both = torch.cat([w1, w3], 1).double()  # [E, 2H, D]
+    q = torch.zeros(E, 2 * H, D, dtype=FP8)
+    s = cast_channels((w1, w3), q)
+    assert s.shape == (E, 2 * H)
+    amax = both.abs().amax(2)
+    assert (amax / s.double() <= FP8_MAX).all() and (amax / (s.double() / 2) > FP8_MAX).all()
+    assert _within_e4m3(q.double() * s.double()[..., None], both, s.double()[..., None])
+    qt = torch.zeros(E, D, 2 * H, dtype=FP8)
+    st = cast_channels_t((w1, w3), qt)
+    assert st.shape == (E, D)
+    amax_t = both.abs().amax(1)
+    assert (amax_t / st.double() <= FP8_MAX).all() and (amax_t / (st.double() / 2) > FP8_MAX).all()
+    assert _within_e4m3(qt.double() * st.double()[..., None], both.transpose(1, 2), st.double()[..., None])
+
+
+def test_rowwise_recipe_picks_per_channel_expert_scales_and_no_copies():
+    """One key: recipe_name = "rowwise" gives the FP8 experts per-channel weight scales (unless the experts' own key
+    is set); the layer takes it, and its experts then keep no optimizer-written copies."""
+    from components.moe_echo.experts import GroupedExperts
+    from components.train.config import load_config
+
+    f8 = ["--model.converters", "float8", "--quantize.linear.float8.recipe_name"]
+    assert load_config([*f8, "rowwise"]).moe_echo.expert_fp8_scaling == "channel"
+    assert load_config([*f8, "rowwise_with_gw_hp"]).moe_echo.expert_fp8_scaling == "channel"
+    assert load_config([*f8, "tensorwise"]).moe_echo.expert_fp8_scaling == "expert"
+    assert load_config([]).moe_echo.expert_fp8_scaling == "expert"
+    assert load_config([*f8, "rowwise", "--moe_echo.expert_fp8_scaling", "expert"]).moe_echo.expert_fp8_scaling == "expert"
+    args = MoEArgs(num_experts=8, num_shared_experts=0, top_k=2, score_func="softmax", route_norm=False,
+                   score_before_experts=False)
+    layer = MoELayer(args, 32, 16, MoEEchoConfig(expert_precision="fp8", expert_fp8_scaling="channel"))
+    assert layer.experts.fp8_scaling == "channel"
+    experts = GroupedExperts(32, 16, 4, "fp8", fp8_scaling="channel")
+    experts.enable_fp8_copies()
+    assert experts.fp8_copies is None
+    experts = GroupedExperts(32, 16, 4, "fp8")
+    torch.nn.init.normal_(experts.w1), torch.nn.init.normal_(experts.w2), torch.nn.init.normal_(experts.w3)
+    experts.enable_fp8_copies()
+    assert experts.fp8_copies is not None

@@ -242,11 +242,12 @@ print('largest step difference over steps 1-20: %.2e at step %d' % max(rel[:20])
         timeout 240 python3 benchmarks/dispatch_hosts.py --hosts 2 --gpus-per-host 1 --label fp8_wire --out "$OUT" \
           2>&1 | noise | tail -12 ;;
       d)  # one GPU, v2lite_1b compiled + graphed: which part of FP8 pays (dense only, experts only, both; tensorwise and
-          # rowwise; both_tensorwise_head: the output head in FP8 too, filter_fqns naming only what is always kept)
+          # rowwise, whose experts scale their weights per channel; both_rowwise_expert_scales: per expert instead;
+          # both_tensorwise_head: the output head in FP8 too, filter_fqns naming only what is always kept)
         export CUDA_VISIBLE_DEVICES=${CUDA_VISIBLE_DEVICES:-0}
         D8="--model.converters float8 --moe_echo.expert_precision bf16 --quantize.linear.float8.recipe_name"
         # PICK="NAME ..." runs only those variants (label fp8_head: PICK="both_tensorwise both_tensorwise_head")
-        V="bf16=;experts=--moe_echo.expert_precision fp8;dense_rowwise=$D8 rowwise;dense_tensorwise=$D8 tensorwise;both_rowwise=$F8 --quantize.linear.float8.recipe_name rowwise;both_tensorwise=$F8 --quantize.linear.float8.recipe_name tensorwise;both_tensorwise_head=$F8 --quantize.linear.float8.recipe_name tensorwise --quantize.linear.float8.filter_fqns router.gate"
+        V="bf16=;experts=--moe_echo.expert_precision fp8;dense_rowwise=$D8 rowwise;dense_tensorwise=$D8 tensorwise;both_rowwise=$F8 --quantize.linear.float8.recipe_name rowwise;both_rowwise_expert_scales=$F8 --quantize.linear.float8.recipe_name rowwise --moe_echo.expert_fp8_scaling expert;both_tensorwise=$F8 --quantize.linear.float8.recipe_name tensorwise;both_tensorwise_head=$F8 --quantize.linear.float8.recipe_name tensorwise --quantize.linear.float8.filter_fqns router.gate"
         [ -n "${PICK:-}" ] && V=$(IFS=';'; for v in $V; do [[ " $PICK " == *" ${v%%=*} "* ]] && printf '%s;' "$v"; done)
         python3 benchmarks/e2e.py --configs v2lite_1b_gpu --runs ours_compile_graph --steps 30 --label ${LABEL:-fp8_parts} \
           --variants "${V%;}" --out "$OUT" 2>&1 | noise | grep -E "^\| v2lite" | tail -8 ;;

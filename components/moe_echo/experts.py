@@ -158,10 +158,12 @@ class _Halves13(torch.autograd.Function):
 class GroupedExperts(nn.Module):
     """E SwiGLU experts held as three stacked weights (see the module docstring for the layout)."""
 
-    def __init__(self, dim: int, hidden_dim: int, num_experts: int, precision: str = "bf16", gemm: str = "torch"):
+    def __init__(self, dim: int, hidden_dim: int, num_experts: int, precision: str = "bf16", gemm: str = "torch",
+                 fp8_scaling: str = "expert"):
         super().__init__()
         self.num_experts = num_experts
         self.precision = precision  # "bf16" | "fp8": the GEMMs' precision (weights keep their dtype)
+        self.fp8_scaling = fp8_scaling  # "expert" | "channel": FP8 weight scales per expert or per output channel
         self.gemm = gemm  # "torch" | "quack": the kernels of the bf16 GEMMs on CUDA
         self.w1 = nn.Parameter(torch.empty(num_experts, hidden_dim, dim))
         self.w2 = nn.Parameter(torch.empty(num_experts, dim, hidden_dim))
@@ -213,7 +215,8 @@ class GroupedExperts(nn.Module):
             weights = tuple(extend(w, i) for i, w in enumerate(weights))
         if self.precision == "fp8":  # ECHO's extended weights (clones appended) are cast per call
             copies = self.fp8_copies if extend is None else None
-            return fp8_grouped_swiglu(x_ND, *weights, counts_e, self._fp8_scale_hint(weights[0]), copies=copies)
+            return fp8_grouped_swiglu(x_ND, *weights, counts_e, self._fp8_scale_hint(weights[0]), copies=copies,
+                                      channels=self.fp8_scaling == "channel")
         if self.gemm == "quack" and x_ND.is_cuda:
             return quack_grouped_swiglu(x_ND, *weights, counts_e)
         return grouped_swiglu(x_ND, *weights, counts_e)
@@ -277,9 +280,12 @@ class GroupedExperts(nn.Module):
         """FP8 experts whose optimizer writes their FP8 weight copies (``Fp8WeightCopies``; AdamWWithCopies and
         MasterAdamW, components/train/master_adamw.py, find them as ``self.copies[w].fp8 = (copies, role)``):
         the forward and the input gradient read them instead of casting the weights per call. Written here from
-        the weights as they are; ``refresh_compute_copies`` rewrites them after weights were loaded."""
+        the weights as they are; ``refresh_compute_copies`` rewrites them after weights were loaded. Nothing with
+        per-channel scales (the copies hold one scale per expert)."""
         if self.precision != "fp8":
             raise ValueError("FP8 weight copies are for expert_precision = 'fp8'")
+        if self.fp8_scaling == "channel":
+            return
         w1, w2, w3 = (local_of(w).detach() for w in (self.w1, self.w2, self.w3))
         E, H, D = w1.shape
         self.fp8_copies = Fp8WeightCopies(E, H, D, w1.device)

@@ -19,6 +19,9 @@ with the previous call's scale while the amax is taken, and cast again only wher
 weight copies are made per call; weights stay in their own dtype (fp32 masters or bf16 parameters) —
 unless ``copies`` (``Fp8WeightCopies``) are given: persistent FP8 copies in both layouts that the
 optimizer step writes from the fp32 masters (kernels/adamw.py), so no weight is cast in the layer.
+With ``channels`` (``[moe_echo] expert_fp8_scaling = "channel"``, what ``recipe_name = "rowwise"`` picks) each weight
+gets one scale per output channel of its GEMM instead of one per expert: a row of w for the forward copy, a column
+for the transposed one (so the two copies are quantised separately), cast from the weights in every call.
 Expert groups need no alignment (the 2d×3d FP8 GEMMs accept any row counts); rows past sum(counts)
 are skipped by every pass.
 
@@ -77,6 +80,34 @@ def grouped_wgrad(a_MP, b_MQ, offs):
 def _per_column(s_E: torch.Tensor, n: int) -> torch.Tensor:
     """A per-expert scale as the [E, N] per-output-column scale the GEMM reads."""
     return s_E[:, None].expand(-1, n).contiguous()
+
+
+def cast_channels(ws: tuple[torch.Tensor, ...], out_EPI: torch.Tensor) -> torch.Tensor:
+    """out = fp8 of ws stacked along dim 1 ([E, P, I]), one power-of-two scale per row — the output channel of
+    x @ wᵀ — returned as s [E, P] (dequantisation multipliers): ``quant_rows`` over each weight's rows, one pass.
+    On the device, no host read."""
+    scales, r = [], 0
+    for w in ws:
+        E, O, I = w.shape
+        q_RI, s_R = quant_rows(w.detach().reshape(E * O, I))
+        out_EPI[:, r:r + O] = q_RI.view(E, O, I)
+        scales.append(s_R.view(E, O))
+        r += O
+    return torch.cat(scales, 1) if len(scales) > 1 else scales[0]
+
+
+def cast_channels_t(ws: tuple[torch.Tensor, ...], out_EIP: torch.Tensor) -> torch.Tensor:
+    """out = fp8 of (ws stacked along dim 1)ᵀ, [E, I, P] contiguous, one power-of-two scale per column of the
+    stack — the output channel of g @ w — returned as s [E, I]: the weights transposed, then ``quant_rows``."""
+    E, I, P = out_EIP.shape
+    wt_EIP = torch.empty(E, I, P, dtype=ws[0].dtype, device=ws[0].device)
+    c = 0
+    for w in ws:
+        wt_EIP[:, :, c:c + w.shape[1]] = w.detach().transpose(1, 2)
+        c += w.shape[1]
+    q_RP, s_R = quant_rows(wt_EIP.view(E * I, P))
+    out_EIP.copy_(q_RP.view(E, I, P))
+    return s_R.view(E, I)
 
 
 class Fp8WeightCopies:
@@ -142,22 +173,28 @@ class Fp8WeightCopies:
 
 class _Fp8GroupedSwiGLU(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x_ND, w1_EHD, w2_EDH, w3_EHD, counts_E, hint_2E, copies):
+    def forward(ctx, x_ND, w1_EHD, w2_EDH, w3_EHD, counts_E, hint_2E, copies, channels):
         E, H, D = w1_EHD.shape
         offs_E = torch.cumsum(counts_E, 0, dtype=torch.int32)
         used = offs_E[-1:]
-        ctx.copies = copies
-        if copies is not None:  # written by the optimizer: no weight is read here
-            w13_q, w2_q, s13_E, s2_E = copies.plain13_E2HD, copies.plain2_EDH, *copies.scale_2E.unbind(0)
+        ctx.copies, ctx.channels = copies, channels
+        # [w1; w3] and w2 as stored: K-major for x @ ·ᵀ
+        w13_q = torch.empty(E, 2 * H, D, dtype=FP8, device=x_ND.device) if copies is None else copies.plain13_E2HD
+        w2_q = torch.empty(E, D, H, dtype=FP8, device=x_ND.device) if copies is None else copies.plain2_EDH
+        if channels:
+            s13_E = s2_E = hint_2E  # unused: every scale is per channel, found in this call
+            s13_N, s2_N = cast_channels((w1_EHD, w3_EHD), w13_q), cast_channels((w2_EDH,), w2_q)
         else:
-            w13_q = torch.empty(E, 2 * H, D, dtype=FP8, device=x_ND.device)  # [w1; w3] as stored: K-major for x @ ·ᵀ
-            s13_E = cast_experts_scaled((w1_EHD, w3_EHD), w13_q, hint_2E[0])
-            w2_q = torch.empty(E, D, H, dtype=FP8, device=x_ND.device)
-            s2_E = cast_experts_scaled((w2_EDH,), w2_q, hint_2E[1])
+            if copies is not None:  # written by the optimizer: no weight is read here
+                s13_E, s2_E = copies.scale_2E.unbind(0)
+            else:
+                s13_E = cast_experts_scaled((w1_EHD, w3_EHD), w13_q, hint_2E[0])
+                s2_E = cast_experts_scaled((w2_EDH,), w2_q, hint_2E[1])
+            s13_N, s2_N = _per_column(s13_E, 2 * H), _per_column(s2_E, D)
         x_q, x_s = quant_rows(x_ND, used)
-        ab_MJ = scaled_grouped_mm(x_q, w13_q.transpose(-2, -1), x_s, _per_column(s13_E, 2 * H), offs_E)
+        ab_MJ = scaled_grouped_mm(x_q, w13_q.transpose(-2, -1), x_s, s13_N, offs_E)
         h_MH, h_q, h_s = swiglu_quant(ab_MJ, used)
-        y_ND = scaled_grouped_mm(h_q, w2_q.transpose(-2, -1), h_s, _per_column(s2_E, D), offs_E)
+        y_ND = scaled_grouped_mm(h_q, w2_q.transpose(-2, -1), h_s, s2_N, offs_E)
         ctx.save_for_backward(x_ND, w1_EHD, w2_EDH, w3_EHD, ab_MJ, h_MH, offs_E, s13_E, s2_E)
         return y_ND
 
@@ -173,33 +210,41 @@ class _Fp8GroupedSwiGLU(torch.autograd.Function):
             w2t_q, w13t_q = copies.t2_EHD, copies.t13_ED2H
         else:
             w2t_q = torch.empty(E, H, D, dtype=FP8, device=dy_ND.device)  # w2ᵀ: K-major for dy @ w2
-            cast_experts_t(w2_EDH, s2_E, w2t_q, 0)
             w13t_q = torch.empty(E, D, 2 * H, dtype=FP8, device=dy_ND.device)  # [w1; w3]ᵀ: K-major for [da|db] @ ·
-            cast_experts_t(w1_EHD, s13_E, w13t_q, 0)
-            cast_experts_t(w3_EHD, s13_E, w13t_q, H)
-        dh_MH = scaled_grouped_mm(dy_q, w2t_q.transpose(-2, -1), dy_s, _per_column(s2_E, H), offs_E)
+        if ctx.channels:
+            s2_N, s13_N = cast_channels_t((w2_EDH,), w2t_q), cast_channels_t((w1_EHD, w3_EHD), w13t_q)
+        else:
+            if copies is None:
+                cast_experts_t(w2_EDH, s2_E, w2t_q, 0)
+                cast_experts_t(w1_EHD, s13_E, w13t_q, 0)
+                cast_experts_t(w3_EHD, s13_E, w13t_q, H)
+            s2_N, s13_N = _per_column(s2_E, H), _per_column(s13_E, D)
+        dh_MH = scaled_grouped_mm(dy_q, w2t_q.transpose(-2, -1), dy_s, s2_N, offs_E)
         da_MH, db_MH, dab_q, dab_s = swiglu_quant_bwd(dh_MH, ab_MJ, used)
-        dx_ND = scaled_grouped_mm(dab_q, w13t_q.transpose(-2, -1), dab_s, _per_column(s13_E, D), offs_E)
+        dx_ND = scaled_grouped_mm(dab_q, w13t_q.transpose(-2, -1), dab_s, s13_N, offs_E)
         dw1 = grouped_wgrad(da_MH, x_ND, offs_E)
         dw3 = grouped_wgrad(db_MH, x_ND, offs_E)
         dw2 = grouped_wgrad(dy_ND, h_MH, offs_E)
-        return dx_ND.to(x_ND.dtype), dw1.to(w1_EHD.dtype), dw2.to(w2_EDH.dtype), dw3.to(w3_EHD.dtype), None, None, None
+        grads = dx_ND.to(x_ND.dtype), dw1.to(w1_EHD.dtype), dw2.to(w2_EDH.dtype), dw3.to(w3_EHD.dtype)
+        return *grads, None, None, None, None
 
 
 def fp8_grouped_swiglu(x_ND, w1_EHD, w2_EDH, w3_EHD, counts_E, scale_hint_2E=None,
-                       copies: Fp8WeightCopies | None = None):
+                       copies: Fp8WeightCopies | None = None, channels: bool = False):
     """SwiGLU experts with FP8 GEMMs (see the module docstring); x_ND bf16, D and H multiples of 16.
     ``scale_hint_2E``: fp32 [2, E] on the device, the weight scales ([w1; w3], w2) of the previous call,
     updated in place — kept by the caller across steps it saves the weights' amax pass (zeros: no guess).
     ``copies``: the weights' FP8 copies, current (written by the optimizer): the weights themselves only
-    receive the gradients."""
+    receive the gradients. ``channels``: one weight scale per output channel instead of per expert (no copies)."""
     E, H, D = w1_EHD.shape
     if D % ALIGN or H % ALIGN:
         raise UserError(f"FP8 experts need dim and hidden_dim divisible by {ALIGN}; got dim={D}, hidden_dim={H}")
+    if channels and copies is not None:
+        raise ValueError("FP8 weight copies hold one scale per expert; per-channel scaling casts in each call")
     if copies is not None and tuple(copies.plain2_EDH.shape) != tuple(w2_EDH.shape):
         raise ValueError(f"FP8 copies of shape {tuple(copies.plain2_EDH.shape)} for w2 of {tuple(w2_EDH.shape)}: "
                          "the copies belong to other weights (ECHO's extended weights have none)")
     if scale_hint_2E is None:
         scale_hint_2E = torch.zeros(2, E, dtype=torch.float32, device=x_ND.device)
     return _Fp8GroupedSwiGLU.apply(x_ND.to(torch.bfloat16).contiguous(), w1_EHD, w2_EDH, w3_EHD, counts_E, scale_hint_2E,
-                                   copies)
+                                   copies, channels)

@@ -428,8 +428,9 @@ _MORE_DOCS = {
                             'go FP8 too unless [moe_echo] expert_precision is set. Others are refused.'},
     "quantize.linear.float8": {
         "recipe_name": 'torchao\'s scaling of the dense FP8 layers: "tensorwise" (the default when unset), "rowwise" '
-                       'or "rowwise_with_gw_hp". The routed experts keep their own scaling (one scale per token row '
-                       "and one per expert).",
+                       'or "rowwise_with_gw_hp". The FP8 routed experts follow it unless [moe_echo] expert_fp8_scaling '
+                       'is set: one weight scale per expert with "tensorwise", per output channel with the rowwise '
+                       "recipes (token rows scaled per row either way).",
         "filter_fqns": 'Names (substrings) of the linear layers to keep in bf16. Empty: the output head is kept; a list '
                        'without "output" converts the head too. Router gates are always kept, and so is any layer '
                        'with a dimension not a multiple of 16. "auto_filter_small_kn" in the list (torchtitan\'s flag) '
@@ -582,5 +583,8 @@ def load_config(argv: list[str] | None = None):
     implied = cfg.model.converters and not cfg.quantize.linear.float8.emulate  # FP8 experts have no emulation
     if implied and "expert_precision" not in table.get("moe_echo", {}):
         cfg.moe_echo.expert_precision = "fp8"  # [model] converters = ["float8"]: the routed experts too, unless set
+    rowwise = (cfg.quantize.linear.float8.recipe_name or "tensorwise") != "tensorwise"
+    if cfg.model.converters and rowwise and "expert_fp8_scaling" not in table.get("moe_echo", {}):
+        cfg.moe_echo.expert_fp8_scaling = "channel"  # one key picks the scaling of dense layers and experts alike
     validate(cfg)
     return cfg
