@@ -95,7 +95,9 @@
 #                    the padded / layer EP tests, then dispatch_hosts.py (hierarchical vs padded vs alltoall: network
 #                    bytes and time) -> dispatch_hosts_emulated_<N>x<GPU>.md; PART=b v2lite_1b graphed, hierarchical
 #                    vs flat padded, ECHO off/on, natural and 8 hot experts -> e2e_<N>x<GPU>.md (label hosts2),
-#                    e2e_hosts_<N>x<GPU>.md; PART=c hierarchical whole vs in 2 chunks (label overlap_hosts<L><L>)
+#                    e2e_hosts_<N>x<GPU>.md; PART=c hierarchical whole vs in 2 chunks (label overlap_hosts<L><L>).
+#                    NET_THREADS=T (NET_SOCKS=S, default 4): NCCL's socket transport between the hosts on T threads
+#                    x S sockets, a faster emulated network (labels end in _net<T>x<S>)
 set -uo pipefail
 if [ $# -gt 1 ]; then  # PART=b and the like are environment variables: as arguments they would be ignored
   echo "error: run.sh takes one suite name, got: $*; set the options before it: ${*:2} bash benchmarks/gpu/run.sh $1" >&2
@@ -713,22 +715,27 @@ EOF
     ;;
 
   hosts)
-    n=$(ngpus); L=$((n / 2))
+    n=$(ngpus); L=$((n / 2)); net=""
+    if [ -n "${NET_THREADS:-}" ]; then  # a faster emulated network: NCCL's socket transport with more threads and
+      # sockets between the hosts (product at most 64); labels end in _net<T>x<S>
+      export NCCL_SOCKET_NTHREADS=$NET_THREADS NCCL_NSOCKS_PERTHREAD=${NET_SOCKS:-4}
+      net=_net${NET_THREADS}x${NCCL_NSOCKS_PERTHREAD}
+    fi
     if [ "${PART:-a}" = a ]; then
       timeout ${TMO:-420} python3 -m pytest tests/test_hierarchical.py tests/test_gpu_ep.py -p no:warnings -q -rfEs \
         --durations=10 2>&1 | tee "$OUT/hosts_tests.log" | tail -25
-      timeout 240 python3 benchmarks/dispatch_hosts.py --hosts 2 --gpus-per-host $L --label emulated --out "$OUT" \
+      timeout 240 python3 benchmarks/dispatch_hosts.py --hosts 2 --gpus-per-host $L --label emulated$net --out "$OUT" \
         2>&1 | noise | tail -30
     elif [ "$PART" = c ]; then  # the layer whole and in 2 pipelined chunks across the emulated hosts (label overlap_hosts22 at 2 x 2)
       timeout 560 python3 benchmarks/e2e.py --configs v2lite_1b_gpu --nproc $n --hosts 2 --runs ours_graph --steps 40 \
-        --label overlap_hosts$((n / 2))$((n / 2)) --out "$OUT" --timeout 200 --ours "--parallelism.expert_parallel_degree $n \
+        --label overlap_hosts$((n / 2))$((n / 2))$net --out "$OUT" --timeout 200 --ours "--parallelism.expert_parallel_degree $n \
         --moe_echo.dispatcher hierarchical --moe_echo.capacity_factor 2.0 --moe_echo.grow_capacity_after 1" \
         --variants "c1=--moe_echo.overlap_chunks 1;c2=--moe_echo.overlap_chunks 2" 2>&1 | noise | tail -6
     else
       a="--parallelism.expert_parallel_degree $n --moe_echo.capacity_factor 1.25 --moe_echo.grow_capacity_after 1"
       hot="--moe_echo.debug_hot_experts 8 --moe_echo.bias_update_rate 0"
       timeout 560 python3 benchmarks/e2e.py --configs v2lite_1b_gpu --nproc $n --hosts 2 --runs ours_graph \
-        --steps ${STEPS:-30} --label hosts2 --out "$OUT" --timeout 200 --ours "$a" --variants \
+        --steps ${STEPS:-30} --label hosts2$net --out "$OUT" --timeout 200 --ours "$a" --variants \
         "${VARIANTS:-padded=--moe_echo.dispatcher padded --moe_echo.capacity_factor 2.0;hier=--moe_echo.dispatcher hierarchical;hier_hot=--moe_echo.dispatcher hierarchical $hot;hier_hot_echo=--moe_echo.dispatcher hierarchical --moe_echo.echo true $hot}" \
         2>&1 | noise | tail -30
     fi ;;
