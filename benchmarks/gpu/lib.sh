@@ -5,6 +5,8 @@
 #   train NAME NPROC ARGS...   recipe at EP=NPROC for 100 steps, nvlink, capacity 1.5, sync_debug
 #                              (a device-to-host sync inside a step raises), metrics every 10 steps
 #   ... | noise                drops benchmark scripts' JSON rows and torch's warnings from their output
+#   one_gpu_variants LABEL "NAME=ARGS;..."   v2lite_1b compiled + graphed on one GPU, 30 steps, a row per variant
+#                              (PICK="NAME ..." runs only those)
 # Later arguments override earlier ones (--training.steps 30 after train's 100 runs 30 steps).
 # TMO sets the time limit of each run in seconds (default 150).
 OUT=${OUT:-./gpu_out}; mkdir -p "$OUT"
@@ -84,4 +86,12 @@ print('echo', echo) if echo else None" 2>&1 | tail -2
 train() {  # name, nproc (= EP), extra recipe args
   recipe "$1" "$2" --training.steps 100 --parallelism.expert_parallel_degree $2 --moe_echo.dispatcher nvlink \
     --moe_echo.capacity_factor 1.5 --training.sync_debug true "${@:3}"
+}
+
+one_gpu_variants() {
+  local label=$1 v=$2
+  [ -n "${PICK:-}" ] && v=$(IFS=';'; for x in $v; do [[ " $PICK " == *" ${x%%=*} "* ]] && printf '%s;' "$x"; done)
+  CUDA_VISIBLE_DEVICES=${CUDA_VISIBLE_DEVICES:-0} python3 benchmarks/e2e.py --configs v2lite_1b_gpu \
+    --runs ours_compile_graph --steps 30 --label "$label" --variants "${v%;}" --out "$OUT" 2>&1 | noise |
+    grep -E "^\| v2lite" | tail -8
 }

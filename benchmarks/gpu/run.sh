@@ -246,21 +246,13 @@ print('largest step difference over steps 1-20: %.2e at step %d' % max(rel[:20])
       d)  # one GPU, v2lite_1b compiled + graphed: which part of FP8 pays (dense only, experts only, both; tensorwise and
           # rowwise, whose experts scale their weights per channel; both_rowwise_expert_scales: per expert instead;
           # both_tensorwise_head: the output head in FP8 too, filter_fqns naming only what is always kept)
-        export CUDA_VISIBLE_DEVICES=${CUDA_VISIBLE_DEVICES:-0}
         D8="--model.converters float8 --moe_echo.expert_precision bf16 --quantize.linear.float8.recipe_name"
         # PICK="NAME ..." runs only those variants (label fp8_head: PICK="both_tensorwise both_tensorwise_head")
-        V="bf16=;experts=--moe_echo.expert_precision fp8;dense_rowwise=$D8 rowwise;dense_tensorwise=$D8 tensorwise;both_rowwise=$F8 --quantize.linear.float8.recipe_name rowwise;both_rowwise_expert_scales=$F8 --quantize.linear.float8.recipe_name rowwise --moe_echo.expert_fp8_scaling expert;both_tensorwise=$F8 --quantize.linear.float8.recipe_name tensorwise;both_tensorwise_head=$F8 --quantize.linear.float8.recipe_name tensorwise --quantize.linear.float8.filter_fqns router.gate"
-        [ -n "${PICK:-}" ] && V=$(IFS=';'; for v in $V; do [[ " $PICK " == *" ${v%%=*} "* ]] && printf '%s;' "$v"; done)
-        python3 benchmarks/e2e.py --configs v2lite_1b_gpu --runs ours_compile_graph --steps 30 --label ${LABEL:-fp8_parts} \
-          --variants "${V%;}" --out "$OUT" 2>&1 | noise | grep -E "^\| v2lite" | tail -8 ;;
+        one_gpu_variants ${LABEL:-fp8_parts} "bf16=;experts=--moe_echo.expert_precision fp8;dense_rowwise=$D8 rowwise;dense_tensorwise=$D8 tensorwise;both_rowwise=$F8 --quantize.linear.float8.recipe_name rowwise;both_rowwise_expert_scales=$F8 --quantize.linear.float8.recipe_name rowwise --moe_echo.expert_fp8_scaling expert;both_tensorwise=$F8 --quantize.linear.float8.recipe_name tensorwise;both_tensorwise_head=$F8 --quantize.linear.float8.recipe_name tensorwise --quantize.linear.float8.filter_fqns router.gate" ;;
       f)  # one GPU, v2lite_1b compiled + graphed: which dense layers pay in FP8 (filter_fqns; auto_filter_small_kn:
           # torchao's size thresholds, torchtitan's flag), the experts in FP8 throughout
-        export CUDA_VISIBLE_DEVICES=${CUDA_VISIBLE_DEVICES:-0}
         K="--quantize.linear.float8.filter_fqns"
-        V="bf16=;fp8=$F8;fp8_auto=$F8 $K output,auto_filter_small_kn;fp8_kv_bf16=$F8 $K output,wkv_a,wkv_b;fp8_attention_bf16=$F8 $K output,attention;fp8_shared_bf16=$F8 $K output,shared_experts;fp8_rowwise_auto=$F8 $K output,auto_filter_small_kn --quantize.linear.float8.recipe_name rowwise"
-        [ -n "${PICK:-}" ] && V=$(IFS=';'; for v in $V; do [[ " $PICK " == *" ${v%%=*} "* ]] && printf '%s;' "$v"; done)
-        python3 benchmarks/e2e.py --configs v2lite_1b_gpu --runs ours_compile_graph --steps 30 --label ${LABEL:-fp8_filter} \
-          --variants "${V%;}" --out "$OUT" 2>&1 | noise | grep -E "^\| v2lite" | tail -8 ;;
+        one_gpu_variants ${LABEL:-fp8_filter} "bf16=;fp8=$F8;fp8_auto=$F8 $K output,auto_filter_small_kn;fp8_kv_bf16=$F8 $K output,wkv_a,wkv_b;fp8_attention_bf16=$F8 $K output,attention;fp8_shared_bf16=$F8 $K output,shared_experts;fp8_rowwise_auto=$F8 $K output,auto_filter_small_kn --quantize.linear.float8.recipe_name rowwise" ;;
       p)  # one GPU, v2lite_1b compiled + graphed: bf16 and FP8 profiled -> step_breakdown_v2lite_1b_gpu_fp8_vs_bf16_1x<GPU>.md
           # (RECIPE=rowwise made that file), ..._fp8_vs_bf16_<RECIPE>_1x<GPU>.md for another RECIPE
         export CUDA_VISIBLE_DEVICES=${CUDA_VISIBLE_DEVICES:-0}
