@@ -338,7 +338,8 @@ def test_rowwise_recipe_picks_per_channel_expert_scales_and_no_copies():
     assert load_config([*f8, "rowwise_with_gw_hp"]).moe_echo.expert_fp8_scaling == "channel"
     assert load_config([*f8, "tensorwise"]).moe_echo.expert_fp8_scaling == "expert"
     assert load_config([]).moe_echo.expert_fp8_scaling == "expert"
-    assert load_config([*f8, "rowwise", "--moe_echo.expert_fp8_scaling", "expert"]).moe_echo.expert_fp8_scaling == "expert"
+    kept = load_config([*f8, "rowwise", "--moe_echo.expert_fp8_scaling", "expert"])
+    assert kept.moe_echo.expert_fp8_scaling == "expert"
     args = MoEArgs(num_experts=8, num_shared_experts=0, top_k=2, score_func="softmax", route_norm=False,
                    score_before_experts=False)
     layer = MoELayer(args, 32, 16, MoEEchoConfig(expert_precision="fp8", expert_fp8_scaling="channel"))

@@ -29,18 +29,19 @@ class MoEEchoConfig:
     """Precision of the routed experts' GEMMs (``fp8`` when ``[model] converters = ["float8"]`` without
     ``emulate`` and this key is not set). ``fp8``: e4m3 GEMMs for the forward and the input
     gradient (power-of-two scales per row for activations, per expert or per output channel for weights:
-    ``expert_fp8_scaling``; computed on the device), bf16 GEMMs for the weight gradients; Hopper or newer GPUs. Master weights, router,
-    dispatch and combine stay as they are. Without ECHO the optimizer step writes the weights' FP8
-    copies from the fp32 masters (2 bytes per expert weight element, resident); with ECHO they are cast
-    per call. Measured on H200: layer 1.09–1.16× bf16 graphed, v2lite_1b step 1.01× (docs/performance.md);
+    ``expert_fp8_scaling``; computed on the device), bf16 GEMMs for the weight gradients; Hopper or newer
+    GPUs. Master weights, router, dispatch and combine stay as they are. Without ECHO (and with ``expert``
+    scales) the optimizer step writes the weights' FP8 copies from the fp32 masters (2 bytes per expert weight
+    element, resident); otherwise they are cast per call. Measured on H200: layer 1.09–1.16× bf16 graphed, v2lite_1b step 1.01× (docs/performance.md);
     300-step losses within the drift of two equivalent bf16 runs."""
 
     expert_fp8_scaling: Literal["expert", "channel"] = "expert"
     """FP8 experts' weight scales: ``expert``, one per expert (the optimizer step can write the FP8 copies), or
     ``channel``, one per output channel of each GEMM (the weights cast in every call, each layout separately).
     Follows ``[quantize.linear.float8] recipe_name`` unless set: ``tensorwise`` (the default) picks ``expert``,
-    ``rowwise`` and ``rowwise_with_gw_hp`` pick ``channel``. Activations are scaled per row either way. Measured on H200: the rowwise v2lite_1b step with
-    ``channel`` runs at 0.92× its speed with ``expert`` (docs/performance.md, FP8)."""
+    ``rowwise`` and ``rowwise_with_gw_hp`` pick ``channel``. Activations are scaled per row either way. Measured
+    on H200: the rowwise v2lite_1b step with ``channel`` runs at 0.92× its speed with ``expert``
+    (docs/performance.md, FP8)."""
 
     dispatch_precision: Literal["bf16", "fp8"] = "bf16"
     """How token rows cross GPUs (and hosts) toward the experts. ``fp8``: in e4m3 with a power-of-two fp32 scale

@@ -246,5 +246,5 @@ def fp8_grouped_swiglu(x_ND, w1_EHD, w2_EDH, w3_EHD, counts_E, scale_hint_2E=Non
                          "the copies belong to other weights (ECHO's extended weights have none)")
     if scale_hint_2E is None:
         scale_hint_2E = torch.zeros(2, E, dtype=torch.float32, device=x_ND.device)
-    return _Fp8GroupedSwiGLU.apply(x_ND.to(torch.bfloat16).contiguous(), w1_EHD, w2_EDH, w3_EHD, counts_E, scale_hint_2E,
-                                   copies, channels)
+    return _Fp8GroupedSwiGLU.apply(x_ND.to(torch.bfloat16).contiguous(), w1_EHD, w2_EDH, w3_EHD, counts_E,
+                                   scale_hint_2E, copies, channels)

@@ -433,8 +433,9 @@ _MORE_DOCS = {
                        "recipes (token rows scaled per row either way).",
         "filter_fqns": 'Names (substrings) of the linear layers to keep in bf16. Empty: the output head is kept; a list '
                        'without "output" converts the head too. Router gates are always kept, and so is any layer '
-                       'with a dimension not a multiple of 16. "auto_filter_small_kn" in the list (torchtitan\'s flag) '
-                       "also keeps the layers torchao's size thresholds for the recipe rule out (tensorwise, rowwise).",
+                       'with a dimension not a multiple of 16. "auto_filter_small_kn" in the list (torchtitan\'s '
+                       "flag) also keeps the layers torchao's size thresholds for the recipe rule out (tensorwise, "
+                       "rowwise).",
         "enable_fsdp_float8_all_gather": "With FSDP and tensorwise scaling: each weight shard is cast to FP8 before "
                                          "FSDP's all-gather (half the bytes). No effect without FSDP.",
         "precompute_float8_dynamic_scale_for_fsdp": "With the FP8 all-gather: every weight's scale from one "

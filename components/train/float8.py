@@ -16,9 +16,9 @@ dense feed-forwards and the shared experts. Same parameters, same names (checkpo
 the forward and both backward GEMMs run in FP8 with scales computed on the device. The routers' gates
 always stay as they are (top-k is decided on their logits). With ``"auto_filter_small_kn"`` in ``filter_fqns``
 (torchtitan's flag) so do the layers whose (in, out) torchao's size thresholds for the recipe rule out
-(tensorwise: in ≤ 4096 and out ≤ 1024; rowwise: out ≤ 2048, in ≤ 1024, or out ≤ 4096 and in ≤ 2048). The routed experts follow the same switch
-through their own key: ``[moe_echo] expert_precision`` becomes "fp8" unless the config sets it (or
-``emulate`` is on: the FP8 experts have no emulation).
+(tensorwise: in ≤ 4096 and out ≤ 1024; rowwise: out ≤ 2048, in ≤ 1024, or out ≤ 4096 and in ≤ 2048). The
+routed experts follow the same switch through their own key: ``[moe_echo] expert_precision`` becomes "fp8"
+unless the config sets it (or ``emulate`` is on: the FP8 experts have no emulation).
 
 With FSDP and tensorwise scaling, ``enable_fsdp_float8_all_gather`` casts each weight shard to FP8 before
 FSDP's all-gather (half the bytes of bf16), and ``precompute_float8_dynamic_scale_for_fsdp`` computes all of
@@ -147,7 +147,8 @@ def convert_float8(model: nn.Module, cfg, fsdp: bool = False) -> list[str]:
 
     keep = keep_rule(cfg.quantize.linear.float8)
     swapped = [fqn for fqn, m in model.named_modules() if not keep(fqn, m)]
-    convert_to_float8_training(model, config=torchao_config(cfg, fsdp), module_filter_fn=lambda m, fqn: not keep(fqn, m))
+    convert_to_float8_training(model, config=torchao_config(cfg, fsdp),
+                               module_filter_fn=lambda m, fqn: not keep(fqn, m))
     return swapped
 
 
