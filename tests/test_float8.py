@@ -178,3 +178,13 @@ def test_auto_filter_keeps_the_layers_too_small_for_fp8_to_pay(recipe):
                                         r'recipe_name "tensorwise" and "rowwise" only'):
         load_config([*EMULATED, "--quantize.linear.float8.recipe_name", "rowwise_with_gw_hp",
                      "--quantize.linear.float8.filter_fqns", "auto_filter_small_kn"])
+
+
+def test_auto_filter_without_torchao_thresholds_is_one_line(monkeypatch):
+    import torchao.float8
+
+    monkeypatch.delattr(torchao.float8, "_auto_filter_for_recipe")
+    cfg = load_config([*EMULATED, "--quantize.linear.float8.filter_fqns", "output,auto_filter_small_kn"])
+    with pytest.raises(UserError, match=r"needs a torchao with its size thresholds") as err:
+        float8.keep_rule(cfg.quantize.linear.float8)
+    assert "\n" not in str(err.value)

@@ -127,8 +127,12 @@ def keep_rule(f8) -> Callable[[str, nn.Module], bool]:
     names = tuple(f8.filter_fqns) or DEFAULT_KEPT
     if AUTO_FILTER not in names:
         return lambda fqn, module: kept(fqn, module, names)
-    from torchao.float8 import _auto_filter_for_recipe
-
+    try:
+        from torchao.float8 import _auto_filter_for_recipe
+    except ImportError:
+        raise UserError(f'[quantize.linear.float8] filter_fqns = ["{AUTO_FILTER}"] needs a torchao with its size '
+                        f'thresholds (torchao.float8._auto_filter_for_recipe): pip install -U "moe-echo[float8]", '
+                        f"or name the layers to keep") from None
     names = tuple(n for n in names if n != AUTO_FILTER)
     converts = _auto_filter_for_recipe(f8.recipe_name or "tensorwise", [])
     return lambda fqn, module: kept(fqn, module, names) or not converts(module, fqn)
