@@ -182,7 +182,7 @@ class _Fp8GroupedSwiGLU(torch.autograd.Function):
         w13_q = torch.empty(E, 2 * H, D, dtype=FP8, device=x_ND.device) if copies is None else copies.plain13_E2HD
         w2_q = torch.empty(E, D, H, dtype=FP8, device=x_ND.device) if copies is None else copies.plain2_EDH
         if channels:
-            s13_E = s2_E = hint_2E  # unused: every scale is per channel, found in this call
+            s13_E = s2_E = hint_2E  # unused: every scale is per channel, computed here from the weights
             s13_N, s2_N = cast_channels((w1_EHD, w3_EHD), w13_q), cast_channels((w2_EDH,), w2_q)
         else:
             if copies is not None:  # written by the optimizer: no weight is read here
