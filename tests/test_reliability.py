@@ -344,6 +344,8 @@ def test_profiling_and_hf_export_keys_are_honoured(launches):
     assert a.keys() == b.keys()
     for k in a:
         assert torch.equal(a[k], b[k]), k  # the export holds exactly the final weights
+
+
 def test_error_lines_of_ranks_sharing_a_stderr_never_run_into_each_other():
     """Ranks of a host print their error lines into their agent's one stderr at the same moment (a lost peer):
     each line is one write, so none is split by another's, even unbuffered (PYTHONUNBUFFERED: print writes the
