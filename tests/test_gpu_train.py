@@ -80,7 +80,7 @@ def test_sync_free_steps_and_graph_equals_eager(case, tmp_path):
     if case == "echo_nvlink_4gpu":
         assert "echo: auto = on (nvlink dispatcher at EP=4" in out, out[-3000:]
         assert "2 token chunks per layer (overlap_chunks = auto)" in out, out[-3000:]
-    if "fp8" in case:  # rowwise dense layers: the experts' weights scaled per output channel, cast per call
+    if "fp8" in case:  # rowwise dense layers: the experts' weights scaled per output channel, cast each pass
         per = "channel" if "rowwise" in case else "expert"
         assert f"fp8 experts: weight scales per {per}; weight copies written by the optimizer step in" in out, \
             out[-3000:]

@@ -32,12 +32,14 @@ class MoEEchoConfig:
     ``expert_fp8_scaling``; computed on the device), bf16 GEMMs for the weight gradients; Hopper or newer
     GPUs. Master weights, router, dispatch and combine stay as they are. Without ECHO (and with ``expert``
     scales) the optimizer step writes the weights' FP8 copies from the fp32 masters (2 bytes per expert weight
-    element, resident); otherwise they are cast per call. Measured on H200: layer 1.09–1.16× bf16 graphed, v2lite_1b step 1.01× (docs/performance.md);
-    300-step losses within the drift of two equivalent bf16 runs."""
+    element, resident); otherwise they are cast in every forward and backward. Measured on H200: layer
+    1.09–1.16× bf16 graphed, v2lite_1b step 1.01× (docs/performance.md); 300-step losses within the drift of
+    two equivalent bf16 runs."""
 
     expert_fp8_scaling: Literal["expert", "channel"] = "expert"
     """FP8 experts' weight scales: ``expert``, one per expert (the optimizer step can write the FP8 copies), or
-    ``channel``, one per output channel of each GEMM (the weights cast in every call, each layout separately).
+    ``channel``, one per output channel of each GEMM (the weights cast in every forward and backward, each
+    layout separately).
     Follows ``[quantize.linear.float8] recipe_name`` unless set: ``tensorwise`` (the default) picks ``expert``,
     ``rowwise`` and ``rowwise_with_gw_hp`` pick ``channel``. Activations are scaled per row either way. Measured
     on H200: the rowwise v2lite_1b step with ``channel`` runs at 0.92× its speed with ``expert``

@@ -21,7 +21,7 @@ unless ``copies`` (``Fp8WeightCopies``) are given: persistent FP8 copies in both
 optimizer step writes from the fp32 masters (kernels/adamw.py), so no weight is cast in the layer.
 With ``channels`` (``[moe_echo] expert_fp8_scaling = "channel"``, what ``recipe_name = "rowwise"`` picks) each weight
 gets one scale per output channel of its GEMM instead of one per expert: a row of w for the forward copy, a column
-for the transposed one (so the two copies are quantised separately), cast from the weights in every call.
+for the transposed one (so the two copies are quantised separately), cast from the weights in every pass.
 Expert groups need no alignment (the 2d×3d FP8 GEMMs accept any row counts); rows past sum(counts)
 are skipped by every pass.
 
