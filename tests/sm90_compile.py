@@ -27,6 +27,10 @@ _OPTIONS = ("num_warps", "num_stages", "num_ctas", "maxnreg")
 
 def _arg_type(v) -> str:
     import torch
+    from triton.runtime.jit import mangle_type
+    from triton.tools.tensor_descriptor import TensorDescriptor
+    if isinstance(v, TensorDescriptor):  # a host-side TMA descriptor: its dtype and block shape
+        return mangle_type(v)
     if isinstance(v, torch.Tensor):
         return "*" + _TYPES[str(v.dtype).removeprefix("torch.")]
     if isinstance(v, bool):

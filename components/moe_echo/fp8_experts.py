@@ -3,7 +3,8 @@
     fp8_grouped_swiglu(x_ND, w1_EHD, w2_EDH, w3_EHD, counts_E) -> y_ND   (bf16; same contract as
     experts.grouped_swiglu: rows expert-major, rows at or past sum(counts) unspecified in y and dx)
 
-GEMMs (``torch._scaled_grouped_mm``: Hopper FP8, fp32 accumulation, bf16 out):
+GEMMs (``kernels.fp8_gemm.grouped_mm_fp8``, one persistent Triton kernel over every expert's tiles: Hopper FP8,
+fp32 accumulation, bf16 out; 1.03–1.5x ``torch._scaled_grouped_mm`` at the experts' shapes):
     forward         [a | b] = x @ [w1; w3]ᵀ  (one GEMM, N = 2H),   y = h @ w2ᵀ
     input gradient  dh = dy @ w2,   dx = [da | db] @ [w1; w3]      (one GEMM, reduction over 2H)
 The three weight-gradient GEMMs stay in bf16 (``torch._grouped_mm`` on the bf16 x, h, dy, da, db): in
@@ -32,6 +33,8 @@ tests check everything but the tensor-core kernels.
 import torch
 
 from components.errors import UserError
+from kernels.fp8_gemm import grouped_mm_fp8
+from kernels.moe_rows import triton
 from kernels.fp8 import (FP8, Fp8Copy, cast_experts_scaled, cast_experts_t, pow2_scale, quant_rows, recast_moved_,
                          swiglu_quant, swiglu_quant_bwd, transpose_copy_)
 
@@ -46,20 +49,20 @@ def check_fp8_supported(device: torch.device) -> None:
             f"(Hopper); this run is on {device.type}: set expert_precision = \"bf16\""
         )
     cap = torch.cuda.get_device_capability(device)
-    if cap < (9, 0) or not hasattr(torch, "_scaled_grouped_mm"):
+    if cap < (9, 0) or triton is None:
         raise UserError(
-            f"[moe_echo] expert_precision = \"fp8\" needs compute capability 9.0 or newer (Hopper) and "
-            f"torch._scaled_grouped_mm; {torch.cuda.get_device_name(device)} is {cap[0]}.{cap[1]}: "
-            f"set expert_precision = \"bf16\""
+            f"[moe_echo] expert_precision = \"fp8\" needs compute capability 9.0 or newer (Hopper) and Triton; "
+            f"{torch.cuda.get_device_name(device)} is {cap[0]}.{cap[1]}"
+            f"{'' if triton is not None else ', without Triton'}: set expert_precision = \"bf16\""
         )
 
 
 def scaled_grouped_mm(a_q, b_q, s_a, s_b, offs):
-    """``torch._scaled_grouped_mm`` (2d×3d, bf16 out) on CUDA; off CUDA the same product emulated in fp32.
-    a [M, K] (rows grouped by offs), b [E, K, N], s_a [M], s_b [E, N] -> [M, N] (rows past offs[-1]: zero on CPU,
-    unspecified on CUDA)."""
+    """The row-grouped FP8 GEMM (``kernels.fp8_gemm``, bf16 out) on CUDA; off CUDA the same product emulated in
+    fp32. a [M, K] (rows grouped by offs), b [E, K, N] (a transposed view of K-contiguous [E, N, K]), s_a [M],
+    s_b [E, N] -> [M, N] (rows past offs[-1]: zero on CPU, unspecified on CUDA)."""
     if a_q.is_cuda:
-        return torch._scaled_grouped_mm(a_q, b_q, s_a, s_b, offs=offs, out_dtype=torch.bfloat16, use_fast_accum=True)
+        return grouped_mm_fp8(a_q, s_a, b_q.transpose(-2, -1), s_b, offs)
     ends = offs.tolist()  # host read: the emulation is for CPU tests only
     out = torch.zeros(a_q.shape[0], b_q.shape[2])
     for e, (i0, i1) in enumerate(zip([0] + ends[:-1], ends)):
