@@ -45,6 +45,7 @@ BENCHMARKS = {
     "gate_up_gemm": "benchmarks/gate_up_gemm.py",
     "gather_gemm": "benchmarks/gather_gemm.py",
     "gpu_tests": "benchmarks/gpu/run.sh graph",
+    "grouped_gemm_fp8": "benchmarks/grouped_gemm_fp8.py",
     "moe_layer": "benchmarks/moe_layer.py",
     "nonfinite_guard": "benchmarks/gpu/run.sh guard",
     "nvlink_bound": "benchmarks/nvlink_bound.py",

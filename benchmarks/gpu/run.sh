@@ -50,6 +50,9 @@
 #                    dispatch parts at 4096/16384 x 7168 -> route_layout_1x<GPU>.md, dispatch_ep2_2x<GPU>.md
 #   gathered    1    QuACK GEMMs gathering token rows by index vs expanded expert rows (gather_gemm.py), then
 #                    gathered_experts' GPU tests (after quack_unpack) -> gather_gemm_1x<GPU>.md
+#   grouped_fp8 1    the experts' grouped GEMMs at their shapes (SHAPES=EXPERTSxHIDDENxDIMxROWS ...): bf16 and FP8,
+#                    torch's beside DeepGEMM's 1x128 / 128x128 block-scaled GEMM (built from .deepgemm/src by
+#                    build_deepgemm.sh; kept in build/deepgemm) -> grouped_gemm_fp8_1x<GPU>.md
 #   fill_profile 2   the compiled v2lite_6b_2gpu step profiled at EP=2, graphed (GRAPH=false: eager), one profile per
 #                    variant side by side (VARIANTS="echo=--moe_echo.echo true;off=--moe_echo.echo false", ARGS for all, LABEL;
 #                    DETAIL="echo collectives": those categories' largest kernels by op)
@@ -73,8 +76,8 @@
 #                    v2lite_1b bf16 vs FP8 beside torchtitan's float8; b (2 GPUs) 500-step loss parity, eager and
 #                    compiled FP8; c (2 GPUs) v2lite_6b_2gpu EP=2, the fp8 dispatch wire at EP=2 and across 2
 #                    emulated hosts; d (1 GPU) FP8 by part and scaling; f (1 GPU) which dense layers pay
-#                    (filter_fqns); p (1 GPU) bf16 and FP8 profiled; g (2 GPUs) the FSDP FP8 all-gather tested
-#                    and measured beside torchtitan's; e (2 GPUs)
+#                    (filter_fqns); h (1 GPU) FP8 here vs FP8 on build/base.tgz's tree; p (1 GPU) bf16 and FP8
+#                    profiled; g (2 GPUs) the FSDP FP8 all-gather tested and measured beside torchtitan's; e (2 GPUs)
 #                    v2lite_6b_2gpu 500-step loss parity (RUNS= bf16 fp8 bf16_compile, a subset per invocation)
 #   guard       1    cost of the non-finite guard: v2lite_1b (CONFIGS=...), eager and graphed, on vs off
 #   titan       2    torchtitan's own trainer with our TrainSpec (EP=2, ECHO) vs the recipe: per-step losses
@@ -253,6 +256,11 @@ print('largest step difference over steps 1-20: %.2e at step %d' % max(rel[:20])
           # torchao's size thresholds, torchtitan's flag), the experts in FP8 throughout
         K="--quantize.linear.float8.filter_fqns"
         one_gpu_variants ${LABEL:-fp8_filter} "bf16=;fp8=$F8;fp8_auto=$F8 $K output,auto_filter_small_kn;fp8_kv_bf16=$F8 $K output,wkv_a,wkv_b;fp8_attention_bf16=$F8 $K output,attention;fp8_shared_bf16=$F8 $K output,shared_experts;fp8_rowwise_auto=$F8 $K output,auto_filter_small_kn --quantize.linear.float8.recipe_name rowwise" ;;
+      h)  # one GPU, v2lite_1b compiled + graphed: FP8 (dense tensorwise + experts) on this tree beside the same on the
+          # tree in build/base.tgz (git archive REV recipes components kernels train_configs | gzip > build/base.tgz),
+          # e.g. the experts' FP8 GEMM before a change to it; bf16 as the reference of both
+        [ -d /tmp/base/recipes ] || { echo "fp8_step PART=h: no build/base.tgz to compare with"; exit 1; }
+        one_gpu_variants ${LABEL:-fp8_base} "bf16=;fp8_base=@/tmp/base $F8;fp8=$F8" ;;
       p)  # one GPU, v2lite_1b compiled + graphed: bf16 and FP8 profiled -> step_breakdown_v2lite_1b_gpu_fp8_vs_bf16_1x<GPU>.md
           # (RECIPE=rowwise made that file), ..._fp8_vs_bf16_<RECIPE>_1x<GPU>.md for another RECIPE
         export CUDA_VISIBLE_DEVICES=${CUDA_VISIBLE_DEVICES:-0}
@@ -440,6 +448,14 @@ print('largest step difference over steps 1-20: %.2e at step %d' % max(rel[:20])
     timeout 150 $P tests/test_gpu_train.py -k "local_1gpu or padded_2gpu or resumes" 2>&1 | tail -4
     timeout 180 python3 benchmarks/gate_up_gemm.py --shapes 64x1408x2048x98304 32x1408x2048x196608 \
       64x768x2048x98304 --out "$OUT" 2>&1 | grep -E "^\| (bf16|fp32)" ;;
+
+  grouped_fp8)  # -> grouped_gemm_fp8_1x<GPU>.md: the experts' grouped GEMMs, bf16 and FP8, torch's beside DeepGEMM's
+    # (built once per machine from .deepgemm/src by build_deepgemm.sh; its kernels compile on first use, ~minutes)
+    build=${DEEPGEMM_BUILD:-build/deepgemm}; [[ $build = /* ]] || build=$PWD/$build
+    export PYTHONPATH="$build/lib:$PYTHONPATH"
+    python3 -c "import deep_gemm" 2> /dev/null || OUT="$OUT" timeout ${TMO:-300} bash benchmarks/gpu/build_deepgemm.sh
+    timeout ${TMO:-420} python3 benchmarks/grouped_gemm_fp8.py --shapes ${SHAPES:-64x768x2048x98304} --out "$OUT" 2>&1 \
+      | tee "$OUT/grouped_gemm_fp8.log" | grep -E "^\| |rror|grouped_gemm_fp8" ;;
 
   fill_profile)  # -> step_breakdown_v2lite_6b_2gpu_<LABEL>_graph_<GRAPH>_2x<GPU>.md: the compiled step at EP=2 on the
     # config that fills two GPUs (12 steps, 2 profiled: early routing, still imbalanced), graphed unless GRAPH=false

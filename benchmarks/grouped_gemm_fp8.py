@@ -1,0 +1,221 @@
+"""The experts' grouped GEMMs on Hopper, bf16 and FP8, by library and scaling: which FP8 grouped GEMM is fastest at
+the experts' shapes, and how far each is from a plain GEMM of the same rows.
+
+    python benchmarks/grouped_gemm_fp8.py --shapes 64x768x2048x98304 32x1408x2048x98304
+
+A shape is EXPERTSxHIDDENxDIMxROWS (rows = tokens x top-k, routed ``uniform`` and ``skewed`` as the other benchmarks
+route). Each runs the experts' four row-grouped GEMMs: the forward's gate/up (N = 2·hidden, K = dim) and down
+(N = dim, K = hidden), and the input gradient's through down (N = hidden, K = dim) and through gate/up (N = dim,
+K = 2·hidden). Variants:
+
+    bf16_torch      torch._grouped_mm, rows packed (what expert_precision = "bf16" runs)
+    fp8_torch       torch._scaled_grouped_mm, one scale per row and per output channel (what "fp8" runs)
+    fp8_triton_<T>  kernels/fp8_gemm.py's persistent grouped kernel, the same scaling, tile T (rows x columns)
+    fp8_deepgemm    DeepGEMM's m-grouped FP8 GEMM: one scale per 1x128 block of a row, per 128x128 block of a
+                    weight (DeepSeek-V3's scaling); each expert's rows start at a multiple of 128
+    bf16_deepgemm   DeepGEMM's m-grouped bf16 GEMM, the same row layout
+    fp8_plain       torch._scaled_mm, rowwise scales: every row against one weight (a plain GEMM's rate)
+    bf16_plain      torch.mm, the same
+
+Every time is a CUDA graph's replay (as the step runs). ``tflops`` counts the routed rows only (2·rows·N·K), so the padding DeepGEMM's layout needs is charged to it
+(``pad_rows``). Each output is checked against the fp32 product of the bf16 operands (``rel_err``; the run stops
+if an FP8 variant is off by more than 8%, bf16 by more than 1%). ``quant_ms`` is what the activation's FP8 cast costs
+the producer with this repository's kernels (``kernels/fp8.py``: ``quant_rows`` for row scales, ``quant_blocks`` for
+1x128 blocks), ``sf_layout_ms`` what turning the block scales column-major (the layout DeepGEMM reads; it is
+not in the timed call) costs. DeepGEMM is used where it imports and a probe GEMM in a child process passes
+(``benchmarks/gpu/build_deepgemm.sh`` builds it); otherwise its rows are left out and the log says why.
+"""
+
+import argparse
+import subprocess
+import sys
+
+import torch
+
+from benchmarks.common import environment, graphed, markdown_table, routing_ids, time_ms, write_results
+from kernels.fp8 import FP8, quant_blocks, quant_rows
+from kernels.fp8_gemm import CONFIGS, grouped_mm_fp8
+
+BLOCK = 128  # DeepGEMM's scaling block and, on Hopper, its row alignment per expert
+TRITON_CONFIGS = [name for name in CONFIGS if name != "tiny"]
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--shapes", nargs="+", type=_shape, default=[_shape("64x768x2048x98304")],
+                   help="EXPERTSxHIDDENxDIMxROWS, one or more (one results file for all)")
+    p.add_argument("--top_k", type=int, default=6, help="experts per token: rows / top_k tokens are routed")
+    p.add_argument("--routing", nargs="+", default=["uniform", "skewed"], choices=["uniform", "skewed"])
+    p.add_argument("--out", default=None)
+    args = p.parse_args()
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability() < (9, 0):
+        raise SystemExit("grouped_gemm_fp8: needs a Hopper (compute capability 9.0+) GPU")
+    dg = deepgemm()
+    rows = [row for shape in args.shapes for routing in args.routing
+            for row in measure(*shape, args.top_k, routing, dg)]
+    cols = ["experts", "hidden", "dim", "rows", "routing", "gemm", "N", "K", "variant", "ms", "tflops",
+            "vs_fp8_plain", "vs_bf16_torch", "vs_fp8_torch", "pad_rows", "quant_ms", "sf_layout_ms", "rel_err"]
+    table = markdown_table(rows, cols)
+    if dg is None:
+        table += "\n\nDeepGEMM did not run here (see the run's log): its rows are left out."
+    print(table)
+    write_results("grouped_gemm_fp8", {**environment(), "deepgemm": getattr(dg, "__version__", None)}, rows, table,
+                  args.out)
+
+
+def _shape(text: str) -> tuple[int, int, int, int]:
+    try:
+        E, H, D, R = (int(v) for v in text.lower().split("x"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected EXPERTSxHIDDENxDIMxROWS, e.g. 64x768x2048x98304") from None
+    return E, H, D, R
+
+
+def deepgemm():
+    """The ``deep_gemm`` module, or None where it is not built for this torch or its kernels fail a probe (one small
+    grouped bf16 GEMM, compiled and run in a child process first: a crash there must not end this run)."""
+    try:
+        import deep_gemm
+    except ImportError as e:
+        print(f"grouped_gemm_fp8: DeepGEMM not available ({e}); its variants are left out")
+        return None
+    probe = subprocess.run([sys.executable, "-c", PROBE], capture_output=True, text=True, timeout=600)
+    if probe.returncode != 0:
+        why = f"signal {-probe.returncode}" if probe.returncode < 0 else (probe.stderr.strip().splitlines() or ["?"])[-1]
+        print(f"grouped_gemm_fp8: DeepGEMM {deep_gemm.__version__} imports but its probe GEMM failed ({why}); "
+              f"its variants are left out")
+        return None
+    return deep_gemm
+
+
+PROBE = """
+import torch, deep_gemm
+a = torch.randn(256, 256, device="cuda", dtype=torch.bfloat16)
+b = torch.randn(2, 256, 256, device="cuda", dtype=torch.bfloat16)
+d = torch.empty(256, 256, device="cuda", dtype=torch.bfloat16)
+layout = torch.arange(256, device="cuda", dtype=torch.int32) // 128
+deep_gemm.m_grouped_bf16_gemm_nt_contiguous(a, b, d, layout)
+ref = torch.cat([a[:128].float() @ b[0].float().t(), a[128:].float() @ b[1].float().t()])
+assert (d.float() - ref).norm() / ref.norm() < 0.01
+"""
+
+
+def measure(E: int, H: int, D: int, R: int, top_k: int, routing: str, dg) -> list[dict]:
+    """Every variant of the four grouped GEMMs at one shape and routing."""
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    ids = routing_ids(R // top_k, E, top_k, routing, gen, "cuda")
+    counts_E = torch.bincount(ids.flatten(), minlength=E).int()
+    rows = []
+    for gemm, N, K in (("fwd_gate_up", 2 * H, D), ("fwd_down", D, H), ("dgrad_down", H, D), ("dgrad_gate_up", D, 2 * H)):
+        base = dict(experts=E, hidden=H, dim=D, rows=int(counts_E.sum()), routing=routing, gemm=gemm, N=N, K=K)
+        rows += [{**base, **r} for r in _gemm_variants(counts_E, N, K, dg)]
+    return rows
+
+
+def _gemm_variants(counts_E: torch.Tensor, N: int, K: int, dg) -> list[dict]:
+    E, M = counts_E.numel(), int(counts_E.sum())
+    a_MK = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
+    w_ENK = (torch.randn(E, N, K, device="cuda") / K ** 0.5).to(torch.bfloat16)
+    offs_E = torch.cumsum(counts_E, 0, dtype=torch.int32)
+    ref_MN = _reference(a_MK, w_ENK, counts_E)
+    flops = 2 * M * N * K
+    out = []
+
+    def row(variant, fn, limit, take=lambda y: y, **extra):
+        y = take(fn())
+        err = float((y.float() - ref_MN).norm() / ref_MN.norm())
+        if not err < limit:
+            raise SystemExit(f"grouped_gemm_fp8: {variant} is off by {err:.3g} (limit {limit}) at N={N} K={K}")
+        ms = time_ms(graphed(fn), warmup=5, iters=30)
+        out.append(dict(variant=variant, ms=ms, tflops=flops / ms / 1e9, rel_err=err, **extra))
+
+    row("bf16_torch", lambda: torch._grouped_mm(a_MK, w_ENK.transpose(-2, -1), offs=offs_E), 0.01)
+    a_q, a_s = quant_rows(a_MK)
+    w_q, w_s = _weights_rowwise(w_ENK)
+    row("fp8_torch", lambda: torch._scaled_grouped_mm(a_q, w_q.transpose(-2, -1), a_s, w_s, offs=offs_E,
+                                                      out_dtype=torch.bfloat16, use_fast_accum=True), 0.08,
+        quant_ms=time_ms(lambda: quant_rows(a_MK)))
+    for name in TRITON_CONFIGS:
+        c_MN = torch.empty(M, N, device="cuda", dtype=torch.bfloat16)
+        row(f"fp8_triton_{name}", lambda: grouped_mm_fp8(a_q, a_s, w_q, w_s, offs_E, out=c_MN, config=name), 0.08)
+    if dg is not None:
+        a_pad, layout_M, keep = _aligned_rows(a_MK, counts_E)
+        aq_pad, as_pad = quant_blocks(a_pad, BLOCK)
+        as_pad_t = dg.get_mn_major_tma_aligned_tensor(as_pad)  # the scales' layout the kernel reads (column-major)
+        wq_blk, ws_blk = _weights_blockwise(w_ENK)
+        d_pad = torch.empty(a_pad.shape[0], N, device="cuda", dtype=torch.bfloat16)
+
+        def fp8_dg():
+            dg.m_grouped_fp8_gemm_nt_contiguous((aq_pad, as_pad_t), (wq_blk, ws_blk), d_pad, layout_M,
+                                                disable_ue8m0_cast=True)
+            return d_pad
+
+        def bf16_dg():
+            dg.m_grouped_bf16_gemm_nt_contiguous(a_pad, w_ENK, d_pad, layout_M)
+            return d_pad
+
+        pad = a_pad.shape[0] - M
+        row("fp8_deepgemm", fp8_dg, 0.08, take=lambda y: y[keep], pad_rows=pad,
+            quant_ms=time_ms(lambda: quant_blocks(a_MK, BLOCK)),
+            sf_layout_ms=time_ms(lambda: dg.get_mn_major_tma_aligned_tensor(as_pad)))
+        row("bf16_deepgemm", bf16_dg, 0.01, take=lambda y: y[keep], pad_rows=pad)
+    # plain GEMMs of the same rows against one weight: the reference rates (their output is not the grouped one)
+    w0_q, w0_s = w_q[0], w_s[0]
+    plain8 = time_ms(graphed(lambda: torch._scaled_mm(a_q, w0_q.t(), scale_a=a_s[:, None], scale_b=w0_s[None, :],
+                                                      out_dtype=torch.bfloat16, use_fast_accum=True)), warmup=5, iters=30)
+    plain16 = time_ms(graphed(lambda: a_MK @ w_ENK[0].t()), warmup=5, iters=30)
+    out += [dict(variant="fp8_plain", ms=plain8, tflops=flops / plain8 / 1e9),
+            dict(variant="bf16_plain", ms=plain16, tflops=flops / plain16 / 1e9)]
+    by = {r["variant"]: r["ms"] for r in out}
+    for r in out:
+        r["vs_fp8_plain"] = by["fp8_plain"] / r["ms"]  # > 1: faster than a plain FP8 GEMM of the same rows
+        r["vs_bf16_torch"] = by["bf16_torch"] / r["ms"]
+        r["vs_fp8_torch"] = by["fp8_torch"] / r["ms"]
+    return out
+
+
+def _reference(a_MK, w_ENK, counts_E) -> torch.Tensor:
+    """fp32 products of the bf16 operands, expert by expert: [M, N]."""
+    outs, i = [], 0
+    for e, c in enumerate(counts_E.tolist()):
+        outs.append(a_MK[i:i + c].float() @ w_ENK[e].float().t())
+        i += c
+    return torch.cat(outs)
+
+
+def _weights_rowwise(w_ENK):
+    """e4m3 weights [E, N, K] with one fp32 power-of-two scale per output channel [E, N] (``quant_rows`` per row)."""
+    E, N, K = w_ENK.shape
+    q, s = quant_rows(w_ENK.reshape(E * N, K))
+    return q.view(E, N, K), s.view(E, N)
+
+
+def _weights_blockwise(w_ENK):
+    """e4m3 weights with one fp32 power-of-two scale per 128x128 block: ([E, N, K], [E, N/128, K/128])."""
+    E, N, K = w_ENK.shape
+    blocks = w_ENK.float().view(E, N // BLOCK, BLOCK, K // BLOCK, BLOCK)
+    amax = blocks.abs().amax(dim=(2, 4), keepdim=True).clamp_min(1e-12)
+    s = torch.exp2(torch.ceil(torch.log2(amax / torch.finfo(FP8).max)))
+    q = (blocks / s).to(FP8).view(E, N, K)
+    return q, s.view(E, N // BLOCK, K // BLOCK).contiguous()
+
+
+def _aligned_rows(a_MK, counts_E):
+    """The rows re-laid with each expert starting at a multiple of 128 (zero rows between): (a_PK, per-row expert
+    index [P] int32 with -1 on padding, the index of each routed row in the padded layout [M])."""
+    padded_E = (counts_E + BLOCK - 1) // BLOCK * BLOCK
+    starts_E = torch.cumsum(padded_E, 0) - padded_E
+    P = int(padded_E.sum())
+    dev = a_MK.device
+    expert_M = torch.repeat_interleave(torch.arange(counts_E.numel(), device=dev), counts_E.long())
+    first_M = torch.cumsum(counts_E, 0) - counts_E
+    dest_M = starts_E[expert_M] + torch.arange(a_MK.shape[0], device=dev) - first_M[expert_M]
+    a_PK = a_MK.new_zeros(P, a_MK.shape[1])
+    a_PK[dest_M] = a_MK
+    layout_P = torch.full((P,), -1, device=dev, dtype=torch.int32)
+    layout_P[dest_M] = expert_M.int()
+    return a_PK, layout_P, dest_M
+
+
+if __name__ == "__main__":
+    main()
