@@ -50,14 +50,14 @@ def main() -> None:
     args = p.parse_args()
     if not torch.cuda.is_available() or torch.cuda.get_device_capability() < (9, 0):
         raise SystemExit("grouped_gemm_fp8: needs a Hopper (compute capability 9.0+) GPU")
-    dg = deepgemm()
+    dg, why = deepgemm()
     rows = [row for shape in args.shapes for routing in args.routing
             for row in measure(*shape, args.top_k, routing, dg)]
     cols = ["experts", "hidden", "dim", "rows", "routing", "gemm", "N", "K", "variant", "ms", "tflops",
             "vs_fp8_plain", "vs_bf16_torch", "vs_fp8_torch", "pad_rows", "quant_ms", "sf_layout_ms", "rel_err"]
     table = markdown_table(rows, cols)
     if dg is None:
-        table += "\n\nDeepGEMM did not run here (see the run's log): its rows are left out."
+        table += f"\n\nNo DeepGEMM rows: {why}."
     print(table)
     write_results("grouped_gemm_fp8", {**environment(), "deepgemm": getattr(dg, "__version__", None)}, rows, table,
                   args.out)
@@ -72,20 +72,20 @@ def _shape(text: str) -> tuple[int, int, int, int]:
 
 
 def deepgemm():
-    """The ``deep_gemm`` module, or None where it is not built for this torch or its kernels fail a probe (one small
-    grouped bf16 GEMM, compiled and run in a child process first: a crash there must not end this run)."""
+    """(the ``deep_gemm`` module, None) where it imports and its kernels pass a probe (one small grouped bf16 GEMM,
+    compiled and run in a child process first: a crash there must not end this run); else (None, why not)."""
     try:
         import deep_gemm
     except ImportError as e:
-        print(f"grouped_gemm_fp8: DeepGEMM not available ({e}); its variants are left out")
-        return None
-    probe = subprocess.run([sys.executable, "-c", PROBE], capture_output=True, text=True, timeout=600)
-    if probe.returncode != 0:
-        why = f"signal {-probe.returncode}" if probe.returncode < 0 else (probe.stderr.strip().splitlines() or ["?"])[-1]
-        print(f"grouped_gemm_fp8: DeepGEMM {deep_gemm.__version__} imports but its probe GEMM failed ({why}); "
-              f"its variants are left out")
-        return None
-    return deep_gemm
+        why = f"DeepGEMM does not import ({e})"
+    else:
+        probe = subprocess.run([sys.executable, "-c", PROBE], capture_output=True, text=True, timeout=600)
+        if probe.returncode == 0:
+            return deep_gemm, None
+        died = f"signal {-probe.returncode}" if probe.returncode < 0 else (probe.stderr.strip().splitlines() or ["?"])[-1]
+        why = f"DeepGEMM {deep_gemm.__version__} imports but its probe GEMM failed ({died})"
+    print(f"grouped_gemm_fp8: {why}; its variants are left out")
+    return None, why
 
 
 PROBE = """
