@@ -51,8 +51,9 @@
 #   gathered    1    QuACK GEMMs gathering token rows by index vs expanded expert rows (gather_gemm.py), then
 #                    gathered_experts' GPU tests (after quack_unpack) -> gather_gemm_1x<GPU>.md
 #   grouped_fp8 1    the experts' grouped GEMMs at their shapes (SHAPES=EXPERTSxHIDDENxDIMxROWS ...): bf16 and FP8,
-#                    torch's beside DeepGEMM's 1x128 / 128x128 block-scaled GEMM (built from .deepgemm/src by
-#                    build_deepgemm.sh; kept in build/deepgemm) -> grouped_gemm_fp8_1x<GPU>.md
+#                    torch's, kernels/fp8_gemm.py's tile configurations and DeepGEMM's 1x128 / 128x128 block-scaled
+#                    GEMM (built from .deepgemm/src by build_deepgemm.sh; kept in build/deepgemm)
+#                    -> grouped_gemm_fp8_1x<GPU>.md
 #   fill_profile 2   the compiled v2lite_6b_2gpu step profiled at EP=2, graphed (GRAPH=false: eager), one profile per
 #                    variant side by side (VARIANTS="echo=--moe_echo.echo true;off=--moe_echo.echo false", ARGS for all, LABEL;
 #                    DETAIL="echo collectives": those categories' largest kernels by op)
