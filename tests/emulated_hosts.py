@@ -16,6 +16,8 @@ import socket
 import subprocess
 import sys
 
+from run_env import compiles
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -50,6 +52,8 @@ def start_hosts(script_args: list[str], hosts: int = 2, ranks_per_host: int = 2,
     procs = []
     for h in range(hosts):
         e = host_env(h, ranks_per_host, gpus, {**(env or {}), **((host_envs or [{}] * hosts)[h])})
+        if not gpus and not compiles(script_args):  # CPU runs that compile nothing: tests/run_env.py says why
+            e.setdefault("TORCHDYNAMO_DISABLE", "1")
         procs.append(subprocess.Popen(agent_cmd(script_args, h, hosts, ranks_per_host, port), env=e, cwd=cwd,
                                       stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
     return procs

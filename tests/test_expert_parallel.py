@@ -14,6 +14,7 @@ from background import Runs, selected
 from components.parallel.mesh import parallel_dims
 from components.errors import UserError
 from conftest import ROOT
+from run_env import run_env
 
 pytestmark = pytest.mark.slow  # end-to-end runs in subprocesses
 
@@ -130,7 +131,7 @@ COMMON = ["--job.config_file", CONFIG, "--training.max_corpus_mb", "1", "--train
 
 
 def recipe(dump, nproc, *args, check=True, env=None):
-    env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
+    env = run_env(args, OMP_NUM_THREADS="1", **(env or {}))
     if nproc == 1:
         cmd = [sys.executable, RECIPE]
     else:

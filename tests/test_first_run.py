@@ -17,6 +17,7 @@ import time
 import pytest
 
 from conftest import ROOT
+from run_env import run_env
 from test_recipe import CONFIG, RECIPE, SMALL
 
 from components.train.checkpoint import complete_checkpoints, verify
@@ -25,7 +26,7 @@ from components.train.metrics import RunSummary
 
 FINETUNE = os.path.join(ROOT, "recipes", "finetune.py")
 STOPPED = re.compile(r"^stopped at step (\d+); the last checkpoint is step-(\d+); run the same command to resume$")
-ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
+ENV = run_env(OMP_NUM_THREADS="1")  # no run here compiles
 
 
 def _lines(text: str) -> list[str]:

@@ -13,6 +13,7 @@ from components.errors import UserError
 from components.train import float8
 from components.train.config import load_config
 from conftest import ROOT
+from run_env import run_env
 
 pytest.importorskip("torchao.float8")
 
@@ -84,7 +85,7 @@ def test_recipe_trains_with_emulated_float8(tmp_path):
            os.path.join(ROOT, "train_configs", "debug_cpu.toml"), "--job.dump_folder", str(tmp_path),
            "--training.max_corpus_mb", "1", "--training.seq_len", "64", "--training.local_batch_size", "4",
            "--training.steps", "3", "--metrics.log_freq", "1", "--checkpoint.enable", "false", *EMULATED]
-    p = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "2"})
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=run_env(cmd, OMP_NUM_THREADS="2"))
     assert p.returncode == 0, p.stderr[-3000:]
     line = next(l for l in p.stdout.splitlines() if l.startswith("float8:"))
     assert "linear layers in FP8 (tensorwise, emulated); kept: router gates, output" in line, line

@@ -15,6 +15,7 @@ from components.moe_echo.config import MoEEchoConfig
 from components.moe_echo.models import build_model, shape_overrides
 from components.train.config import help_text, load_config
 from conftest import ROOT
+from run_env import run_env
 
 CONFIG = os.path.join(ROOT, "train_configs", "debug_cpu.toml")
 
@@ -161,7 +162,7 @@ SMALL = ["--training.max_corpus_mb", "1", "--training.seq_len", "32", "--trainin
 def _launch(recipe, dump, *args) -> subprocess.Popen:
     cmd = [sys.executable, recipe, "--job.config_file", CONFIG, "--job.dump_folder", str(dump), *SMALL, *args]
     return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+                            env=run_env(args, OMP_NUM_THREADS="1"))
 
 
 def _finish(p: subprocess.Popen) -> tuple[int, str, str]:

@@ -17,6 +17,7 @@ from background import Runs, selected
 from components.train.optim import build_optimizer
 from components.train.overflow import StepGate, StepPipeline
 from conftest import ROOT
+from run_env import run_env
 from test_recipe import CONFIG, RECIPE, SMALL, _bad, losses, run
 
 
@@ -300,7 +301,7 @@ def _torchrun(tmp_path, *args, env=None, timeout=300, launcher: bool = False):
            RECIPE, "--job.config_file", CONFIG, "--job.dump_folder", str(tmp_path / "out"), *SMALL,
            "--parallelism.expert_parallel_degree", "2", *args]
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout,
-                          env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})})
+                          env=run_env(args, OMP_NUM_THREADS="1", **(env or {})))
 
 
 @pytest.mark.slow

@@ -14,6 +14,7 @@ import sys
 
 import pytest
 import torch
+from run_env import run_env
 
 from components.errors import UserError
 from components.moe_echo.config import MoEEchoConfig
@@ -48,7 +49,7 @@ TEARDOWN_ABORT = "terminate called without an active exception"
 def _torchrun(script: str, dump: str, args: list[str], teardown_abort_ok: bool = False) -> str:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(_free_port()),
            script, "--job.config_file", CONFIG, "--job.dump_folder", dump, *COMMON, *args]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env = run_env(args, OMP_NUM_THREADS="1")
     p = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT, timeout=600)
     out = p.stdout + p.stderr
     ok = p.returncode == 0 or (teardown_abort_ok and TEARDOWN_ABORT in out and "Traceback (most recent call last)"
