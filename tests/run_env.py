@@ -1,5 +1,6 @@
-"""The environment of a training subprocess in the tests: os.environ, the caller's additions, and TorchDynamo off
-(TORCHDYNAMO_DISABLE=1) unless the run's arguments turn ``[compile] enable`` on.
+"""The environment of a subprocess in the tests (a training run, a Triton interpreter script): os.environ, the
+caller's additions, and TorchDynamo off (TORCHDYNAMO_DISABLE=1) unless the run's arguments turn ``[compile] enable``
+on.
 
 torchtitan calls torch.compile while it is imported (its attention wrappers), and that loads TorchInductor: ~2.5 s
 of CPU in every process, which a run that compiles nothing never uses (a third of tests/test_recipe.py's time on

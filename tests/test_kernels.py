@@ -12,6 +12,7 @@ from background import Runs, selected
 from components.moe_echo.row_ops import gather_rows, weighted_combine
 from conftest import ROOT
 from kernels import moe_rows
+from run_env import run_env
 
 
 def _perm_case(T, K, D, dtype=torch.float64, seed=0, hot=False):
@@ -121,7 +122,7 @@ needs_cpu_interpreter = pytest.mark.skipif(
 
 
 def _interpret(script: str) -> subprocess.CompletedProcess:
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": os.pathsep.join([ROOT, os.path.join(ROOT, "tests")])}
+    env = run_env(TRITON_INTERPRET="1", PYTHONPATH=os.pathsep.join([ROOT, os.path.join(ROOT, "tests")]))
     return subprocess.run([sys.executable, "-c", "import sm90_compile\n" + script], capture_output=True, text=True,
                           env=env, cwd=ROOT, timeout=600)
 
