@@ -17,6 +17,17 @@ K = 2·hidden). Variants:
     fp8_plain       torch._scaled_mm, rowwise scales: every row against one weight (a plain GEMM's rate)
     bf16_plain      torch.mm, the same
 
+With ``--wgrad`` it measures the two weight-gradient GEMMs as well (``wgrad_gate_up``: [da | db]ᵀ x, [2·hidden,
+dim] per expert; ``wgrad_down``: dyᵀ h, [dim, hidden] per expert), whose contraction runs over each expert's rows:
+
+    bf16_torch      torch._grouped_mm, 2-D x 2-D with the row offsets (what both precisions run today)
+    fp8_torch       torch._scaled_grouped_mm, 2-D x 2-D: both operands e4m3, one scale per expert and column,
+                    cast and transposed by torchao's per-group column kernel (its time is ``quant_ms``)
+    fp8_plain / bf16_plain  one GEMM over all rows (K = rows): the rate without the expert boundaries
+
+Each expert's row count is rounded down to a multiple of 16 there (torch's 2-D x 2-D FP8 grouped GEMM needs it).
+``with_quant_ms`` adds the casts an FP8 weight gradient needs beyond what the step casts already.
+
 Every time is a CUDA graph's replay (as the step runs). ``tflops`` counts the routed rows only (2·rows·N·K), so the padding DeepGEMM's layout needs is charged to it
 (``pad_rows``). Each output is checked against the fp32 product of the bf16 operands (``rel_err``; the run stops
 if an FP8 variant is off by more than 8%, bf16 by more than 1%). ``quant_ms`` is what the activation's FP8 cast costs
@@ -46,20 +57,22 @@ def main() -> None:
                    help="EXPERTSxHIDDENxDIMxROWS, one or more (one results file for all)")
     p.add_argument("--top_k", type=int, default=6, help="experts per token: rows / top_k tokens are routed")
     p.add_argument("--routing", nargs="+", default=["uniform", "skewed"], choices=["uniform", "skewed"])
+    p.add_argument("--wgrad", action="store_true", help="the weight-gradient GEMMs too")
     p.add_argument("--out", default=None)
     args = p.parse_args()
     if not torch.cuda.is_available() or torch.cuda.get_device_capability() < (9, 0):
         raise SystemExit("grouped_gemm_fp8: needs a Hopper (compute capability 9.0+) GPU")
     dg, why = deepgemm()
     rows = [row for shape in args.shapes for routing in args.routing
-            for row in measure(*shape, args.top_k, routing, dg)]
+            for row in measure(*shape, args.top_k, routing, dg, args.wgrad)]
     cols = ["experts", "hidden", "dim", "rows", "routing", "gemm", "N", "K", "variant", "ms", "tflops",
-            "vs_fp8_plain", "vs_bf16_torch", "vs_fp8_torch", "pad_rows", "quant_ms", "sf_layout_ms", "rel_err"]
+            "vs_fp8_plain", "vs_bf16_torch", "vs_fp8_torch", "pad_rows", "quant_ms", "with_quant_ms", "sf_layout_ms",
+            "rel_err"]
     table = markdown_table(rows, cols)
     if dg is None:
         table += f"\n\nNo DeepGEMM rows: {why}."
     print(table)
-    write_results("grouped_gemm_fp8", {**environment(), "deepgemm": getattr(dg, "__version__", None)}, rows, table,
+    write_results("grouped_gemm_fp8_wgrad" if args.wgrad else "grouped_gemm_fp8", {**environment(), "deepgemm": getattr(dg, "__version__", None)}, rows, table,
                   args.out)
 
 
@@ -100,8 +113,8 @@ assert (d.float() - ref).norm() / ref.norm() < 0.01
 """
 
 
-def measure(E: int, H: int, D: int, R: int, top_k: int, routing: str, dg) -> list[dict]:
-    """Every variant of the four grouped GEMMs at one shape and routing."""
+def measure(E: int, H: int, D: int, R: int, top_k: int, routing: str, dg, wgrad: bool = False) -> list[dict]:
+    """Every variant of the four grouped GEMMs (six with ``wgrad``) at one shape and routing."""
     gen = torch.Generator(device="cuda").manual_seed(0)
     ids = routing_ids(R // top_k, E, top_k, routing, gen, "cuda")
     counts_E = torch.bincount(ids.flatten(), minlength=E).int()
@@ -109,6 +122,12 @@ def measure(E: int, H: int, D: int, R: int, top_k: int, routing: str, dg) -> lis
     for gemm, N, K in (("fwd_gate_up", 2 * H, D), ("fwd_down", D, H), ("dgrad_down", H, D), ("dgrad_gate_up", D, 2 * H)):
         base = dict(experts=E, hidden=H, dim=D, rows=int(counts_E.sum()), routing=routing, gemm=gemm, N=N, K=K)
         rows += [{**base, **r} for r in _gemm_variants(counts_E, N, K, dg)]
+    if wgrad:
+        counts16_E = counts_E // 16 * 16
+        for gemm, P, Q in (("wgrad_gate_up", 2 * H, D), ("wgrad_down", D, H)):
+            base = dict(experts=E, hidden=H, dim=D, rows=int(counts16_E.sum()), routing=routing, gemm=gemm, N=P * Q,
+                        K="rows")
+            rows += [{**base, **r} for r in _wgrad_variants(counts16_E, P, Q)]
     return rows
 
 
@@ -171,6 +190,55 @@ def _gemm_variants(counts_E: torch.Tensor, N: int, K: int, dg) -> list[dict]:
         r["vs_fp8_plain"] = by["fp8_plain"] / r["ms"]  # > 1: faster than a plain FP8 GEMM of the same rows
         r["vs_bf16_torch"] = by["bf16_torch"] / r["ms"]
         r["vs_fp8_torch"] = by["fp8_torch"] / r["ms"]
+    return out
+
+
+def _wgrad_variants(counts_E: torch.Tensor, P: int, Q: int) -> list[dict]:
+    """Σ over each expert's rows of aᵀ b ([E, P, Q]) by each variant; a [M, P], b [M, Q] bf16."""
+    M = int(counts_E.sum())
+    a_MP = torch.randn(M, P, device="cuda", dtype=torch.bfloat16)
+    b_MQ = torch.randn(M, Q, device="cuda", dtype=torch.bfloat16)
+    offs_E = torch.cumsum(counts_E, 0, dtype=torch.int32)
+    ends = [0] + offs_E.tolist()
+    ref_EPQ = torch.stack([a_MP[i0:i1].float().t() @ b_MQ[i0:i1].float() for i0, i1 in zip(ends[:-1], ends[1:])])
+    flops = 2 * M * P * Q
+    out = []
+
+    def row(variant, fn, limit, **extra):
+        y = fn()
+        err = float((y.float() - ref_EPQ).norm() / ref_EPQ.norm())
+        if not err < limit:
+            raise SystemExit(f"grouped_gemm_fp8: {variant} is off by {err:.3g} (limit {limit}) at P={P} Q={Q}")
+        ms = time_ms(graphed(fn), warmup=5, iters=30)
+        out.append(dict(variant=variant, ms=ms, tflops=flops / ms / 1e9, rel_err=err, **extra))
+
+    row("bf16_torch", lambda: torch._grouped_mm(a_MP.t(), b_MQ, offs=offs_E), 0.01)
+    try:
+        from torchao.prototype.moe_training.kernels.jagged_float8_scales import (
+            triton_fp8_per_group_colwise_scales_dual as colwise_dual)
+    except ImportError as e:
+        print(f"grouped_gemm_fp8: no fp8_torch weight-gradient rows (torchao's per-group cast: {e})")
+    else:
+        def quant():  # e4m3, column-major (rows contiguous: the K-major layout both operands need), [E·P] scales
+            return colwise_dual(a_MP, b_MQ, offs_E, FP8, round_scales_to_power_of_2=True)
+
+        aq, as_, bq, bs = quant()
+        row("fp8_torch", lambda: torch._scaled_grouped_mm(aq.t(), bq, as_.reciprocal(), bs.reciprocal(), offs_E,
+                                                          out_dtype=torch.bfloat16, use_fast_accum=True), 0.08,
+            quant_ms=time_ms(graphed(quant), warmup=5, iters=30))
+        out[-1]["with_quant_ms"] = out[-1]["ms"] + out[-1]["quant_ms"]
+    aq_all, as_all = quant_rows(a_MP.t().contiguous())  # [P, M]: one GEMM over all rows, rowwise scales
+    bq_all, bs_all = quant_rows(b_MQ.t().contiguous())
+    plain8 = time_ms(graphed(lambda: torch._scaled_mm(aq_all, bq_all.t(), scale_a=as_all[:, None],
+                                                      scale_b=bs_all[None, :], out_dtype=torch.bfloat16,
+                                                      use_fast_accum=True)), warmup=5, iters=30)
+    plain16 = time_ms(graphed(lambda: a_MP.t() @ b_MQ), warmup=5, iters=30)
+    out += [dict(variant="fp8_plain", ms=plain8, tflops=flops / plain8 / 1e9),
+            dict(variant="bf16_plain", ms=plain16, tflops=flops / plain16 / 1e9)]
+    by = {r["variant"]: r["ms"] for r in out}
+    for r in out:
+        r["vs_fp8_plain"] = by["fp8_plain"] / r["ms"]
+        r["vs_bf16_torch"] = by["bf16_torch"] / r["ms"]
     return out
 
 

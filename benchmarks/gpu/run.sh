@@ -52,8 +52,8 @@
 #                    gathered_experts' GPU tests (after quack_unpack) -> gather_gemm_1x<GPU>.md
 #   grouped_fp8 1    the experts' grouped GEMMs at their shapes (SHAPES=EXPERTSxHIDDENxDIMxROWS ...): bf16 and FP8,
 #                    torch's, kernels/fp8_gemm.py's tile configurations and DeepGEMM's 1x128 / 128x128 block-scaled
-#                    GEMM (built from .deepgemm/src by build_deepgemm.sh; kept in build/deepgemm)
-#                    -> grouped_gemm_fp8_1x<GPU>.md
+#                    GEMM (built from .deepgemm/src by build_deepgemm.sh; kept in build/deepgemm; DEEPGEMM=0: none);
+#                    -> grouped_gemm_fp8_1x<GPU>.md; WGRAD=1: the weight-gradient GEMMs too (_wgrad_1x<GPU>.md)
 #   fill_profile 2   the compiled v2lite_6b_2gpu step profiled at EP=2, graphed (GRAPH=false: eager), one profile per
 #                    variant side by side (VARIANTS="echo=--moe_echo.echo true;off=--moe_echo.echo false", ARGS for all, LABEL;
 #                    DETAIL="echo collectives": those categories' largest kernels by op)
@@ -454,8 +454,10 @@ print('largest step difference over steps 1-20: %.2e at step %d' % max(rel[:20])
     # (built once per machine from .deepgemm/src by build_deepgemm.sh; its kernels compile on first use, ~minutes)
     build=${DEEPGEMM_BUILD:-build/deepgemm}; [[ $build = /* ]] || build=$PWD/$build
     export PYTHONPATH="$build/lib:$PYTHONPATH"
-    python3 -c "import deep_gemm" 2> /dev/null || OUT="$OUT" timeout ${TMO:-300} bash benchmarks/gpu/build_deepgemm.sh
-    timeout ${TMO:-420} python3 benchmarks/grouped_gemm_fp8.py --shapes ${SHAPES:-64x768x2048x98304} --out "$OUT" 2>&1 \
+    [[ ${DEEPGEMM:-1} = 0 ]] || python3 -c "import deep_gemm" 2> /dev/null \
+      || OUT="$OUT" timeout ${TMO:-300} bash benchmarks/gpu/build_deepgemm.sh
+    timeout ${TMO:-420} python3 benchmarks/grouped_gemm_fp8.py --shapes ${SHAPES:-64x768x2048x98304} \
+      ${WGRAD:+--wgrad} --out "$OUT" 2>&1 \
       | tee "$OUT/grouped_gemm_fp8.log" | grep -E "^\| |rror|grouped_gemm_fp8" ;;
 
   fill_profile)  # -> step_breakdown_v2lite_6b_2gpu_<LABEL>_graph_<GRAPH>_2x<GPU>.md: the compiled step at EP=2 on the
