@@ -13,6 +13,8 @@
 # DeepGEMM's setup.py runs unchanged (build_py + build_ext: one C++ file; its kernels are compiled by nvcc when first
 # called, cached in ~/.deep_gemm). Where the `wheel` package is absent, setuptools' own bdist_wheel stands in for the
 # import setup.py makes. Then `import deep_gemm` works with PYTHONPATH=<lib>.
+# Its JIT kernels want the system's libstdc++ loaded first (LD_PRELOAD=$(g++ -print-file-name=libstdc++.so.6)): on
+# an image with torch 2.11 and g++ 13 they otherwise stop in std::regex with SIGSEGV (run.sh grouped_fp8 sets it).
 # Prints one line: the build time and `import deep_gemm` OK, or the cause of the failure (exit 1).
 set -euo pipefail
 PY=${PYTHON:-python3}

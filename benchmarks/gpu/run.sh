@@ -456,8 +456,10 @@ print('largest step difference over steps 1-20: %.2e at step %d' % max(rel[:20])
     export PYTHONPATH="$build/lib:$PYTHONPATH"
     [[ ${DEEPGEMM:-1} = 0 ]] || python3 -c "import deep_gemm" 2> /dev/null \
       || OUT="$OUT" timeout ${TMO:-300} bash benchmarks/gpu/build_deepgemm.sh
-    timeout ${TMO:-420} python3 benchmarks/grouped_gemm_fp8.py --shapes ${SHAPES:-64x768x2048x98304} \
-      ${WGRAD:+--wgrad} --out "$OUT" 2>&1 \
+    # DeepGEMM's kernels run with the system's libstdc++ loaded first: without it each stops in the std::regex of its
+    # JIT's include scanner (SIGSEGV) on this image
+    LD_PRELOAD=$(g++ -print-file-name=libstdc++.so.6) timeout ${TMO:-420} python3 benchmarks/grouped_gemm_fp8.py \
+      --shapes ${SHAPES:-64x768x2048x98304} ${WGRAD:+--wgrad} --out "$OUT" 2>&1 \
       | tee "$OUT/grouped_gemm_fp8.log" | grep -E "^\| |rror|grouped_gemm_fp8" ;;
 
   fill_profile)  # -> step_breakdown_v2lite_6b_2gpu_<LABEL>_graph_<GRAPH>_2x<GPU>.md: the compiled step at EP=2 on the
