@@ -57,9 +57,10 @@ from test_fp8_gemm import CASES, _case, _check
 for name, counts in CASES.items():
     for N, K in ((48, 64), (40, 48)):  # N = 40: a partial column tile; K = 48: a partial last K block
         a_q, s_M, b_q, s_EN, offs, refs = _case(counts, N, K)
-        out = torch.full((a_q.shape[0], N), 3.0, dtype=torch.bfloat16)
-        grouped_mm_fp8(a_q, s_M, b_q, s_EN, offs, out=out, config="tiny")
-        _check(out, refs, int(offs[-1]), 3.0)
+        for config in ("tiny", "tinyf"):  # tinyf: the tile and K loops flattened into one
+            out = torch.full((a_q.shape[0], N), 3.0, dtype=torch.bfloat16)
+            grouped_mm_fp8(a_q, s_M, b_q, s_EN, offs, out=out, config=config)
+            _check(out, refs, int(offs[-1]), 3.0)
 print("FP8-GEMM-OK")
 """
 
