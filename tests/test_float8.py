@@ -48,6 +48,13 @@ def test_where_it_cannot_run_is_one_line(monkeypatch):
     assert "set [compile] enable = true" in float8.uncompiled_note(load_config(["--model.converters", "float8"]))
     assert float8.uncompiled_note(load_config(["--model.converters", "float8", "--compile.enable"])) is None
     assert float8.uncompiled_note(load_config(EMULATED)) is None
+    # the converter turns the experts to FP8 too: on CPU its own error comes first, then the experts' if kept
+    from components.train.setup import check_device
+    with pytest.raises(UserError, match=r'^\[model\] converters = \["float8"\] needs a CUDA GPU'):
+        check_device(load_config(["--model.converters", "float8"]), cpu)
+    with pytest.raises(UserError, match=r'^\[moe_echo\] expert_precision = "fp8" needs a CUDA GPU'):
+        check_device(load_config([*EMULATED, "--moe_echo.expert_precision", "fp8"]), cpu)
+    check_device(load_config(EMULATED), cpu)
     monkeypatch.setitem(sys.modules, "torchao.float8", None)
     with pytest.raises(UserError, match=r'needs torchao: pip install "moe-echo\[float8\]"'):
         float8.check_float8(load_config(EMULATED), cpu)

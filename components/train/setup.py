@@ -98,18 +98,24 @@ class Training:
         return grad_norm, skip
 
 
+def check_device(cfg, device: torch.device) -> None:
+    """One-line error where the config asks for what ``device`` cannot run (FP8, QuACK). The float8 converter is
+    checked first: it also turns the experts to FP8, so its error (remove it, or emulate) is the one to act on."""
+    if float8.requested(cfg):
+        float8.check_float8(cfg, device)
+    if cfg.moe_echo.expert_precision == "fp8":
+        check_fp8_supported(device)
+    if cfg.moe_echo.experts_gemm == "quack" and cfg.moe_echo.expert_precision == "bf16":
+        check_quack_supported(device)
+
+
 def start(argv: list[str]) -> Run:
     """Parse the config, start the process group, build the device meshes."""
     cfg = load_config(argv)
     m = cfg.model
     moe_args = getattr(model_args_for(m.name, m.flavor, shape_overrides(m)), "moe_args", None)
     rank, world, device = init_distributed(cfg.comm.init_timeout_seconds)
-    if cfg.moe_echo.expert_precision == "fp8":
-        check_fp8_supported(device)
-    if float8.requested(cfg):
-        float8.check_float8(cfg, device)
-    if cfg.moe_echo.experts_gemm == "quack" and cfg.moe_echo.expert_precision == "bf16":
-        check_quack_supported(device)
+    check_device(cfg, device)
     dims = parallel_dims(cfg.parallelism, world, moe_args.num_experts if moe_args else None)
     if cfg.moe_echo.gathered_experts:
         check_gathered_supported(cfg.moe_echo, dims.ep, device)
