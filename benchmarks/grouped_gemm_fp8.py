@@ -72,8 +72,8 @@ def main() -> None:
     if dg is None:
         table += f"\n\nNo DeepGEMM rows: {why}."
     print(table)
-    write_results("grouped_gemm_fp8_wgrad" if args.wgrad else "grouped_gemm_fp8", {**environment(), "deepgemm": getattr(dg, "__version__", None)}, rows, table,
-                  args.out)
+    name = "grouped_gemm_fp8_wgrad" if args.wgrad else "grouped_gemm_fp8"
+    write_results(name, {**environment(), "deepgemm": getattr(dg, "__version__", None)}, rows, table, args.out)
 
 
 def _shape(text: str) -> tuple[int, int, int, int]:
