@@ -1,13 +1,16 @@
-"""torch.compile of the dense parts of a transformer block, and of a loss function.
+"""torch.compile of the dense parts of a transformer block and of the model's ends, and of a loss function.
 
     names = compile_dense(block, backend)   # ["attention", "attention_norm", "ffn_norm", "moe.shared_experts"]
+    names = compile_ends(model, backend)    # ["norm", "output"]
     loss_fn = compile_fn(loss_fn, backend)
 
 ``compile_dense`` compiles the ``forward`` of the block's attention, its two norms, its dense
 feed-forward (non-MoE blocks) and the MoE's shared experts when they are a module. The routed MoE
 path (router, ECHO, dispatcher, grouped experts, combine) stays eager: it launches Triton kernels,
 touches symmetric memory / NCCL under EP and keeps Python state that guards would recompile on.
-Invariants:
+``compile_ends`` compiles the final norm and the output head, each its own graph: an FP8 head's
+scaling (amax, cast, transpose of the [tokens, vocab] gradient) then fuses as the blocks' does
+instead of running as torchao's separate eager kernels. Invariants:
 
 - modules are not wrapped: ``module.forward`` is replaced in place by its compiled version, so
   FQNs and state_dict keys are unchanged and DCP checkpoints load across compile on / off
@@ -27,6 +30,7 @@ from components.errors import UserError
 # the block's dense children, and the MoE's dense child (torchtitan's deepseek_v3 / qwen3 names)
 DENSE_CHILDREN = ("attention", "attention_norm", "ffn_norm", "feed_forward")
 MOE_DENSE_CHILDREN = ("shared_experts",)
+END_CHILDREN = ("norm", "output")  # the model's final norm and output head (torchtitan's names)
 
 
 def compile_options(backend: str) -> dict:
@@ -49,10 +53,20 @@ def is_compiled(module: nn.Module) -> bool:
 
 def compile_dense(block: nn.Module, backend: str) -> list[str]:
     """Compile the block's dense submodules in place; return their names (relative to the block)."""
-    opts = compile_options(backend)
     found = [(name, getattr(block, name, None)) for name in DENSE_CHILDREN]
     moe = getattr(block, "moe", None) if getattr(block, "moe_enabled", False) else None
     found += [(f"moe.{name}", getattr(moe, name, None)) for name in MOE_DENSE_CHILDREN if moe is not None]
+    return _compile_in_place(found, backend)
+
+
+def compile_ends(model: nn.Module, backend: str) -> list[str]:
+    """Compile the model's final norm and output head in place; return their names."""
+    return _compile_in_place([(name, getattr(model, name, None)) for name in END_CHILDREN], backend)
+
+
+def _compile_in_place(found: list[tuple[str, nn.Module | None]], backend: str) -> list[str]:
+    """Replace each module's ``forward`` by its compiled version (skipping None and those already compiled)."""
+    opts = compile_options(backend)
     done = []
     for name, child in found:
         if isinstance(child, nn.Module) and not is_compiled(child):

@@ -6,7 +6,8 @@ Per transformer block, in this order (torchtitan's conventions):
    reshard between EP layouts) — and gets the configured EP dispatcher;
 2. torch.compile of the block's dense submodules (``[compile] enable``, "model" in components;
    components/parallel/compile.py): attention, norms, dense FFN, shared experts, each one static
-   graph; the routed MoE path stays eager. In place, so FQNs and checkpoints are unchanged;
+   graph; the routed MoE path stays eager. In place, so FQNs and checkpoints are unchanged. After the
+   blocks, the final norm and the output head the same way;
 3. activation checkpointing: none | full (every block) | selective (every N-th block, N =
    ``selective_ac_option``), around the block and so around its compiled submodules (compile
    inside AC, as torchtitan does for MoE blocks);
@@ -32,7 +33,7 @@ from components.moe_echo.layer import MoELayer
 from components.moe_echo.pipelined import check_overlap
 from components.errors import UserError
 
-from .compile import compile_dense
+from .compile import compile_dense, compile_ends
 from .hosts import ep_hosts, require_spanning
 from .mesh import Meshes, ParallelDims
 
@@ -137,6 +138,8 @@ def parallelize(model: nn.Module, mesh: Meshes | None, dims: ParallelDims, cfg, 
             compile_dense(block, cfg.compile.backend)
         block = _ac_wrap(block, i, cfg.activation_checkpoint)
         model.layers[name] = block
+    if cfg.compile.enable and "model" in cfg.compile.components:
+        compile_ends(model, cfg.compile.backend)
 
     if not dims.fsdp:
         return model
