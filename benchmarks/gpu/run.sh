@@ -79,7 +79,8 @@
 #                    emulated hosts; d (1 GPU) FP8 by part and scaling; f (1 GPU) which dense layers pay
 #                    (filter_fqns); h (1 GPU) FP8 here vs FP8 on build/base.tgz's tree; p (1 GPU) bf16 and FP8
 #                    profiled; g (2 GPUs) the FSDP FP8 all-gather tested and measured beside torchtitan's; e (2 GPUs)
-#                    v2lite_6b_2gpu 500-step loss parity (RUNS= bf16 fp8 bf16_compile, a subset per invocation)
+#                    v2lite_6b_2gpu 500-step loss parity (RUNS= bf16 fp8 bf16_compile, a subset per invocation);
+#                    l (1 GPU) loss parity of one FP8 variant (VARIANT=, default the output head in FP8)
 #   guard       1    cost of the non-finite guard: v2lite_1b (CONFIGS=...), eager and graphed, on vs off
 #   titan       2    torchtitan's own trainer with our TrainSpec (EP=2, ECHO) vs the recipe: per-step losses
 #   overlap_profile 2  the graphed v2lite_1b step at EP=2 profiled: nvlink and padded, whole and in 2 chunks
@@ -235,6 +236,17 @@ print('largest step difference over steps 1-20: %.2e at step %d' % max(rel[:20])
           python3 benchmarks/loss_match.py "$OUT/f8_loss_bf16.jsonl" "$OUT/$r.jsonl" --floor "$OUT/f8_loss_bf16_compile.jsonl" \
             --plot "$OUT/$r.png" --names "bf16,$r,bf16 compiled" | tail -2
         done ;;
+      l)  # one GPU, loss parity of one FP8 variant, one run after another (STEPS, default 500, graphed): bf16, bf16
+          # compiled (with bf16: the noise floor), FP8 compiled with VARIANT's extra arguments (default: the output
+          # head in FP8 too) -> <NAME>.png
+        export CUDA_VISIBLE_DEVICES=${CUDA_VISIBLE_DEVICES:-0}
+        G="--training.steps ${STEPS:-500} --training.cuda_graph true"
+        name=${NAME:-f8_loss_fp8_head}
+        TMO=280 recipe f8_loss_bf16 1 $G
+        TMO=280 recipe f8_loss_bf16_compile 1 $G --compile.enable true
+        TMO=280 recipe $name 1 $G $F8 --compile.enable true ${VARIANT:---quantize.linear.float8.filter_fqns router.gate}
+        python3 benchmarks/loss_match.py "$OUT/f8_loss_bf16.jsonl" "$OUT/$name.jsonl" --floor \
+          "$OUT/f8_loss_bf16_compile.jsonl" --plot "$OUT/$name.png" --names "bf16,$name,bf16 compiled" | tail -2 ;;
       c)  # two GPUs: v2lite_6b_2gpu at EP=2 (with torchtitan's float8, compiled), the fp8 wire at EP=2 (padded, bf16
           # vs fp8 rows), then across 2 emulated hosts
         label=$([ "${RECIPE:-tensorwise}" = rowwise ] && echo fp8_step || echo fp8_${RECIPE:-tensorwise})
@@ -263,16 +275,19 @@ print('largest step difference over steps 1-20: %.2e at step %d' % max(rel[:20])
         [ -d /tmp/base/recipes ] || { echo "fp8_step PART=h: no build/base.tgz to compare with"; exit 1; }
         one_gpu_variants ${LABEL:-fp8_base} "bf16=;fp8_base=@/tmp/base $F8;fp8=$F8" ;;
       p)  # one GPU, v2lite_1b compiled + graphed: bf16 and FP8 profiled -> step_breakdown_v2lite_1b_gpu_fp8_vs_bf16_1x<GPU>.md
-          # (RECIPE=rowwise made that file), ..._fp8_vs_bf16_<RECIPE>_1x<GPU>.md for another RECIPE
+          # (RECIPE=rowwise made that file), ..._fp8_vs_bf16_<RECIPE>_1x<GPU>.md for another RECIPE; HEAD=1 profiles
+          # the output head in FP8 as a third column (..._<RECIPE>_head_1x<GPU>.md)
         export CUDA_VISIBLE_DEVICES=${CUDA_VISIBLE_DEVICES:-0}
         PROF="--training.steps 14 --metrics.log_freq 2 --profiling.enable_profiling true --profiling.profile_freq 12
               --profiling.profiler_warmup 8 --profiling.profiler_active 4 --training.cuda_graph true --compile.enable true"
         TMO=200 FROM=6 recipe prof_bf16 1 $PROF | tail -1
         TMO=200 FROM=6 recipe prof_fp8 1 $PROF $F8 | tail -1
-        python3 benchmarks/step_breakdown.py $(for n in bf16 fp8; do
+        [ -n "${HEAD:-}" ] && { TMO=200 FROM=6 recipe prof_fp8_head 1 $PROF $F8 --quantize.linear.float8.filter_fqns router.gate \
+          | tail -1; }
+        python3 benchmarks/step_breakdown.py $(for n in bf16 fp8 ${HEAD:+fp8_head}; do
           echo "$n=$(ls /tmp/run_prof_$n/profile_traces/iteration_*/rank0_trace.json | tail -1)"; done) \
-          --name v2lite_1b_gpu_fp8_vs_bf16$([ "${RECIPE:-tensorwise}" = rowwise ] || echo "_${RECIPE:-tensorwise}") --gpus 1 \
-          --out "$OUT" | head -40 ;;
+          --name v2lite_1b_gpu_fp8_vs_bf16$([ "${RECIPE:-tensorwise}" = rowwise ] || echo "_${RECIPE:-tensorwise}")${HEAD:+_head} \
+          --gpus 1 --out "$OUT" | head -${LINES_OUT:-40} ;;
       g)  # two GPUs, tensorwise: the FSDP FP8 all-gather tested, then v2lite_6b_2gpu at EP=2 without and with it, and
           # torchtitan's float8 with the same keys (compiled; it takes them only with recipe_name unset, which is
           # tensorwise); torchtitan's tensorwise float8 on v2lite_1b (one GPU)
