@@ -238,15 +238,16 @@ print('largest step difference over steps 1-20: %.2e at step %d' % max(rel[:20])
         done ;;
       l)  # one GPU, loss parity of one FP8 variant, one run after another (STEPS, default 500, graphed): bf16, bf16
           # compiled (with bf16: the noise floor), FP8 compiled with VARIANT's extra arguments (default: the output
-          # head in FP8 too) -> <NAME>.png
+          # head in FP8 too) -> <NAME>.png; SEED= another [training] seed for all three (names end in _s<SEED>)
         export CUDA_VISIBLE_DEVICES=${CUDA_VISIBLE_DEVICES:-0}
-        G="--training.steps ${STEPS:-500} --training.cuda_graph true"
-        name=${NAME:-f8_loss_fp8_head}
-        TMO=280 recipe f8_loss_bf16 1 $G
-        TMO=280 recipe f8_loss_bf16_compile 1 $G --compile.enable true
+        G="--training.steps ${STEPS:-500} --training.cuda_graph true --training.seed ${SEED:-0}"
+        s=${SEED:+_s$SEED}
+        name=${NAME:-f8_loss_fp8_head}$s
+        TMO=280 recipe f8_loss_bf16$s 1 $G
+        TMO=280 recipe f8_loss_bf16_compile$s 1 $G --compile.enable true
         TMO=280 recipe $name 1 $G $F8 --compile.enable true ${VARIANT:---quantize.linear.float8.filter_fqns router.gate}
-        python3 benchmarks/loss_match.py "$OUT/f8_loss_bf16.jsonl" "$OUT/$name.jsonl" --floor \
-          "$OUT/f8_loss_bf16_compile.jsonl" --plot "$OUT/$name.png" --names "bf16,$name,bf16 compiled" | tail -2 ;;
+        python3 benchmarks/loss_match.py "$OUT/f8_loss_bf16$s.jsonl" "$OUT/$name.jsonl" --floor \
+          "$OUT/f8_loss_bf16_compile$s.jsonl" --plot "$OUT/$name.png" --names "bf16,$name,bf16 compiled" | tail -2 ;;
       c)  # two GPUs: v2lite_6b_2gpu at EP=2 (with torchtitan's float8, compiled), the fp8 wire at EP=2 (padded, bf16
           # vs fp8 rows), then across 2 emulated hosts
         label=$([ "${RECIPE:-tensorwise}" = rowwise ] && echo fp8_step || echo fp8_${RECIPE:-tensorwise})
