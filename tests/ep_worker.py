@@ -13,7 +13,11 @@ sys.path[:0] = [ROOT, os.path.join(ROOT, "tests")]
 
 def run(rank, world, port, fn_names, kwargs, result_dir):
     """Run each of ``fn_names`` (one name or several, in order) in one process group; ``done_<fn><rank>``
-    marks each one that passed on this rank, ``ok<rank>`` the whole run, ``err<rank>`` a failure."""
+    marks each one that passed on this rank, ``ok<rank>`` the whole run, ``err<rank>`` a failure.
+
+    One intra-op thread per rank: the ranks already fill the cores, and more threads than cores (2 per
+    rank by default on a 2-core machine) spin in OpenMP's barriers and double the CPU time of each check."""
+    torch.set_num_threads(1)
     try:
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
         for fn_name in [fn_names] if isinstance(fn_names, str) else fn_names:

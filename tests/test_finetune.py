@@ -34,7 +34,7 @@ FAMILIES = {"deepseek_v3": "tiny", "qwen3": "tiny_moe"}
 def finetune(dump, *args, check=True):
     cmd = [sys.executable, FINETUNE, "--job.config_file", CONFIG, "--job.dump_folder", str(dump), *SMALL,
            "--training.steps", "3", *QUIET, *args]
-    p = subprocess.run(cmd, capture_output=True, text=True, env=run_env(args, OMP_NUM_THREADS="2"), timeout=600)
+    p = subprocess.run(cmd, capture_output=True, text=True, env=run_env(args, OMP_NUM_THREADS="1"), timeout=600)
     if check and p.returncode != 0:
         raise AssertionError(f"exit {p.returncode}\nstdout:\n{p.stdout[-3000:]}\nstderr:\n{p.stderr[-3000:]}")
     return p

@@ -23,7 +23,7 @@ SMALL = ["--training.max_corpus_mb", "1", "--training.seq_len", "64", "--trainin
 
 def run(dump, *args, env=None, check=True):
     cmd = [sys.executable, RECIPE, "--job.config_file", CONFIG, "--job.dump_folder", str(dump), *SMALL, *args]
-    full_env = run_env(args, OMP_NUM_THREADS="2", **(env or {}))
+    full_env = run_env(args, OMP_NUM_THREADS="1", **(env or {}))
     p = subprocess.run(cmd, capture_output=True, text=True, env=full_env, timeout=600)
     if check and p.returncode != 0:
         raise AssertionError(f"exit {p.returncode}\nstdout:\n{p.stdout[-3000:]}\nstderr:\n{p.stderr[-3000:]}")
