@@ -400,8 +400,8 @@ def validate(cfg) -> None:
     for part in c.components:
         if part not in ("model", "loss"):
             raise UserError(f"[compile] components = {c.components!r}: {part!r} is not compiled by this recipe; "
-                            "expected 'model' (the blocks' attention, norms, dense FFN, shared experts) and/or "
-                            "'loss' (the cross-entropy)")
+                            "expected 'model' (the blocks' attention, norms, dense FFN, shared experts; the final "
+                            "norm and output head) and/or 'loss' (the cross-entropy)")
     if c.enable:
         from components.parallel.compile import compile_options
 

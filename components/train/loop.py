@@ -171,7 +171,7 @@ def summary_extra(run: Run, tr: Training, model, n_params: int, step_graph, logs
     m, dump = cfg.model, cfg.job.dump_folder
     c = cfg.compile
     done = [f"{sum(map(is_compiled, model.modules()))} dense submodules (attention, norms, dense FFN, shared "
-            "experts; routed MoE eager)"] if "model" in c.components else []
+            "experts, output head; routed MoE eager)"] if "model" in c.components else []
     if "loss" in c.components:
         done += ["the loss" if compiles_loss(c, run.device) else "the loss: fused cross-entropy kernels (nothing to compile)"]
     sizes = "".join(f", {k} {v}" for k, v in shape_overrides(m).items())  # [model] keys over the flavour's
