@@ -2,12 +2,15 @@
 against an independent fp64 reference — random and adversarial routing, overflow accounting, and
 the peer-copy kernels themselves in the Triton interpreter."""
 
+from functools import partial
+
 import pytest
 import torch
 
+from background import Runs, selected
 from components.moe_echo.comm import fp8_rows, rows_of_fp8
 from components.moe_echo.nvlink_dispatch import NVLinkDispatcher, nvlink_capacity
-from test_kernels import needs_cpu_interpreter, run_in_interpreter
+from test_kernels import _interpret, needs_cpu_interpreter, run_in_interpreter
 from threaded_ranks import run_ranks
 
 T, K, D, E_LOCAL = 24, 3, 8, 4
@@ -240,8 +243,8 @@ print("PEER-OK")
 
 
 @needs_cpu_interpreter
-def test_peer_kernels_in_interpreter():
-    run_in_interpreter(_PEER_KERNELS, "PEER-OK")
+def test_peer_kernels_in_interpreter(interpreted):
+    run_in_interpreter(_PEER_KERNELS, "PEER-OK", interpreted["peer"])
 
 
 _DISPATCHER_KERNELS = r"""
@@ -269,10 +272,10 @@ print("DISPATCHER-OK")
 
 
 @needs_cpu_interpreter
-def test_nvlink_dispatcher_kernels_in_interpreter():
+def test_nvlink_dispatcher_kernels_in_interpreter(interpreted):
     """The dispatcher end to end through its Triton kernels (interpreted, threads as ranks) against
     the same independent reference as the fp64 torch path, dropped slots included."""
-    run_in_interpreter(_DISPATCHER_KERNELS, "DISPATCHER-OK")
+    run_in_interpreter(_DISPATCHER_KERNELS, "DISPATCHER-OK", interpreted["dispatcher"])
 
 
 @pytest.mark.parametrize("shape", [(2, 3, 5), (2, 5, 3)])  # w1/w3-like [e, H, D] and w2-like [e, D, H]
@@ -486,12 +489,33 @@ for phase in ("dispatch", "combine", "backward"):
 """
 
 
+def _launches(copies: str) -> str:
+    return _LAUNCHES.replace("copies=COPIES", f"copies={copies!r}")
+
+
+@pytest.fixture(scope="module")
+def interpreted(request):
+    """This module's interpreter scripts (single-threaded: the interpreter runs one launch at a time),
+    started together, the longest first; ``interpreted[name]`` waits for that one's finished run."""
+    scripts = {}
+    for copies in sorted(selected(request, "test_nvlink_eager_launches_stay_few")):
+        scripts[f"launches[{copies}]"] = _launches(copies)
+    if selected(request, "test_nvlink_dispatcher_kernels_in_interpreter"):
+        scripts["dispatcher"] = _DISPATCHER_KERNELS
+    if selected(request, "test_peer_kernels_in_interpreter"):
+        scripts["peer"] = _PEER_KERNELS
+    order = ["dispatcher", "launches[copy_engine]", "launches[kernel]", "peer"]
+    runs = Runs({name: partial(_interpret, scripts[name]) for name in order if name in scripts})
+    yield runs
+    runs.close()
+
+
 @needs_cpu_interpreter
 @COPIES
-def test_nvlink_eager_launches_stay_few(copies):
+def test_nvlink_eager_launches_stay_few(interpreted, copies):
     """The eager step is host-bound: each torch op and Triton launch costs host time (~10-30 µs).
     Dispatch's layout is four kernels (kernels.route_layout, peer_route_meta), not ~45 torch ops."""
-    out = run_in_interpreter(_LAUNCHES.replace("copies=COPIES", f"copies={copies!r}"), "LAUNCHES backward")
+    out = run_in_interpreter(_launches(copies), "LAUNCHES backward", interpreted[f"launches[{copies}]"])
     got = {line.split()[1]: (int(line.split("torch=")[1].split()[0]), int(line.rsplit("triton=", 1)[1]))
            for line in out.splitlines() if line.startswith("LAUNCHES")}
     print(out)
