@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+import threading
 
 import pytest
 import torch.multiprocessing as mp
@@ -14,6 +15,7 @@ from background import Runs, selected
 from components.parallel.mesh import parallel_dims
 from components.errors import UserError
 from conftest import ROOT
+from emulated_hosts import free_port
 from run_env import run_env
 
 pytestmark = pytest.mark.slow  # end-to-end runs in subprocesses
@@ -136,7 +138,7 @@ def recipe(dump, nproc, *args, check=True, env=None):
         cmd = [sys.executable, RECIPE]
     else:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
-               "--master_port", str(29500 + os.getpid() % 1000), RECIPE]
+               "--master_port", str(free_port()), RECIPE]  # its own port: launches run side by side
     p = subprocess.run([*cmd, *COMMON, "--job.dump_folder", str(dump), *args], capture_output=True, text=True,
                        env=env, timeout=600)
     if check and p.returncode != 0:
@@ -149,44 +151,118 @@ def losses(dump):
         return {r["step"]: r["loss"] for r in map(json.loads, f)}
 
 
-@pytest.fixture(scope="module")
-def ep1_losses(tmp_path_factory):
-    dump = tmp_path_factory.mktemp("ep1")
-    recipe(dump, 1, "--training.local_batch_size", "8", "--checkpoint.enable", "false")
-    return losses(dump)
+EP2 = ["--training.local_batch_size", "4", "--parallelism.expert_parallel_degree", "2"]
+ECHO_SKEW = [*EP2, "--training.steps", "10", "--checkpoint.enable", "false", "--moe_echo.bias_update_rate", "0",
+             "--moe_echo.debug_hot_experts", "1"]
+OVERFLOW = [*EP2, "--training.steps", "8", "--moe_echo.debug_hot_experts", "1", "--moe_echo.bias_update_rate", "0",
+            "--checkpoint.interval", "8"]
+FASTEST = [*EP2, "--training.steps", "2", "--moe_echo.dispatcher", "fastest", "--checkpoint.enable", "false"]
+
+
+def _resumed_from_ep2(dump, ep2, nproc, ep):
+    """The EP=2 run's checkpoints copied into ``dump``, resumed from step 2 at ``nproc`` ranks, EP = ``ep``."""
+    import shutil
+
+    shutil.copytree(os.path.join(ep2, "checkpoint"), os.path.join(dump, "checkpoint"))
+    return recipe(dump, nproc, "--training.local_batch_size", str(8 // nproc), "--parallelism.expert_parallel_degree",
+                  str(ep), "--checkpoint.load_step", "2")
+
+
+def _fastest_twice(dump):
+    """Two launches sharing one timing cache: the first measures, the second reads the cache."""
+    env = {"MOE_ECHO_CACHE": str(dump / "cache.json")}
+    return recipe(dump / "a", 2, *FASTEST, env=env), recipe(dump / "b", 2, *FASTEST, env=env)
 
 
 @pytest.fixture(scope="module")
-def ep2_run(tmp_path_factory):
-    dump = tmp_path_factory.mktemp("ep2")
-    recipe(dump, 2, "--training.local_batch_size", "4", "--parallelism.expert_parallel_degree", "2",
-           "--checkpoint.interval", "2", "--checkpoint.keep_latest_k", "0")
-    return dump
+def launches(request, tmp_path_factory):
+    """This module's recipe launches, started together two at a time in the order the tests read them
+    (each spends most of its first ~10 s importing); ``launches[name]`` is (its result, its folder). A
+    launch that resumes another's checkpoint waits for it inside its own job (started earlier, so
+    already running or done)."""
+    jobs = {}
+
+    def add(tests, name, fn):
+        if any(selected(request, t) for t in tests.split()):
+            dump = tmp_path_factory.mktemp(name)
+            jobs[name] = lambda: (fn(dump), dump)
+
+    ep1_tests = ("test_training_at_ep2_matches_ep1 test_activation_checkpointing_and_compile_keep_the_losses "
+                 "test_fp8_wire_from_the_command_line_trains_near_ep1")
+    add(ep1_tests, "ep1", lambda d: recipe(d, 1, "--training.local_batch_size", "8", "--checkpoint.enable", "false"))
+    resumes = "test_checkpoint_saved_at_ep2_resumes_at_other_layouts"
+    add(f"test_training_at_ep2_matches_ep1 {resumes}", "ep2", lambda d: recipe(
+        d, 2, *EP2, "--checkpoint.interval", "2", "--checkpoint.keep_latest_k", "0"))
+    for backend in sorted(selected(request, "test_training_at_ep2_matches_ep1") - {"padded"}):
+        extra = (["--parallelism.fsdp_reshard_after_forward", "never"] if backend == "padded_never_reshard"
+                 else ["--moe_echo.dispatcher", "alltoall"])
+        add("test_training_at_ep2_matches_ep1", backend,
+            lambda d, extra=extra: recipe(d, 2, *EP2, "--checkpoint.enable", "false", *extra))
+    for case in sorted(selected(request, resumes)):
+        nproc, ep = map(int, case.split("-"))
+        add(resumes, f"resumed_{case}", lambda d, nproc=nproc, ep=ep: _resumed_from_ep2(d, jobs_done("ep2"), nproc, ep))
+    bad = "test_bad_parallelism_in_the_recipe_exits_2"
+    add(bad, "bad_ep", lambda d: recipe(d, 1, "--parallelism.expert_parallel_degree", "2", check=False))
+    add(bad, "bad_padded", lambda d: recipe(d, 1, "--moe_echo.dispatcher", "padded", check=False))
+    ac = "test_activation_checkpointing_and_compile_keep_the_losses"
+    add(ac, "ac", lambda d: recipe(d, 2, *EP2, "--activation_checkpoint.mode", "full", "--checkpoint.enable", "false"))
+    add(ac, "sac", lambda d: recipe(d, 2, *EP2, "--activation_checkpoint.mode", "selective",
+                                    "--activation_checkpoint.selective_ac_option", "2", "--compile.enable", "true",
+                                    "--compile.backend", "aot_eager", "--checkpoint.enable", "false"))
+    echo = "test_training_with_echo_matches_echo_off"
+    add(echo, "echo_off", lambda d: recipe(d, 2, *ECHO_SKEW))  # echo = "auto": off at EP=2 (and on CPU's padded)
+    add(echo, "echo_on", lambda d: recipe(d, 2, *ECHO_SKEW, "--moe_echo.echo", "true",
+                                          "--moe_echo.echo_slots_per_rank", "2"))
+    add(echo, "echo_recompute", lambda d: recipe(d, 2, *ECHO_SKEW, "--moe_echo.echo", "true",
+                                                 "--moe_echo.echo_recompute", "true"))
+    overflow = "test_overflow_is_gated_and_replayed_never_dropped"
+    add(overflow, "overflow_exact", lambda d: recipe(d, 2, *OVERFLOW, "--moe_echo.dispatcher", "alltoall"))
+    for grow in sorted(selected(request, overflow)):
+        add(overflow, f"overflow_grow{grow}", lambda d, grow=grow: recipe(
+            d, 2, *OVERFLOW, "--moe_echo.dispatcher", "padded", "--moe_echo.capacity_factor", "1.0",
+            "--moe_echo.grow_capacity_after", grow))
+    add("test_overflow_stop_mode_is_a_clear_error", "overflow_stop", lambda d: recipe(
+        d, 2, *EP2, "--moe_echo.debug_hot_experts", "1", "--moe_echo.bias_update_rate", "0",
+        "--moe_echo.capacity_factor", "1.0", "--moe_echo.on_overflow", "stop", "--checkpoint.enable", "false",
+        check=False))
+    add("test_fastest_dispatcher_is_measured_once_cached_and_reported", "fastest", _fastest_twice)
+    add("test_fp8_wire_from_the_command_line_trains_near_ep1", "fp8_wire", lambda d: recipe(
+        d, 2, *EP2, "--checkpoint.enable", "false", "--moe_echo.dispatch_precision", "fp8"))
+
+    started = threading.Event()
+
+    def jobs_done(name):
+        started.wait()
+        return runs[name][1]
+
+    runs = Runs(jobs)
+    started.set()
+    yield runs
+    runs.close()
+
+
+@pytest.fixture(scope="module")
+def ep1_losses(launches):
+    return losses(launches["ep1"][1])
+
+
+@pytest.fixture(scope="module")
+def ep2_run(launches):
+    return launches["ep2"][1]
 
 
 @pytest.mark.parametrize("backend", ["padded", "alltoall", "padded_never_reshard"])
-def test_training_at_ep2_matches_ep1(tmp_path, ep1_losses, ep2_run, backend):
+def test_training_at_ep2_matches_ep1(launches, ep1_losses, ep2_run, backend):
     """padded_never_reshard: FSDP keeps the dense weights gathered from forward to backward (no second all-gather)."""
-    if backend == "padded":
-        got = losses(ep2_run)
-    else:
-        extra = (["--parallelism.fsdp_reshard_after_forward", "never"] if backend == "padded_never_reshard"
-                 else ["--moe_echo.dispatcher", "alltoall"])
-        recipe(tmp_path, 2, "--training.local_batch_size", "4", "--parallelism.expert_parallel_degree", "2",
-               "--checkpoint.enable", "false", *extra)
-        got = losses(tmp_path)
+    got = losses(ep2_run if backend == "padded" else launches[backend][1])
     assert sorted(got) == [1, 2, 3, 4, 5]
     for step, want in ep1_losses.items():
         assert got[step] == pytest.approx(want, rel=2e-5), step
 
 
 @pytest.mark.parametrize("nproc, ep", [(1, 1), (4, 4)])
-def test_checkpoint_saved_at_ep2_resumes_at_other_layouts(tmp_path, ep2_run, nproc, ep):
-    import shutil
-
-    shutil.copytree(os.path.join(ep2_run, "checkpoint"), os.path.join(tmp_path, "checkpoint"))
-    p = recipe(tmp_path, nproc, "--training.local_batch_size", str(8 // nproc), "--parallelism.expert_parallel_degree",
-               str(ep), "--checkpoint.load_step", "2")
+def test_checkpoint_saved_at_ep2_resumes_at_other_layouts(launches, ep2_run, nproc, ep):
+    p, tmp_path = launches[f"resumed_{nproc}-{ep}"]
     assert "resumed from" in p.stdout and "step-2" in p.stdout
     want = losses(ep2_run)
     got = losses(tmp_path)
@@ -216,26 +292,20 @@ def test_bad_parallelism_is_a_one_line_error(world, par, experts, expect):
     assert "\n" not in str(err.value)
 
 
-def test_bad_parallelism_in_the_recipe_exits_2(tmp_path):
-    runs = Runs({"ep": lambda: recipe(tmp_path / "ep", 1, "--parallelism.expert_parallel_degree", "2", check=False),
-                 "padded": lambda: recipe(tmp_path / "padded", 1, "--moe_echo.dispatcher", "padded", check=False)})
-    p = runs["ep"]
+def test_bad_parallelism_in_the_recipe_exits_2(launches):
+    p, _ = launches["bad_ep"]
     lines = [l for l in p.stderr.splitlines() if l.strip()]
     assert p.returncode == 2 and len(lines) == 1 and "expert_parallel_degree = 2" in lines[0], p.stderr[-2000:]
-    p = runs["padded"]
+    p, _ = launches["bad_padded"]
     assert p.returncode == 2 and "needs [parallelism] expert_parallel_degree > 1" in p.stderr
 
 
-def test_activation_checkpointing_and_compile_keep_the_losses(tmp_path, ep1_losses):
+def test_activation_checkpointing_and_compile_keep_the_losses(launches, ep1_losses):
     """Full AC at EP=2; selective AC + compile (dense submodules and loss, inside AC, under FSDP2) at EP=2."""
-    recipe(tmp_path / "ac", 2, "--training.local_batch_size", "4", "--parallelism.expert_parallel_degree", "2",
-           "--activation_checkpoint.mode", "full", "--checkpoint.enable", "false")
-    p = recipe(tmp_path / "sac", 2, "--training.local_batch_size", "4", "--parallelism.expert_parallel_degree", "2",
-               "--activation_checkpoint.mode", "selective", "--activation_checkpoint.selective_ac_option", "2",
-               "--compile.enable", "true", "--compile.backend", "aot_eager", "--checkpoint.enable", "false")
+    p, _ = launches["sac"]
     assert "aot_eager: 16 dense submodules" in p.stdout and "+ the loss" in p.stdout, p.stdout[-2000:]
     for run in ("ac", "sac"):
-        got = losses(tmp_path / run)
+        got = losses(launches[run][1])
         for step, want in ep1_losses.items():
             assert got[step] == pytest.approx(want, rel=2e-5), (run, step)
 
@@ -248,26 +318,22 @@ def test_echo_on_equals_ep1_for_both_backends_and_adversarial_routing(ep_check, 
     ep_check(world, "echo_equivalence_all")
 
 
-def test_training_with_echo_matches_echo_off(tmp_path):
+def test_training_with_echo_matches_echo_off(launches):
     """10 steps at EP=2 with strongly skewed routing (a hot expert): ECHO on gives ECHO off's losses,
     and its TensorBoard-bound stats show it balanced the ranks."""
-    common = ["--training.local_batch_size", "4", "--parallelism.expert_parallel_degree", "2", "--training.steps", "10",
-              "--checkpoint.enable", "false", "--moe_echo.bias_update_rate", "0", "--moe_echo.debug_hot_experts", "1"]
-    p_off = recipe(tmp_path / "off", 2, *common)  # echo = "auto": off at EP=2 (and on CPU's padded dispatcher)
-    p_on = recipe(tmp_path / "on", 2, *common, "--moe_echo.echo", "true", "--moe_echo.echo_slots_per_rank", "2")
+    (p_off, off_dump), (p_on, on_dump) = launches["echo_off"], launches["echo_on"]
     line = {n: next(l for l in p.stdout.splitlines() if l.startswith("dispatcher ")) for n, p in (("off", p_off),
                                                                                                   ("on", p_on))}
     assert "ECHO" not in line["off"] and "echo: auto" not in p_off.stdout, line["off"]
     assert "PaddedDispatcher, ECHO on (2 slots per rank)" in line["on"], line["on"]
-    recipe(tmp_path / "recompute", 2, *common, "--moe_echo.echo", "true", "--moe_echo.echo_recompute", "true")
-    off, on = losses(tmp_path / "off"), losses(tmp_path / "on")
-    recomputed = losses(tmp_path / "recompute")
+    off, on = losses(off_dump), losses(on_dump)
+    recomputed = losses(launches["echo_recompute"][1])
     for step in on:
         assert recomputed[step] == on[step], step  # recompute changes memory, not one bit of the math
     assert sorted(on) == list(range(1, 11))
     for step in off:
         assert on[step] == pytest.approx(off[step], rel=2e-5), step
-    with open(os.path.join(tmp_path / "on", "metrics.jsonl")) as f:
+    with open(os.path.join(on_dump, "metrics.jsonl")) as f:
         rows = [json.loads(l) for l in f]
     before = [v for r in rows for k, v in r.items() if k.endswith("echo_load_before")]
     after = [v for r in rows for k, v in r.items() if k.endswith("echo_load_after")]
@@ -275,7 +341,7 @@ def test_training_with_echo_matches_echo_off(tmp_path):
     assert sum(before) / len(before) > 1.2  # the hot expert really skews the ranks
     assert sum(after) / len(after) < 1.05
     # the rank load is logged with ECHO off too (from the global expert counts): the same skew ECHO saw
-    with open(os.path.join(tmp_path / "off", "metrics.jsonl")) as f:
+    with open(os.path.join(off_dump, "metrics.jsonl")) as f:
         off_rows = [json.loads(l) for l in f]
     plain = [v for r in off_rows for k, v in r.items() if k.endswith("rank_load_max_over_mean")]
     assert len(plain) == len(before) and plain == pytest.approx(before, rel=1e-3)
@@ -293,29 +359,23 @@ def _final_weights(dump):
     return torch.load(out, weights_only=False)["app"]["model"]
 
 
-OVERFLOW = ["--training.local_batch_size", "4", "--parallelism.expert_parallel_degree", "2", "--training.steps", "8",
-            "--moe_echo.debug_hot_experts", "1", "--moe_echo.bias_update_rate", "0", "--checkpoint.interval", "8"]
-
-
 @pytest.fixture(scope="module")
-def overflow_exact(tmp_path_factory):
+def overflow_exact(launches):
     """The exact (alltoall) run the overflowing runs must reproduce: its losses and final weights."""
-    dump = tmp_path_factory.mktemp("exact")
-    recipe(dump, 2, *OVERFLOW, "--moe_echo.dispatcher", "alltoall")
+    dump = launches["overflow_exact"][1]
     return losses(dump), _final_weights(dump)
 
 
 @pytest.mark.parametrize("grow", [0, 1])
-def test_overflow_is_gated_and_replayed_never_dropped(tmp_path, overflow_exact, grow):
+def test_overflow_is_gated_and_replayed_never_dropped(launches, overflow_exact, grow):
     """A tiny padded capacity with a hot expert overflows: every such step is gated on the device
     and replayed on the exact path. Losses and final weights equal an exact (alltoall) run; with
     grow_capacity_after = 1 the capacity grows until the padded path stops overflowing."""
     import torch
 
-    p = recipe(tmp_path / "padded", 2, *OVERFLOW, "--moe_echo.dispatcher", "padded", "--moe_echo.capacity_factor",
-               "1.0", "--moe_echo.grow_capacity_after", str(grow))
+    p, padded_dump = launches[f"overflow_grow{grow}"]
     assert "gated and replayed" in p.stdout
-    with open(os.path.join(tmp_path / "padded", "metrics.jsonl")) as f:
+    with open(os.path.join(padded_dump, "metrics.jsonl")) as f:
         rows = [json.loads(l) for l in f]
     replayed = [r["step"] for r in rows if r["moe/replayed"]]
     assert replayed and rows[-1]["moe/overflow_assignments"] > 0
@@ -326,42 +386,36 @@ def test_overflow_is_gated_and_replayed_never_dropped(tmp_path, overflow_exact, 
         untimed = [r["step"] for r in rows if "tokens_per_s" not in r]  # replayed back to back: no 0-s windows
         assert untimed and len(untimed) < len(rows) and set(untimed) <= set(replayed)
     exact, w_exact = overflow_exact
-    padded = losses(tmp_path / "padded")
+    padded = losses(padded_dump)
     for step in exact:
         assert padded[step] == pytest.approx(exact[step], rel=1e-5), step
-    w_padded = _final_weights(tmp_path / "padded")
+    w_padded = _final_weights(padded_dump)
     assert set(w_exact) == set(w_padded)
     for k in w_exact:
         torch.testing.assert_close(w_padded[k], w_exact[k], rtol=1e-4, atol=1e-6, msg=lambda m: f"{k}: {m}")
 
 
-def test_overflow_stop_mode_is_a_clear_error(tmp_path):
-    p = recipe(tmp_path, 2, "--training.local_batch_size", "4", "--parallelism.expert_parallel_degree", "2",
-               "--moe_echo.debug_hot_experts", "1", "--moe_echo.bias_update_rate", "0", "--moe_echo.capacity_factor",
-               "1.0", "--moe_echo.on_overflow", "stop", "--checkpoint.enable", "false", check=False)
+def test_overflow_stop_mode_is_a_clear_error(launches):
+    p, _ = launches["overflow_stop"]
     assert p.returncode != 0 and "buffer overflow at step 1" in p.stderr and "capacity_factor" in p.stderr
 
 
-def test_fastest_dispatcher_is_measured_once_cached_and_reported(tmp_path):
-    cache = str(tmp_path / "cache.json")
-    args = ["--training.local_batch_size", "4", "--parallelism.expert_parallel_degree", "2", "--training.steps", "2",
-            "--moe_echo.dispatcher", "fastest", "--checkpoint.enable", "false"]
-    p = recipe(tmp_path / "a", 2, *args, env={"MOE_ECHO_CACHE": cache})
+def test_fastest_dispatcher_is_measured_once_cached_and_reported(launches):
+    (p, p_cached), dump = launches["fastest"]
+    cache = str(dump / "cache.json")
     line = next(l for l in p.stdout.splitlines() if l.startswith("dispatcher: fastest = "))
     chosen = line.split("= ")[1].split(" ")[0]
     timings = json.load(open(cache))
     (key, ms), = timings.items()
     assert set(ms) == {"padded", "alltoall"} and chosen == min(ms, key=ms.get) and "ep2" in key
-    p = recipe(tmp_path / "b", 2, *args, env={"MOE_ECHO_CACHE": cache})
+    p = p_cached
     assert f"fastest = {chosen}" in p.stdout and "cached" in p.stdout
 
 
-def test_fp8_wire_from_the_command_line_trains_near_ep1(tmp_path, ep1_losses):
+def test_fp8_wire_from_the_command_line_trains_near_ep1(launches, ep1_losses):
     """``--moe_echo.dispatch_precision fp8`` at EP=2 (gloo, ``padded``): tokens and output gradients cross in e4m3,
     so the losses leave EP=1's exact ones, but only by the quantisation's size."""
-    recipe(tmp_path, 2, "--training.local_batch_size", "4", "--parallelism.expert_parallel_degree", "2",
-           "--checkpoint.enable", "false", "--moe_echo.dispatch_precision", "fp8")
-    got = losses(tmp_path)
+    got = losses(launches["fp8_wire"][1])
     assert sorted(got) == [1, 2, 3, 4, 5]
     rel = [abs(got[s] - want) / want for s, want in ep1_losses.items()]
     assert max(rel) < 1e-2 and max(rel) > 2e-5, rel  # off the exact path (2e-5 holds the bf16 wire), not far off
