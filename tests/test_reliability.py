@@ -128,6 +128,39 @@ def _profiled(dump):
                "--metrics.enable_tensorboard", "false")
 
 
+FRESH = ["--training.steps", "6", "--metrics.log_freq", "1", "--checkpoint.interval", "3"]
+
+
+def _snapshot(dump):
+    """(path, size) of every file under ``dump``."""
+    return sorted((os.path.relpath(os.path.join(d, f), dump), os.path.getsize(os.path.join(d, f)))
+                  for d, _, files in os.walk(dump) for f in files)
+
+
+def _fresh_twice_then_resumed(dump):
+    """A run, the same run again (fresh: no checkpoint to resume), then a resume from its step-3 whose log
+    already reached step 6; what each left, read as the test reads it."""
+    import shutil
+
+    run(dump, *FRESH, "--checkpoint.enable", "false")
+    first = losses(dump)
+    run(dump, *FRESH)  # fresh again (no checkpoint to resume): the old log moves aside
+    again = {"listing": sorted(os.listdir(dump)), "losses": losses(dump),
+             "tb_prev": os.path.isdir(os.path.join(dump, "tb.prev-1"))}
+    shutil.rmtree(os.path.join(dump, "checkpoint", "step-6"))
+    run(dump, *FRESH)
+    return first, again
+
+
+def _nothing_to_do(dump):
+    """A finished 2-step run launched again: (first launch, files and metrics before, second launch)."""
+    first = run(dump, "--training.steps", "2", "--checkpoint.interval", "2")
+    before = _snapshot(dump)
+    with open(os.path.join(dump, "metrics.jsonl")) as f:
+        metrics_before = f.read()
+    return first, before, metrics_before, run(dump, "--training.steps", "2", "--checkpoint.interval", "2")
+
+
 @pytest.fixture(scope="module")
 def launches(request, tmp_path_factory):
     """This module's independent launches, started together: the hung-peer run first (it mostly
@@ -143,13 +176,18 @@ def launches(request, tmp_path_factory):
         add("test_a_hung_peer_ends_the_run_within_the_timeout_after_a_hang_report", "hung_peer", _hung_peer)
     add("test_diverging_run_stops_with_exit_3_and_saves_no_nonfinite_checkpoint", "diverging", _diverging)
     add("test_nonfinite_weights_are_named_and_the_last_good_checkpoint_is_kept", "nan_weights", _nan_weights)
+    add("test_fresh_run_moves_old_metrics_aside_and_resume_logs_each_step_once", "fresh", _fresh_twice_then_resumed)
+    add("test_nothing_to_do_prints_one_line_and_writes_nothing", "nothing_to_do", _nothing_to_do)
     for case in selected(request, "test_more_bad_input_is_one_line_exit_2"):
         args = MORE_BAD[case][0]
         add("test_more_bad_input_is_one_line_exit_2", case, lambda dump, args=args: _bad(dump, *args))
     add("test_bad_bytes_in_toml_and_dump_folder_that_is_a_file", "bad_bytes", _bad_bytes_toml)
     add("test_bad_bytes_in_toml_and_dump_folder_that_is_a_file", "dump_is_file", _dump_folder_is_a_file)
     add("test_profiling_and_hf_export_keys_are_honoured", "profiled", _profiled)
-    runs = Runs(jobs)
+    if not (torch.cuda.is_available() and torch.cuda.device_count() < 2):
+        add("test_bad_key_under_the_launcher_is_one_error_line_and_exit_2", "launcher_bad_key",
+            lambda dump: _torchrun(dump, "--training.stepz", "3", launcher=True))
+    runs = Runs(jobs, workers=3)  # the hung-peer run holds one of them, mostly waiting for its timeout
     yield runs
     runs.close()
 
@@ -183,19 +221,12 @@ def test_nonfinite_weights_are_named_and_the_last_good_checkpoint_is_kept(launch
 
 
 @pytest.mark.slow
-def test_fresh_run_moves_old_metrics_aside_and_resume_logs_each_step_once(tmp_path):
-    args = ["--training.steps", "6", "--metrics.log_freq", "1", "--checkpoint.interval", "3"]
-    run(tmp_path, *args, "--checkpoint.enable", "false")
-    first = losses(tmp_path)
-    run(tmp_path, *args)  # fresh again (no checkpoint to resume): the old log moves aside
-    assert sorted(os.listdir(tmp_path)).count("metrics.jsonl.prev-1") == 1
-    assert list(losses(tmp_path)) == [1, 2, 3, 4, 5, 6]
-    assert os.path.isdir(os.path.join(tmp_path, "tb.prev-1"))
-    # resume from step-3 of a run whose log already reached step 6: steps 4..6 logged once
-    import shutil
-
-    shutil.rmtree(os.path.join(tmp_path, "checkpoint", "step-6"))
-    run(tmp_path, *args)
+def test_fresh_run_moves_old_metrics_aside_and_resume_logs_each_step_once(launches):
+    (first, again), tmp_path = launches["fresh"]
+    assert again["listing"].count("metrics.jsonl.prev-1") == 1
+    assert list(again["losses"]) == [1, 2, 3, 4, 5, 6]
+    assert again["tb_prev"]
+    # resumed from step-3 of a run whose log already reached step 6: steps 4..6 logged once
     steps = [json.loads(l)["step"] for l in open(os.path.join(tmp_path, "metrics.jsonl"))]
     assert steps == [1, 2, 3, 4, 5, 6]
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
@@ -207,21 +238,12 @@ def test_fresh_run_moves_old_metrics_aside_and_resume_logs_each_step_once(tmp_pa
 
 
 @pytest.mark.slow
-def test_nothing_to_do_prints_one_line_and_writes_nothing(tmp_path):
-    first = run(tmp_path, "--training.steps", "2", "--checkpoint.interval", "2")
+def test_nothing_to_do_prints_one_line_and_writes_nothing(launches):
+    (first, before, metrics_before, p), tmp_path = launches["nothing_to_do"]
     assert first.stderr.count("2/2") == 1, first.stderr  # final bar line once, also after the checkpoint line
-
-    def snapshot():
-        return sorted((os.path.relpath(os.path.join(d, f), tmp_path), os.path.getsize(os.path.join(d, f)))
-                      for d, _, files in os.walk(tmp_path) for f in files)
-
-    before = snapshot()
-    with open(os.path.join(tmp_path, "metrics.jsonl")) as f:
-        metrics_before = f.read()
-    p = run(tmp_path, "--training.steps", "2", "--checkpoint.interval", "2")
     assert p.stdout.strip().count("\n") == 0 and "nothing to do" in p.stdout
     assert "step/s" not in p.stderr  # no progress bar
-    assert snapshot() == before  # no new event file, nothing moved aside to *.prev-N
+    assert _snapshot(tmp_path) == before  # no new event file, nothing moved aside to *.prev-N
     with open(os.path.join(tmp_path, "metrics.jsonl")) as f:
         assert f.read() == metrics_before
 
@@ -306,9 +328,9 @@ def _torchrun(tmp_path, *args, env=None, timeout=300, launcher: bool = False):
 
 @pytest.mark.slow
 @pytest.mark.skipif(torch.cuda.is_available() and torch.cuda.device_count() < 2, reason="needs 2 ranks")
-def test_bad_key_under_the_launcher_is_one_error_line_and_exit_2(tmp_path):
+def test_bad_key_under_the_launcher_is_one_error_line_and_exit_2(launches):
     """moe-echo-run (torchrun with the recipes' report): the one line from rank 0, nothing from torchrun."""
-    p = _torchrun(tmp_path, "--training.stepz", "3", launcher=True)
+    p, _ = launches["launcher_bad_key"]
     lines = [l for l in p.stderr.splitlines() if l.strip()]
     assert len(lines) == 1 and lines[0].startswith("error:") and "did you mean 'steps'" in lines[0], p.stderr[-3000:]
     assert p.returncode == 2, (p.returncode, p.stderr[-3000:])
