@@ -158,6 +158,10 @@ def _toml_only(dump, text):
     return _launch([sys.executable, RECIPE, "--job.config_file", str(dump / "bad.toml")])
 
 
+GATHERED = ["--training.steps", "3", "--metrics.log_freq", "1", "--checkpoint.enable", "false",
+            "--metrics.enable_tensorboard", "false"]
+
+
 def _corrupt_checkpoint(dump):
     run(dump, "--training.steps", "2", "--checkpoint.interval", "2", "--metrics.enable_tensorboard", "false")
 
@@ -186,6 +190,9 @@ def launches(request, tmp_path_factory):
     for name, text in BAD_TOML.items():
         add("test_unknown_toml_key_and_wrong_toml_type", f"toml_{name}", lambda d, text=text: _toml_only(d, text))
     add("test_corrupt_checkpoint_is_one_line_error", "corrupt_checkpoint", _corrupt_checkpoint)
+    gathered = "test_gathered_experts_train_as_the_dispatched_path"
+    add(gathered, "dispatched", lambda d: run(d, *GATHERED))
+    add(gathered, "gathered", lambda d: run(d, *GATHERED, "--moe_echo.gathered_experts", "true"))
     runs = Runs(jobs)
     yield runs
     runs.close()
@@ -219,14 +226,10 @@ def test_corrupt_checkpoint_is_one_line_error(launches):
     assert "step-2" in line and "could not be loaded" in line
 
 
-def test_gathered_experts_train_as_the_dispatched_path(tmp_path):
+def test_gathered_experts_train_as_the_dispatched_path(launches):
     """[moe_echo] gathered_experts on CPU (the experts read token rows and apply the combine): the same
     losses as the dispatched path, step by step."""
-    common = ["--training.steps", "3", "--metrics.log_freq", "1", "--checkpoint.enable", "false",
-              "--metrics.enable_tensorboard", "false"]
-    run(tmp_path / "dispatched", *common)
-    run(tmp_path / "gathered", *common, "--moe_echo.gathered_experts", "true")
-    a, b = losses(tmp_path / "dispatched"), losses(tmp_path / "gathered")
+    a, b = losses(launches["dispatched"][1]), losses(launches["gathered"][1])
     assert len(a) == 3 and a.keys() == b.keys()
     for step in a:
         assert abs(a[step] - b[step]) <= 1e-5 * abs(a[step]), (step, a[step], b[step])
