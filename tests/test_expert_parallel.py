@@ -2,8 +2,10 @@
 backends, padded overflow detection, and the recipe under torchrun (EP=2 vs EP=1 losses, DCP
 checkpoints resharded between EP layouts, bad parallelism configs)."""
 
+import itertools
 import json
 import os
+import socket
 import subprocess
 import sys
 import threading
@@ -15,7 +17,6 @@ from background import Runs, selected
 from components.parallel.mesh import parallel_dims
 from components.errors import UserError
 from conftest import ROOT
-from emulated_hosts import free_port
 from run_env import run_env
 
 pytestmark = pytest.mark.slow  # end-to-end runs in subprocesses
@@ -132,13 +133,30 @@ COMMON = ["--job.config_file", CONFIG, "--training.max_corpus_mb", "1", "--train
           "--lr_scheduler.warmup_steps", "2", "--moe_echo.capacity_factor", "4.0"]
 
 
+_NEXT_PORT = itertools.count()
+
+
+def _port() -> int:
+    """A port of its own for each launch (launches run side by side), below Linux's ephemeral range
+    (32768 and up), so no connection of another launch's ranks can have taken it since it was chosen;
+    one something else listens on is passed over."""
+    while True:
+        port = 20000 + (os.getpid() * 64 + next(_NEXT_PORT)) % 12000
+        with socket.socket() as s:
+            try:
+                s.bind(("", port))
+            except OSError:
+                continue
+        return port
+
+
 def recipe(dump, nproc, *args, check=True, env=None):
     env = run_env(args, OMP_NUM_THREADS="1", **(env or {}))
     if nproc == 1:
         cmd = [sys.executable, RECIPE]
     else:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
-               "--master_port", str(free_port()), RECIPE]  # its own port: launches run side by side
+               "--master_port", str(_port()), RECIPE]
     p = subprocess.run([*cmd, *COMMON, "--job.dump_folder", str(dump), *args], capture_output=True, text=True,
                        env=env, timeout=600)
     if check and p.returncode != 0:
