@@ -27,6 +27,21 @@ class Runs:
         self._pool.shutdown(wait=True, cancel_futures=True)
 
 
+class Jobs(dict):
+    """A module fixture's launches, name → job: ``add(tests, name, fn)`` queues ``fn(folder)`` in a fresh
+    folder ``name`` where any of the space-separated ``tests`` runs this session; the job returns
+    (``fn``'s result, the folder). Hand it to ``Runs``."""
+
+    def __init__(self, request, tmp_path_factory):
+        super().__init__()
+        self._request, self._tmp = request, tmp_path_factory
+
+    def add(self, tests: str, name: str, fn: Callable) -> None:
+        if any(selected(self._request, t) for t in tests.split()):
+            folder = self._tmp.mktemp(name)
+            self[name] = lambda: (fn(folder), folder)
+
+
 def selected(request, test_name: str) -> set[str]:
     """Parameter ids of ``test_name`` (in the requesting module) that this pytest session will run."""
     return {item.callspec.id if hasattr(item, "callspec") else "" for item in request.session.items

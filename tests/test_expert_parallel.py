@@ -13,7 +13,7 @@ import threading
 import pytest
 import torch.multiprocessing as mp
 
-from background import Runs, selected
+from background import Jobs, Runs, selected
 from components.parallel.mesh import parallel_dims
 from components.errors import UserError
 from conftest import ROOT
@@ -198,12 +198,8 @@ def launches(request, tmp_path_factory):
     (each spends most of its first ~10 s importing); ``launches[name]`` is (its result, its folder). A
     launch that resumes another's checkpoint waits for it inside its own job (started earlier, so
     already running or done)."""
-    jobs = {}
-
-    def add(tests, name, fn):
-        if any(selected(request, t) for t in tests.split()):
-            dump = tmp_path_factory.mktemp(name)
-            jobs[name] = lambda: (fn(dump), dump)
+    jobs = Jobs(request, tmp_path_factory)
+    add = jobs.add
 
     ep1_tests = ("test_training_at_ep2_matches_ep1 test_activation_checkpointing_and_compile_keep_the_losses "
                  "test_fp8_wire_from_the_command_line_trains_near_ep1")

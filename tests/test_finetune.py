@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from safetensors.torch import save_file
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-from background import Runs, selected
+from background import Jobs, Runs
 from conftest import ROOT
 from run_env import run_env
 from test_recipe import CONFIG, SMALL, losses, run
@@ -66,12 +66,8 @@ def _pretrain(dump):
 def launches(request, tmp_path_factory, hf_models):
     """This module's launches that need no earlier one, started together in the order the tests read
     them (each spends ~10 s importing on one core); ``launches[name]`` is (result, its folder)."""
-    jobs = {}
-
-    def add(test_name, name, fn):
-        if selected(request, test_name):
-            dump = tmp_path_factory.mktemp(name)
-            jobs[name] = lambda: (fn(dump), dump)
+    jobs = Jobs(request, tmp_path_factory)
+    add = jobs.add
 
     qwen_folder = hf_models["qwen3"][1]
     add("test_finetune_from_dcp_starts_from_pretrained_weights_and_resume_wins", "pretrained", _pretrain)

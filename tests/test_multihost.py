@@ -19,7 +19,7 @@ import time
 import pytest
 import torch
 
-from background import Runs, selected
+from background import Jobs, Runs
 from components.train.checkpoint import complete_checkpoints
 from conftest import ROOT
 from emulated_hosts import check_ok, start_hosts, wait_hosts
@@ -111,12 +111,8 @@ def _lose_host_and_resume(dump):
 @pytest.fixture(scope="module")
 def launches(request, tmp_path_factory):
     """Independent launch chains, two at a time: ``launches[name]`` is (its result, its folder)."""
-    jobs = {}
-
-    def add(tests, name, fn):
-        if any(selected(request, t) for t in tests.split()):
-            dump = tmp_path_factory.mktemp(name)
-            jobs[name] = lambda: (fn(dump), dump)
+    jobs = Jobs(request, tmp_path_factory)
+    add = jobs.add
 
     two_then_one = "test_checkpoint_from_two_hosts_resumes_on_one"
     lost = "test_a_lost_host_ends_the_run_with_exit_4_and_it_resumes_on_the_host_left"

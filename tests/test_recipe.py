@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from background import Runs, selected
+from background import Jobs, Runs, selected
 from conftest import ROOT
 from run_env import run_env
 
@@ -170,12 +170,8 @@ def _corrupt_checkpoint(dump):
 def launches(request, tmp_path_factory):
     """This module's launches that need no earlier one, started together in the order the tests read
     them (each spends ~10 s importing on one core); ``launches[name]`` is (result, its folder)."""
-    jobs = {}
-
-    def add(tests, name, fn):
-        if any(selected(request, test) for test in tests.split()):
-            dump = tmp_path_factory.mktemp(name)
-            jobs[name] = lambda: (fn(dump), dump)
+    jobs = Jobs(request, tmp_path_factory)
+    add = jobs.add
 
     resume = "test_resume_continues_with_identical_losses"
     sigkill = "test_sigkill_during_checkpoint_write_resumes_from_previous"

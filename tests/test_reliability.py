@@ -13,7 +13,7 @@ import time
 import pytest
 import torch
 
-from background import Runs, selected
+from background import Jobs, Runs, selected
 from components.train.optim import build_optimizer
 from components.train.overflow import StepGate, StepPipeline
 from conftest import ROOT
@@ -165,12 +165,8 @@ def _nothing_to_do(dump):
 def launches(request, tmp_path_factory):
     """This module's independent launches, started together: the hung-peer run first (it mostly
     waits for its timeout), then in the order the tests read them. Each job gets its own folder."""
-    jobs = {}
-
-    def add(test_name, name, fn):
-        if selected(request, test_name):
-            dump = tmp_path_factory.mktemp(name)
-            jobs[name] = lambda: (fn(dump), dump)
+    jobs = Jobs(request, tmp_path_factory)
+    add = jobs.add
 
     if not torch.cuda.is_available():
         add("test_a_hung_peer_ends_the_run_within_the_timeout_after_a_hang_report", "hung_peer", _hung_peer)
