@@ -6,6 +6,8 @@ Scales are dequantisation multipliers rounded up to a power of two (x ≈ q · s
     quant_rows(x_RC, n_valid=None) -> (q_RC fp8, s_R fp32)
         one scale per row over its C columns (the left operand of a 2d×3d grouped GEMM). Rows at or
         past the device scalar n_valid (fixed-capacity padding no GEMM reads) are skipped: unspecified.
+    gather_quant_rows(x_TC, src_R) -> (x_RC = x_TC[src_R], q_RC, s_R)
+        a row gather (the local dispatch) that quantises the rows it moves, as quant_rows would.
     quant_blocks(x_RC, block, out=None) -> (q_RC fp8, s_RB fp32)          B = ceil(C / block)
         one scale per ``block`` consecutive columns of a row (1×128 tiles, as DeepSeek-V3 moves tokens in FP8);
         ``out``: (q, s) views to write, any row strides (a packed wire row holds both).
@@ -99,14 +101,8 @@ def swiglu_quant_bwd_torch(dh_MH, ab_MJ):
 if triton is not None:
     import triton.language as tl
 
+    from .moe_rows import _pow2_scale
     from .swiglu import silu_mul, silu_mul_grads
-
-    @triton.jit
-    def _pow2_scale(amax):
-        v = tl.maximum(amax, 1e-30) / 448.0
-        s = tl.exp2(tl.ceil(tl.log2(v)))
-        s = tl.where(v > s, s * 2.0, s)  # guard against log2 rounding down
-        return tl.where(amax > 0, s, 1.0)
 
     @triton.jit
     def _valid(m, n_valid_ptr, HAS_N: tl.constexpr):
@@ -115,19 +111,26 @@ if triton is not None:
         return m >= 0
 
     @triton.jit
-    def _quant_rows_kernel(x_ptr, q_ptr, s_ptr, n_valid_ptr, C, HAS_N: tl.constexpr, BLOCK_C: tl.constexpr):
+    def _quant_rows_kernel(x_ptr, q_ptr, s_ptr, n_valid_ptr, src_ptr, out_ptr, C, HAS_N: tl.constexpr,
+                           GATHER: tl.constexpr, BLOCK_C: tl.constexpr):
+        """Row m of q from row m of x, or with GATHER from row src[m] of x, copied to row m of out as well."""
         m = tl.program_id(0).to(tl.int64)
         if _valid(m, n_valid_ptr, HAS_N):
+            src = m
+            if GATHER:
+                src = tl.load(src_ptr + m).to(tl.int64)
             offs = tl.arange(0, BLOCK_C)
             amax = tl.zeros([BLOCK_C], dtype=tl.float32)
             for c0 in range(0, C, BLOCK_C):
-                v = tl.load(x_ptr + m * C + c0 + offs, mask=c0 + offs < C, other=0.0).to(tl.float32)
+                v = tl.load(x_ptr + src * C + c0 + offs, mask=c0 + offs < C, other=0.0).to(tl.float32)
                 amax = tl.maximum(amax, tl.abs(v))
             s = _pow2_scale(tl.max(amax, axis=0))
             for c0 in range(0, C, BLOCK_C):
                 mask = c0 + offs < C
-                v = tl.load(x_ptr + m * C + c0 + offs, mask=mask, other=0.0).to(tl.float32)
-                q = tl.clamp(v / s, -448.0, 448.0)
+                x = tl.load(x_ptr + src * C + c0 + offs, mask=mask, other=0.0)
+                if GATHER:
+                    tl.store(out_ptr + m * C + c0 + offs, x, mask=mask)
+                q = tl.clamp(x.to(tl.float32) / s, -448.0, 448.0)
                 tl.store(q_ptr + m * C + c0 + offs, q.to(q_ptr.dtype.element_ty), mask=mask)
             tl.store(s_ptr + m, s)
 
@@ -241,15 +244,30 @@ def _row_warps(block: int) -> int:
 def quant_rows(x_RC: torch.Tensor, n_valid: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     if not _on_kernels(x_RC):
         return quant_rows_torch(x_RC)
-    x_RC = x_RC.contiguous()
-    R, C = x_RC.shape
-    q_RC = torch.empty(R, C, dtype=FP8, device=x_RC.device)
-    s_R = torch.empty(R, dtype=torch.float32, device=x_RC.device)
+    return _launch_quant_rows(x_RC.contiguous(), x_RC.shape[0], n_valid)
+
+
+def gather_quant_rows(x_TC: torch.Tensor, src_R: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """x_RC = x_TC[src_R] (x's dtype) and ``quant_rows(x_RC)``, in one pass over the rows on CUDA:
+    (x_RC, q_RC, s_R)."""
+    if not _on_kernels(x_TC):
+        x_RC = x_TC.index_select(0, src_R)
+        return x_RC, *quant_rows_torch(x_RC)
+    return _launch_quant_rows(x_TC.contiguous(), src_R.shape[0], None, src_R.contiguous())
+
+
+def _launch_quant_rows(x_XC, R: int, n_valid, src_R=None):
+    C = x_XC.shape[1]
+    q_RC = torch.empty(R, C, dtype=FP8, device=x_XC.device)
+    s_R = torch.empty(R, dtype=torch.float32, device=x_XC.device)
+    out_RC = torch.empty(R, C, dtype=x_XC.dtype, device=x_XC.device) if src_R is not None else None
     if R:
         BLOCK_C = min(4096, triton.next_power_of_2(C))
-        _quant_rows_kernel[(R,)](x_RC, q_RC, s_R, n_valid if n_valid is not None else s_R, C,
-                                 HAS_N=n_valid is not None, BLOCK_C=BLOCK_C, num_warps=_row_warps(BLOCK_C))
-    return q_RC, s_R
+        _quant_rows_kernel[(R,)](x_XC, q_RC, s_R, n_valid if n_valid is not None else s_R,
+                                 src_R if src_R is not None else s_R, out_RC if src_R is not None else q_RC, C,
+                                 HAS_N=n_valid is not None, GATHER=src_R is not None, BLOCK_C=BLOCK_C,
+                                 num_warps=_row_warps(BLOCK_C))
+    return (q_RC, s_R) if src_R is None else (out_RC, q_RC, s_R)
 
 
 def quant_blocks(x_RC: torch.Tensor, block: int,

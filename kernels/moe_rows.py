@@ -5,10 +5,12 @@
         that was not sent), accumulated in fp32 (fp64 for
         fp64 inputs), written in src's dtype. Used by combine (forward) and by the backward of the
         dispatch gather (each token's K row-gradients summed without atomics).
-    combine_backward(g_TD, y_ND, w_TK, idx_TK, grad_y_out=None) -> (grad_y_ND, grad_w_TK)
+    combine_backward(g_TD, y_ND, w_TK, idx_TK, grad_y_out=None, fp8_out=None) -> (grad_y_ND, grad_w_TK)
         grad_y[idx[t, k]] = w[t, k] · g[t]   (rows that no (t, k) maps to are zero; left as they are
                                                when written into ``grad_y_out``)
         grad_w[t, k]      = <g[t], y[idx[t, k]]>  (fp32; 0 where idx = -1)
+        ``fp8_out`` (q_ND e4m3, s_N fp32; Triton only): grad_y's rows as FP8 too, one power-of-two scale per
+        row, bit for bit ``kernels.fp8.quant_rows(grad_y)`` (what FP8 experts' input-gradient GEMM reads)
 
 One pass over the rows each: no [T, K, D] intermediate, no fp32 copy of y, no atomics.
 Indices are read from device memory; nothing is read on the host.
@@ -65,6 +67,14 @@ def combine_backward_torch(g_TD, y_ND, w_TK, idx_TK):
 if triton is not None:
 
     @triton.jit
+    def _pow2_scale(amax):
+        """The FP8 scale of a row or tile (kernels/fp8.py): 2^ceil(log2(amax / 448)), 1 where amax is 0."""
+        v = tl.maximum(amax, 1e-30) / 448.0
+        s = tl.exp2(tl.ceil(tl.log2(v)))
+        s = tl.where(v > s, s * 2.0, s)  # guard against log2 rounding down
+        return tl.where(amax > 0, s, 1.0)
+
+    @triton.jit
     def _gather_sum_rows(out_ptr, src_ptr, idx_ptr, rank_ptr, ptrs_ptr, w_ptr, T, D, K: tl.constexpr,
                          HAS_W: tl.constexpr, PEERS: tl.constexpr, ACCUMULATE: tl.constexpr,
                          BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr):
@@ -114,24 +124,49 @@ if triton is not None:
                          BLOCK_T, BLOCK_D)
 
     @triton.jit
-    def _combine_bwd_kernel(g_ptr, y_ptr, w_ptr, idx_ptr, gy_ptr, gw_ptr, gs_ptr, D, g_stride, gs_stride,
-                            K: tl.constexpr, SCALE_BLOCK: tl.constexpr, BLOCK_D: tl.constexpr):
-        """SCALE_BLOCK > 0: g's rows are fp8, one scale per SCALE_BLOCK columns (gs [T, ceil(D / SCALE_BLOCK)])."""
+    def _combine_g(g_ptr, gs_ptr, t, offs, mask, g_stride, gs_stride, SCALE_BLOCK: tl.constexpr):
+        g = tl.load(g_ptr + t * g_stride + offs, mask=mask, other=0.0).to(tl.float32)
+        if SCALE_BLOCK > 0:
+            g *= tl.load(gs_ptr + t * gs_stride + offs // SCALE_BLOCK, mask=mask, other=1.0)
+        return g
+
+    @triton.jit
+    def _combine_bwd_kernel(g_ptr, y_ptr, w_ptr, idx_ptr, gy_ptr, gw_ptr, gs_ptr, q_ptr, qs_ptr, D, g_stride,
+                            gs_stride, K: tl.constexpr, SCALE_BLOCK: tl.constexpr, QUANT: tl.constexpr,
+                            BLOCK_D: tl.constexpr):
+        """SCALE_BLOCK > 0: g's rows are fp8, one scale per SCALE_BLOCK columns (gs [T, ceil(D / SCALE_BLOCK)]).
+        QUANT: grad_y's rows also as FP8 (q, qs). A row's amax is that of g times |w|, rounded as grad_y is
+        (rounding is monotonic), so the scale is known before the row is written: one pass."""
         t = tl.program_id(0).to(tl.int64)
+        g_max = 0.0
+        if QUANT:
+            g_abs = tl.zeros([BLOCK_D], dtype=tl.float32)
+            for d0 in range(0, D, BLOCK_D):
+                offs = d0 + tl.arange(0, BLOCK_D)
+                g_abs = tl.maximum(g_abs, tl.abs(_combine_g(g_ptr, gs_ptr, t, offs, offs < D, g_stride, gs_stride,
+                                                            SCALE_BLOCK)))
+            g_max = tl.max(g_abs, axis=0)
         for k in tl.static_range(K):
             row = tl.load(idx_ptr + t * K + k).to(tl.int64)
             present = (tl.zeros([BLOCK_D], dtype=tl.int64) + row) >= 0  # row -1: slot not sent
             w = tl.load(w_ptr + t * K + k).to(tl.float32)
+            s = 1.0
+            if QUANT:
+                s = _pow2_scale((tl.abs(w) * g_max).to(gy_ptr.dtype.element_ty).to(tl.float32))
             dot = tl.zeros([BLOCK_D], dtype=tl.float32)
             for d0 in range(0, D, BLOCK_D):
                 offs = d0 + tl.arange(0, BLOCK_D)
                 mask = (offs < D) & present
-                g = tl.load(g_ptr + t * g_stride + offs, mask=mask, other=0.0).to(tl.float32)
-                if SCALE_BLOCK > 0:
-                    g *= tl.load(gs_ptr + t * gs_stride + offs // SCALE_BLOCK, mask=mask, other=1.0)
+                g = _combine_g(g_ptr, gs_ptr, t, offs, mask, g_stride, gs_stride, SCALE_BLOCK)
                 y = tl.load(y_ptr + row * D + offs, mask=mask, other=0.0).to(tl.float32)
                 dot += g * y
-                tl.store(gy_ptr + row * D + offs, (w * g).to(gy_ptr.dtype.element_ty), mask=mask)
+                gy = (w * g).to(gy_ptr.dtype.element_ty)
+                tl.store(gy_ptr + row * D + offs, gy, mask=mask)
+                if QUANT:
+                    q = tl.clamp(gy.to(tl.float32) / s, -448.0, 448.0)
+                    tl.store(q_ptr + row * D + offs, q.to(q_ptr.dtype.element_ty), mask=mask)
+            if QUANT:
+                tl.store(qs_ptr + row, s, mask=row >= 0)
             tl.store(gw_ptr + t * K + k, tl.sum(dot, axis=0).to(gw_ptr.dtype.element_ty))
 
 
@@ -187,16 +222,19 @@ def gather_sum(src_ND, idx_TK, w_TK=None, out=None, programs: int | None = None,
 
 
 def combine_backward(g_TD, y_ND, w_TK, idx_TK, allow_missing: bool = True, grad_y_out=None, g_scales=None,
-                     scale_block: int = 0):
+                     scale_block: int = 0, fp8_out=None):
     """``allow_missing=False`` promises idx is a permutation of all N = T·K rows (skips zero-fill);
     ``grad_y_out`` ([N, D], contiguous) receives the rows some (t, k) maps to and keeps the others;
     ``g_scales`` (fp32 [T, ceil(D / scale_block)], unit column stride): g is fp8 (unit column stride, any row
-    stride) standing for g[t, c] · g_scales[t, c // scale_block]."""
+    stride) standing for g[t, c] · g_scales[t, c // scale_block]; ``fp8_out`` (q [N, D] e4m3 and s [N] fp32,
+    contiguous; on the Triton path only): receives the rows some (t, k) maps to as FP8 rows (module docstring)."""
     if g_scales is not None and not _use_triton(y_ND):
         s_TD = g_scales.to(y_ND.dtype).repeat_interleave(scale_block, 1)[:, :g_TD.shape[1]]
         g_TD = g_TD.to(y_ND.dtype).mul_(s_TD)  # exact: the scales are powers of two
         g_scales = None
     if not _use_triton(g_TD, y_ND):
+        if fp8_out is not None:
+            raise ValueError("combine_backward: fp8_out needs the Triton kernel (CUDA tensors)")
         grad_y_ND, grad_w_TK = combine_backward_torch(g_TD, y_ND, w_TK, idx_TK)
         if grad_y_out is None:
             return grad_y_ND, grad_w_TK
@@ -227,7 +265,10 @@ def combine_backward(g_TD, y_ND, w_TK, idx_TK, allow_missing: bool = True, grad_
         return grad_y_ND, grad_w_TK
     BLOCK_D = min(1024, triton.next_power_of_2(D))
     gs = g_scales if g_scales is not None else w_TK  # dummy pointer without scales
-    _combine_bwd_kernel[(T,)](g_TD, y_ND, w_TK, idx_TK, grad_y_ND, grad_w_TK, gs, D, g_TD.stride(0), gs.stride(0),
-                              K=K, SCALE_BLOCK=scale_block if g_scales is not None else 0, BLOCK_D=BLOCK_D,
-                              num_warps=4)
+    if fp8_out is not None:
+        assert fp8_out[0].shape == y_ND.shape and fp8_out[0].is_contiguous() and fp8_out[1].is_contiguous()
+    q, qs = fp8_out if fp8_out is not None else (w_TK, w_TK)  # dummy pointers without FP8 rows
+    _combine_bwd_kernel[(T,)](g_TD, y_ND, w_TK, idx_TK, grad_y_ND, grad_w_TK, gs, q, qs, D, g_TD.stride(0),
+                              gs.stride(0), K=K, SCALE_BLOCK=scale_block if g_scales is not None else 0,
+                              QUANT=fp8_out is not None, BLOCK_D=BLOCK_D, num_warps=4)
     return grad_y_ND, grad_w_TK

@@ -351,3 +351,121 @@ def test_rowwise_recipe_picks_per_channel_expert_scales_and_no_copies():
     torch.nn.init.normal_(experts.w1), torch.nn.init.normal_(experts.w2), torch.nn.init.normal_(experts.w3)
     experts.enable_fp8_copies()
     assert experts.fp8_copies is not None
+
+
+# --- the local dispatcher's FP8 rows (quantised by the kernels that move the rows) ----------------
+
+def _fp8_layer(device, fp8_rows: bool, seed=0, E=8, D=64, H=32, K=3):
+    torch.manual_seed(seed)
+    args = MoEArgs(num_experts=E, num_shared_experts=1, top_k=K, score_func="softmax", route_norm=False,
+                   score_before_experts=False)
+    layer = MoELayer(args, D, H, MoEEchoConfig(expert_precision="fp8")).to(device)
+    layer.init_weights(0.05, torch.device(device))
+    layer.dispatcher.fp8_rows = fp8_rows
+    return layer
+
+
+def _layer_step(layer, x_BSD, gy_BSD):
+    x = x_BSD.clone().requires_grad_()
+    y = layer(x)
+    y.backward(gy_BSD)
+    return [y.detach(), x.grad] + [p.grad for p in layer.parameters()]
+
+
+def test_dispatched_fp8_rows_replace_the_experts_quantisation(monkeypatch):
+    """The local dispatcher hands the FP8 experts x_ND and y_ND's gradient already quantised: the experts then
+    quantise no [N, D] rows themselves, and output and every gradient are bitwise those of quantising there
+    (one token's rows all to one expert; a token row of zeros)."""
+    import components.moe_echo.fp8_experts as fe
+
+    quantised = []
+    real = fe.quant_rows
+    monkeypatch.setattr(fe, "quant_rows", lambda x, *a: quantised.append(tuple(x.shape)) or real(x, *a))
+    B, S, D, K = 2, 24, 64, 3
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(B, S, D, generator=g).to(torch.bfloat16)
+    x[0, 5] = 0
+    gy = torch.randn(B, S, D, generator=g).to(torch.bfloat16)
+    runs = {}
+    for fp8_rows in (False, True):
+        quantised.clear()
+        layer = _fp8_layer("cpu", fp8_rows)
+        layer.to(torch.bfloat16)
+        layer.expert_bias[2] = 5.0  # expert 2 takes every token: one hot expert
+        layer.load_balance_coeff = 1e-3
+        runs[fp8_rows] = _layer_step(layer, x, gy)
+        rows = [s for s in quantised if s == (B * S * K, D)]
+        assert len(rows) == (0 if fp8_rows else 2), quantised
+    for a, b in zip(runs[True], runs[False]):
+        assert a is not None and torch.equal(a, b)
+
+
+def test_fp8_rows_give_a_gradient_only_for_the_tensor_it_was_made_from():
+    from components.moe_echo.row_ops import Fp8Rows
+
+    g = torch.randn(6, 4)
+    q, s = fp8.quant_rows(g)
+    rows = Fp8Rows()
+    rows.put_grad(g, q, s)
+    assert rows.take_grad(g) == (q, s) and rows.take_grad(g) is None  # once
+    rows.put_grad(g, q, s)
+    assert rows.take_grad(g.clone()) is None  # other memory
+    rows.put_grad(g, q, s)
+    g.add_(1)  # modified after it was quantised (an accumulated gradient)
+    assert rows.take_grad(g) is None
+    rows.put_grad(g, q, s)
+    assert rows.take_grad(g[:3]) is None  # a part of it
+
+
+@pytest.mark.gpu
+@hopper
+def test_row_movers_quantise_bit_for_bit_like_quant_rows():
+    """gather_quant_rows == index_select + quant_rows, and combine_backward's fp8_out == quant_rows(grad_y), bit for
+    bit: rows spanning 10⁻⁶..10⁶, zero rows, zero / negative / tiny / huge combine weights, a width that is not a
+    power of two, and fp8 token gradients with block scales (the fp8 wire)."""
+    from kernels.moe_rows import combine_backward, combine_backward_torch
+
+    g = torch.Generator().manual_seed(4)
+    for D in (1408, 2048):
+        T, K = 257, 6
+        x = (torch.randn(T, D, generator=g) * torch.logspace(-6, 6, T)[:, None]).to(torch.bfloat16).cuda()
+        x[3] = 0
+        src = torch.randint(0, T, (T * K,), generator=g).cuda()
+        x_ND, q, s = fp8.gather_quant_rows(x, src)
+        ref = x.index_select(0, src)
+        qr, sr = fp8.quant_rows(ref)
+        assert torch.equal(x_ND, ref) and torch.equal(s, sr) and torch.equal(q.view(torch.uint8), qr.view(torch.uint8))
+        row_of_slot = torch.randperm(T * K, generator=g).view(T, K).cuda()
+        w = torch.rand(T, K, generator=g) * torch.logspace(-8, 4, T * K).view(T, K)
+        w[0] = 0
+        w[1] = -w[1]
+        y = torch.randn(T * K, D, generator=g).to(torch.bfloat16).cuda()
+        gt = x.flip(0).contiguous()
+        fp8_g = fp8.quant_blocks(gt, 128)
+        for grad, scales in ((gt, None), fp8_g):
+            out = torch.empty(T * K, D, dtype=FP8, device="cuda"), torch.empty(T * K, device="cuda")
+            kw = dict(allow_missing=False, g_scales=scales, scale_block=128 if scales is not None else 0)
+            gy, gw = combine_backward(grad, y, w.cuda(), row_of_slot, fp8_out=out, **kw)
+            gy0, gw0 = combine_backward(grad, y, w.cuda(), row_of_slot, **kw)
+            qr, sr = fp8.quant_rows(gy0)
+            g_deq = grad if scales is None else fp8.dequant_blocks(*fp8_g, 128, torch.empty(T, D, device="cuda"))
+            gy_ref, gw_ref = combine_backward_torch(g_deq, y, w.cuda(), row_of_slot)
+            assert torch.equal(gy0, gy_ref) and _rel(gw0, gw_ref) < 1e-5
+            assert torch.equal(gy, gy0) and torch.equal(gw, gw0)
+            assert torch.equal(out[1], sr) and torch.equal(out[0].view(torch.uint8), qr.view(torch.uint8))
+
+
+@pytest.mark.gpu
+@hopper
+def test_dispatched_fp8_rows_equal_quantising_in_the_experts_on_gpu():
+    """The FP8 layer on the GPU kernels: bitwise the same output and gradients whether the dispatcher's kernels
+    or the experts quantise the rows."""
+    B, S, D = 2, 512, 256
+    x = torch.randn(B, S, D, device="cuda").to(torch.bfloat16)
+    gy = torch.randn(B, S, D, device="cuda").to(torch.bfloat16)
+    runs = []
+    for fp8_rows in (False, True):
+        layer = _fp8_layer("cuda", fp8_rows, E=16, D=D, H=128, K=4).to(torch.bfloat16)
+        runs.append(_layer_step(layer, x, gy))
+    for a, b in zip(*runs):
+        assert torch.equal(a, b)

@@ -11,6 +11,7 @@ import torch
 from kernels import adamw, fp8
 fp8._on_kernels = lambda x: True  # the CUDA branch of every wrapper, on CPU tensors
 FP8 = fp8.FP8
+fp8.gather_quant_rows(torch.randn(5, 300).bfloat16(), torch.tensor([4, 0, 0, 2]))
 for n_valid in (None, torch.tensor([3], dtype=torch.int32)):
     fp8.quant_rows(torch.randn(5, 300).bfloat16(), n_valid)
     fp8.swiglu_quant(torch.randn(5, 2 * 96).bfloat16(), n_valid)

@@ -272,9 +272,11 @@ print('largest step difference over steps 1-20: %.2e at step %d' % max(rel[:20])
         one_gpu_variants ${LABEL:-fp8_filter} "bf16=;fp8=$F8;fp8_auto=$F8 $K output,auto_filter_small_kn;fp8_kv_bf16=$F8 $K output,wkv_a,wkv_b;fp8_attention_bf16=$F8 $K output,attention;fp8_shared_bf16=$F8 $K output,shared_experts;fp8_rowwise_auto=$F8 $K output,auto_filter_small_kn --quantize.linear.float8.recipe_name rowwise" ;;
       h)  # one GPU, v2lite_1b compiled + graphed: FP8 (dense tensorwise + experts) on this tree beside the same on the
           # tree in build/base.tgz (git archive REV recipes components kernels train_configs | gzip > build/base.tgz),
-          # e.g. the experts' FP8 GEMM before a change to it; bf16 as the reference of both
+          # e.g. the experts' FP8 GEMM before a change to it; bf16 as the reference of both; HEAD=1: the output head
+          # in FP8 too (both trees)
         [ -d /tmp/base/recipes ] || { echo "fp8_step PART=h: no build/base.tgz to compare with"; exit 1; }
-        one_gpu_variants ${LABEL:-fp8_base} "bf16=;fp8_base=@/tmp/base $F8;fp8=$F8" ;;
+        H8=${HEAD:+ --quantize.linear.float8.filter_fqns router.gate}
+        one_gpu_variants ${LABEL:-fp8_base} "bf16=;fp8_base=@/tmp/base $F8$H8;fp8=$F8$H8" ;;
       p)  # one GPU, v2lite_1b compiled + graphed: bf16 and FP8 profiled -> step_breakdown_v2lite_1b_gpu_fp8_vs_bf16_1x<GPU>.md
           # (RECIPE=rowwise made that file), ..._fp8_vs_bf16_<RECIPE>_1x<GPU>.md for another RECIPE; HEAD=1 profiles
           # the output head in FP8 as a third column (..._<RECIPE>_head_1x<GPU>.md)

@@ -66,7 +66,7 @@ def build_dispatcher(cfg: MoEEchoConfig, num_experts: int, ep_group=None, ep_siz
 
 def _build(cfg: MoEEchoConfig, backend: str, num_experts: int, ep_group, ep_size: int, hosts) -> Dispatcher:
     if backend == "local":
-        return LocalDispatcher(num_experts)
+        return LocalDispatcher(num_experts, fp8_rows=cfg.expert_precision == "fp8")
     if backend == "hierarchical":
         return HierarchicalDispatcher(num_experts, ep_group, ep_size, cfg.capacity_factor, hosts.hosts,
                                       hosts.net_group, hosts.host_group, hosts.host_rank)

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .row_ops import gather_rows, weighted_combine
+from .row_ops import Fp8Rows, gather_rows, weighted_combine
 
 
 @dataclass(kw_only=True)
@@ -35,6 +35,7 @@ class DispatchHandle:
     dropped: torch.Tensor | None = None  # int64: (token, choice) assignments not sent (fixed capacity)
     needed_factor: torch.Tensor | None = None  # fp32: the capacity_factor this dispatch needed
     network_rows: torch.Tensor | None = None  # int64: token rows sent to other hosts (across-host backends)
+    fp8_rows: Fp8Rows | None = None  # the rows (and later their output's gradient) as FP8 rows, for FP8 experts
 
 
 class Dispatcher(ABC):
@@ -100,14 +101,17 @@ class LocalHandle(DispatchHandle):
 
 class LocalDispatcher(Dispatcher):
     """All E experts on this rank. Expert-major order by a stable sort of the flat expert ids;
-    N = T·K exactly. Everything stays on device: no host read, no boolean masks."""
+    N = T·K exactly. Everything stays on device: no host read, no boolean masks. ``fp8_rows`` (FP8 experts):
+    bf16 rows are also handed over as FP8 rows (``handle.fp8_rows``), quantised by the gather and by combine's
+    backward as they move the rows."""
 
     sync_free = True
     communicates = False
     reentrant = True
 
-    def __init__(self, num_experts: int):
+    def __init__(self, num_experts: int, fp8_rows: bool = False):
         self.num_experts = num_experts
+        self.fp8_rows = fp8_rows
 
     def rows(self, ids_TK):
         """The expert-major rows of ``ids_TK`` without moving any token: (token_of_row_N, row_of_slot_TK,
@@ -124,11 +128,13 @@ class LocalDispatcher(Dispatcher):
 
     def dispatch(self, x_TD, ids_TK, w_TK):
         token_of_row_N, row_of_slot_TK, counts_E = self.rows(ids_TK)
-        x_ND = gather_rows(x_TD, token_of_row_N, row_of_slot_TK)
-        return x_ND, counts_E, LocalHandle(token_of_row_N, row_of_slot_TK, w_TK, x_TD.dtype)
+        fp8 = Fp8Rows() if self.fp8_rows and x_TD.dtype == torch.bfloat16 else None
+        x_ND = gather_rows(x_TD, token_of_row_N, row_of_slot_TK, fp8)
+        return x_ND, counts_E, LocalHandle(token_of_row_N, row_of_slot_TK, w_TK, x_TD.dtype, fp8_rows=fp8)
 
     def combine(self, y_ND, handle: LocalHandle):
-        return weighted_combine(y_ND, handle.w_TK, handle.row_of_slot_TK, is_permutation=True).to(handle.out_dtype)
+        return weighted_combine(y_ND, handle.w_TK, handle.row_of_slot_TK, is_permutation=True,
+                                fp8=handle.fp8_rows).to(handle.out_dtype)
 
 
 def is_fixed_capacity(d: Dispatcher) -> bool:

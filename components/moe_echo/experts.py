@@ -194,14 +194,16 @@ class GroupedExperts(nn.Module):
         return grad / self._grad_divide
 
     def forward(self, x_ND: torch.Tensor | None, counts_e: torch.Tensor | None, extend=None,
-                apply=None) -> torch.Tensor:
+                apply=None, fp8_rows=None) -> torch.Tensor:
         """counts_e: rows of each *local* expert; with expert parallelism the weights are DTensors
         sharded on dim 0 over the EP mesh and only this rank's e = E / EP experts are used.
         ``extend(w, i, out=None) -> w'`` appends echo-slot (clone) weights to local weight i (0, 1, 2: w1, w2, w3;
         ``W13``: [w1; w3]), into ``out``'s rows past w's where given (``out[:e]`` is w itself); it runs inside
         this forward so FSDP's unshard / gradient reduce-scatter hooks see every use. ``apply(w13, w2) -> y``
         (x_ND and counts_e unused): the experts' weights (``weights_13``) go to a caller's kernels instead of
-        these GEMMs (the gathered experts, which read token rows themselves), still inside this forward."""
+        these GEMMs (the gathered experts, which read token rows themselves), still inside this forward.
+        ``fp8_rows`` (``row_ops.Fp8Rows``): FP8 copies of x_ND and of y_ND's gradient that the dispatcher made as it
+        moved the rows (FP8 experts read them instead of quantising; others ignore them)."""
         if apply is not None:
             return apply(*self.weights_13(extend, on_cuda=self.w1.is_cuda))
         quack = self.gemm == "quack" and x_ND.is_cuda
@@ -216,7 +218,7 @@ class GroupedExperts(nn.Module):
         if self.precision == "fp8":  # ECHO's extended weights (clones appended) are cast per call
             copies = self.fp8_copies if extend is None else None
             return fp8_grouped_swiglu(x_ND, *weights, counts_e, self._fp8_scale_hint(weights[0]), copies=copies,
-                                      channels=self.fp8_scaling == "channel")
+                                      channels=self.fp8_scaling == "channel", rows=fp8_rows)
         if self.gemm == "quack" and x_ND.is_cuda:
             return quack_grouped_swiglu(x_ND, *weights, counts_e)
         return grouped_swiglu(x_ND, *weights, counts_e)

@@ -24,7 +24,8 @@ With ``channels`` (``[moe_echo] expert_fp8_scaling = "channel"``, what ``recipe_
 gets one scale per output channel of its GEMM instead of one per expert: a row of w for the forward copy, a column
 for the transposed one (so the two copies are quantised separately), cast from the weights in every pass.
 Expert groups need no alignment (the 2d×3d FP8 GEMMs accept any row counts); rows past sum(counts)
-are skipped by every pass.
+are skipped by every pass. The FP8 rows of x and of dy come from the dispatcher where it made them as it moved
+the rows (``rows``: the local dispatcher's gather and combine backward), else from ``quant_rows`` here.
 
 Off CUDA the GEMMs are emulated (dequantise, fp32 matmul per expert): the same quantisation, so CPU
 tests check everything but the tensor-core kernels.
@@ -37,6 +38,8 @@ from kernels.fp8_gemm import grouped_mm_fp8
 from kernels.moe_rows import triton
 from kernels.fp8 import (FP8, Fp8Copy, cast_experts_scaled, cast_experts_t, pow2_scale, quant_rows, recast_moved_,
                          swiglu_quant, swiglu_quant_bwd, transpose_copy_)
+
+from .row_ops import Fp8Rows
 
 ALIGN = 16  # FP8 GEMM operands: dim and hidden_dim must be multiples of 16 (16-byte rows)
 
@@ -176,11 +179,11 @@ class Fp8WeightCopies:
 
 class _Fp8GroupedSwiGLU(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x_ND, w1_EHD, w2_EDH, w3_EHD, counts_E, hint_2E, copies, channels):
+    def forward(ctx, x_ND, w1_EHD, w2_EDH, w3_EHD, counts_E, hint_2E, copies, channels, rows):
         E, H, D = w1_EHD.shape
         offs_E = torch.cumsum(counts_E, 0, dtype=torch.int32)
         used = offs_E[-1:]
-        ctx.copies, ctx.channels = copies, channels
+        ctx.copies, ctx.channels, ctx.rows = copies, channels, rows
         # [w1; w3] and w2 as stored: K-major for x @ ·ᵀ
         w13_q = torch.empty(E, 2 * H, D, dtype=FP8, device=x_ND.device) if copies is None else copies.plain13_E2HD
         w2_q = torch.empty(E, D, H, dtype=FP8, device=x_ND.device) if copies is None else copies.plain2_EDH
@@ -194,7 +197,8 @@ class _Fp8GroupedSwiGLU(torch.autograd.Function):
                 s13_E = cast_experts_scaled((w1_EHD, w3_EHD), w13_q, hint_2E[0])
                 s2_E = cast_experts_scaled((w2_EDH,), w2_q, hint_2E[1])
             s13_N, s2_N = _per_column(s13_E, 2 * H), _per_column(s2_E, D)
-        x_q, x_s = quant_rows(x_ND, used)
+        x_fp8 = rows.take_x() if rows is not None else None
+        x_q, x_s = x_fp8 if x_fp8 is not None else quant_rows(x_ND, used)
         ab_MJ = scaled_grouped_mm(x_q, w13_q.transpose(-2, -1), x_s, s13_N, offs_E)
         h_MH, h_q, h_s = swiglu_quant(ab_MJ, used)
         y_ND = scaled_grouped_mm(h_q, w2_q.transpose(-2, -1), h_s, s2_N, offs_E)
@@ -207,7 +211,8 @@ class _Fp8GroupedSwiGLU(torch.autograd.Function):
         E, H, D = w1_EHD.shape
         used = offs_E[-1:]
         dy_ND = dy_ND.to(torch.bfloat16).contiguous()
-        dy_q, dy_s = quant_rows(dy_ND, used)
+        dy_fp8 = ctx.rows.take_grad(dy_ND) if ctx.rows is not None else None
+        dy_q, dy_s = dy_fp8 if dy_fp8 is not None else quant_rows(dy_ND, used)
         copies = ctx.copies
         if copies is not None:
             w2t_q, w13t_q = copies.t2_EHD, copies.t13_ED2H
@@ -229,16 +234,18 @@ class _Fp8GroupedSwiGLU(torch.autograd.Function):
         dw3 = grouped_wgrad(db_MH, x_ND, offs_E)
         dw2 = grouped_wgrad(dy_ND, h_MH, offs_E)
         grads = dx_ND.to(x_ND.dtype), dw1.to(w1_EHD.dtype), dw2.to(w2_EDH.dtype), dw3.to(w3_EHD.dtype)
-        return *grads, None, None, None, None
+        return *grads, None, None, None, None, None
 
 
 def fp8_grouped_swiglu(x_ND, w1_EHD, w2_EDH, w3_EHD, counts_E, scale_hint_2E=None,
-                       copies: Fp8WeightCopies | None = None, channels: bool = False):
+                       copies: Fp8WeightCopies | None = None, channels: bool = False, rows: Fp8Rows | None = None):
     """SwiGLU experts with FP8 GEMMs (see the module docstring); x_ND bf16, D and H multiples of 16.
     ``scale_hint_2E``: fp32 [2, E] on the device, the weight scales ([w1; w3], w2) of the previous call,
     updated in place — kept by the caller across steps it saves the weights' amax pass (zeros: no guess).
     ``copies``: the weights' FP8 copies, current (written by the optimizer): the weights themselves only
-    receive the gradients. ``channels``: one weight scale per output channel instead of per expert (no copies)."""
+    receive the gradients. ``channels``: one weight scale per output channel instead of per expert (no copies).
+    ``rows``: x_ND and y_ND's gradient already quantised as ``quant_rows`` would (by the dispatcher that moved
+    them); whichever is missing is quantised here."""
     E, H, D = w1_EHD.shape
     if D % ALIGN or H % ALIGN:
         raise UserError(f"FP8 experts need dim and hidden_dim divisible by {ALIGN}; got dim={D}, hidden_dim={H}")
@@ -249,5 +256,7 @@ def fp8_grouped_swiglu(x_ND, w1_EHD, w2_EDH, w3_EHD, counts_E, scale_hint_2E=Non
                          "the copies belong to other weights (ECHO's extended weights have none)")
     if scale_hint_2E is None:
         scale_hint_2E = torch.zeros(2, E, dtype=torch.float32, device=x_ND.device)
+    if rows is not None and (x_ND.dtype != torch.bfloat16 or not x_ND.is_contiguous()):
+        rows.take_x()  # quantised from other values than the GEMM's bf16 rows
     return _Fp8GroupedSwiGLU.apply(x_ND.to(torch.bfloat16).contiguous(), w1_EHD, w2_EDH, w3_EHD, counts_E,
-                                   scale_hint_2E, copies, channels)
+                                   scale_hint_2E, copies, channels, rows)

@@ -107,7 +107,7 @@ class MoELayer(nn.Module):
             SwiGLU(dim, hidden_dim * moe_args.num_shared_experts) if moe_args.num_shared_experts > 0 else None
         )
         # every expert on this rank until parallelize() applies expert parallelism (and cfg's backend)
-        self.dispatcher: Dispatcher = LocalDispatcher(E)
+        self.dispatcher: Dispatcher = LocalDispatcher(E, fp8_rows=cfg.expert_precision == "fp8")
         check_overlap(cfg, self.dispatcher)
 
         # torchtitan-compatible balancing state. ``load_balance_coeff`` doubles as the bias rate.
@@ -183,11 +183,11 @@ class MoELayer(nn.Module):
             if handle.network_rows is not None:
                 self.network_rows.add_(handle.network_rows)
 
-    def _experts(self, *args, extend=None, apply=None):
+    def _experts(self, *args, extend=None, apply=None, fp8_rows=None):
         """The experts' forward, recomputed in backward where ECHO asks (``echo_recompute``)."""
         if extend is not None and self.cfg.echo_recompute and torch.is_grad_enabled():
             return torch.utils.checkpoint.checkpoint(self.experts, *args, extend, apply, use_reentrant=False)
-        return self.experts(*args, extend, apply)
+        return self.experts(*args, extend, apply, fp8_rows=fp8_rows)
 
     def _dispatched(self, x_TD, ids_TK, w_TK, plan) -> torch.Tensor:
         """dispatch -> experts (+ ECHO's clone weights) -> combine: the routed experts' y_TD."""
@@ -195,7 +195,7 @@ class MoELayer(nn.Module):
         if DEBUG_CHECKS:
             _check_dispatch(self, ids_TK, counts_e, x_ND.shape[0])
         self._count_overflow(handle)
-        y_ND = self._experts(x_ND, counts_e, extend=self._extend(plan))
+        y_ND = self._experts(x_ND, counts_e, extend=self._extend(plan), fp8_rows=handle.fp8_rows)
         return self.dispatcher.combine(y_ND, handle)
 
     def _pipelined(self, x_TD, ids_TK, w_TK, chunks: int, plan, shared_at_ends: bool) -> torch.Tensor:
