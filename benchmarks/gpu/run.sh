@@ -77,7 +77,7 @@
 #                    v2lite_1b bf16 vs FP8 beside torchtitan's float8; b (2 GPUs) 500-step loss parity, eager and
 #                    compiled FP8; c (2 GPUs) v2lite_6b_2gpu EP=2, the fp8 dispatch wire at EP=2 and across 2
 #                    emulated hosts; d (1 GPU) FP8 by part and scaling; f (1 GPU) which dense layers pay
-#                    (filter_fqns); h (1 GPU) FP8 here vs FP8 on build/base.tgz's tree; p (1 GPU) bf16 and FP8
+#                    (filter_fqns); h (1 GPU) FP8 here vs FP8 on build/base.tgz's tree (HEAD=1: head in FP8); p bf16 and FP8
 #                    profiled; g (2 GPUs) the FSDP FP8 all-gather tested and measured beside torchtitan's; e (2 GPUs)
 #                    v2lite_6b_2gpu 500-step loss parity (RUNS= bf16 fp8 bf16_compile, a subset per invocation);
 #                    l (1 GPU) loss parity of one FP8 variant (VARIANT=, default the output head in FP8)
