@@ -15,6 +15,13 @@ labels, n_valid. One program per row, blocks of up to 4096 columns, fp32 math. B
 Ignored rows are not read (their gradient row is written as zeros). No host read, no
 value-dependent shape: capturable in a CUDA graph.
 
+    cross_entropy_bwd_fp8(...) -> (q_NV, q_VN, s)     grad_NV ≈ q · s, e5m2, one scale
+
+The backward for an FP8 output head (``cross_entropy(..., fp8_grad=...)``): |softmax − one-hot| <= 1, so
+|grad| <= |grad_loss| / n_valid, a bound known before any value is computed. With the power-of-two scale of
+that bound the gradient is written straight in FP8 by the backward's one pass, then transposed byte for byte
+(the two layouts its two GEMMs read): no bf16 gradient, no amax pass, no cast.
+
 A label outside [0, V) other than ignore_index: on CPU tensors this raises IndexError as
 F.cross_entropy does (the check is free there). On CUDA nothing is read on the host (the step is
 captured in a CUDA graph): such a row's loss and gradient are nan, so the step's loss is nan and the
@@ -24,10 +31,13 @@ Triton on CUDA (and under TRITON_INTERPRET=1); the same formulas in torch elsewh
 
 import torch
 
+from .fp8 import FP8_GRAD, Q_MAX, pow2_scale, transpose_copy_
 from .moe_rows import _acc_dtype, _use_triton, triton
 
 if triton is not None:
     import triton.language as tl
+
+    from .moe_rows import _pow2_scale_to
 
     @triton.jit
     def _cross_entropy_fwd_kernel(x_ptr, labels_ptr, loss_ptr, lse_ptr, stride_row, V, ignore_index,
@@ -55,8 +65,10 @@ if triton is not None:
         tl.store(loss_ptr + row, tl.where(valid, loss, 0.0))
 
     @triton.jit
-    def _cross_entropy_bwd_kernel(x_ptr, labels_ptr, lse_ptr, grad_loss_ptr, n_valid_ptr, grad_ptr, stride_row,
-                                  grad_stride_row, V, ignore_index, BLOCK_V: tl.constexpr):
+    def _cross_entropy_bwd_kernel(x_ptr, labels_ptr, lse_ptr, grad_loss_ptr, n_valid_ptr, grad_ptr, s_ptr, stride_row,
+                                  grad_stride_row, V, ignore_index, Q_MAX: tl.constexpr, BLOCK_V: tl.constexpr):
+        """One row of the gradient. Q_MAX > 0: over s = the power-of-two scale of the bound |grad_loss| / n_valid,
+        clamped to ±Q_MAX and written in grad's FP8 dtype; row 0 stores s."""
         row = tl.program_id(0)
         x_row = x_ptr + row.to(tl.int64) * stride_row
         g_row = grad_ptr + row.to(tl.int64) * grad_stride_row
@@ -65,6 +77,11 @@ if triton is not None:
         in_range = (label >= 0) & (label < V)
         lse = tl.load(lse_ptr + row)
         scale = tl.load(grad_loss_ptr).to(tl.float32) / tl.load(n_valid_ptr).to(tl.float32)
+        if Q_MAX > 0:
+            s = _pow2_scale_to(tl.abs(scale), Q_MAX)  # |grad| <= |scale|: softmax minus one-hot is within [-1, 1]
+            if row == 0:
+                tl.store(s_ptr, s)
+            scale = scale / s
         scale = tl.where(in_range, scale, float("nan"))
         n_read = tl.where(valid, V, 0)  # ignored rows are not read
         for start in range(0, V, BLOCK_V):
@@ -72,7 +89,10 @@ if triton is not None:
             mask = offs < V
             x = tl.load(x_row + offs, mask=offs < n_read, other=0.0).to(tl.float32)
             g = (tl.exp(x - lse) - tl.where(offs == label, 1.0, 0.0)) * scale
-            tl.store(g_row + offs, tl.where(valid, g, 0.0).to(grad_ptr.dtype.element_ty), mask=mask)
+            g = tl.where(valid, g, 0.0)
+            if Q_MAX > 0:  # exp's rounding can pass the bound by an ulp; nan stays nan
+                g = tl.where(g > Q_MAX, Q_MAX, tl.where(g < -Q_MAX, -Q_MAX, g))
+            tl.store(g_row + offs, g.to(grad_ptr.dtype.element_ty), mask=mask)
 
 _MAX_BLOCK_V = 4096
 
@@ -101,8 +121,9 @@ def cross_entropy_bwd(logits_NV, labels_N, lse_N, grad_loss, n_valid, ignore_ind
     grad_NV = torch.empty_like(logits_NV, memory_format=torch.contiguous_format)
     if N:
         block, warps = _launch_args(V)
-        _cross_entropy_bwd_kernel[(N,)](logits_NV, labels_N, lse_N, grad_loss, n_valid, grad_NV, logits_NV.stride(0),
-                                        grad_NV.stride(0), V, ignore_index, BLOCK_V=block, num_warps=warps)
+        _cross_entropy_bwd_kernel[(N,)](logits_NV, labels_N, lse_N, grad_loss, n_valid, grad_NV, grad_NV,
+                                        logits_NV.stride(0), grad_NV.stride(0), V, ignore_index, Q_MAX=0.0,
+                                        BLOCK_V=block, num_warps=warps)
     return grad_NV
 
 
@@ -119,21 +140,55 @@ def cross_entropy_fwd_torch(logits_NV, labels_N, ignore_index: int):
     return torch.where(valid_N, loss_N, 0.0), lse_N
 
 
-def cross_entropy_bwd_torch(logits_NV, labels_N, lse_N, grad_loss, n_valid, ignore_index: int):
+def _grad_torch(logits_NV, labels_N, lse_N, scale, ignore_index: int):
+    """(softmax − one-hot) · scale in the accumulation dtype: 0 on ignored rows, nan on out-of-range labels."""
     N, V = logits_NV.shape
     acc = _acc_dtype(logits_NV.dtype)
     valid_N = labels_N != ignore_index
     in_range_N = (labels_N >= 0) & (labels_N < V)
-    scale = grad_loss.to(acc) / n_valid.to(acc)
-    scale_N = torch.where(in_range_N, scale, float("nan"))
+    scale_N = torch.where(in_range_N, scale.to(acc), float("nan"))
     onehot_NV = torch.arange(V, device=labels_N.device) == labels_N.unsqueeze(1)
     grad_NV = ((logits_NV.to(acc) - lse_N.to(acc).unsqueeze(1)).exp() - onehot_NV.to(acc)) * scale_N.unsqueeze(1)
-    return torch.where(valid_N.unsqueeze(1), grad_NV, 0.0).to(logits_NV.dtype)
+    return torch.where(valid_N.unsqueeze(1), grad_NV, 0.0)
+
+
+def cross_entropy_bwd_torch(logits_NV, labels_N, lse_N, grad_loss, n_valid, ignore_index: int):
+    acc = _acc_dtype(logits_NV.dtype)
+    scale = grad_loss.to(acc) / n_valid.to(acc)
+    return _grad_torch(logits_NV, labels_N, lse_N, scale, ignore_index).to(logits_NV.dtype)
+
+
+def cross_entropy_bwd_fp8_torch(logits_NV, labels_N, lse_N, grad_loss, n_valid, ignore_index: int):
+    """The FP8 backward's reference: the fp32 gradient over the power-of-two scale of its bound |grad_loss| / n_valid."""
+    scale = grad_loss.float() / n_valid.float()
+    s = pow2_scale(scale.abs(), Q_MAX[FP8_GRAD])
+    g_NV = _grad_torch(logits_NV, labels_N, lse_N, scale / s, ignore_index).float()
+    q_NV = g_NV.clamp(-Q_MAX[FP8_GRAD], Q_MAX[FP8_GRAD]).to(FP8_GRAD)  # clamp keeps nan
+    return q_NV, q_NV.t().contiguous(), s
+
+
+def cross_entropy_bwd_fp8(logits_NV, labels_N, lse_N, grad_loss, n_valid, ignore_index: int):
+    """(q_NV, q_VN, s): the gradient in FP8 (e5m2) in both layouts with one scale, s = 2^ceil(log2(|grad_loss| /
+    n_valid / 57344)): |softmax − one-hot| <= 1 bounds it, so the scale is known before a value is computed and
+    the backward kernel writes q_NV in its one pass (reads 2 bytes a logit, writes 1); ``transpose_copy_`` then
+    writes q_VN (reads 1, writes 1). grad ≈ q · s."""
+    if not _use_triton(logits_NV, labels_N):
+        return cross_entropy_bwd_fp8_torch(logits_NV, labels_N, lse_N, grad_loss, n_valid, ignore_index)
+    N, V = logits_NV.shape
+    q_NV = torch.empty(N, V, dtype=FP8_GRAD, device=logits_NV.device)
+    q_VN = torch.empty(V, N, dtype=FP8_GRAD, device=logits_NV.device)
+    s = torch.ones((), dtype=torch.float32, device=logits_NV.device)
+    if N:
+        block, warps = _launch_args(V)
+        _cross_entropy_bwd_kernel[(N,)](logits_NV, labels_N, lse_N, grad_loss, n_valid, q_NV, s, logits_NV.stride(0),
+                                        V, V, ignore_index, Q_MAX=Q_MAX[FP8_GRAD], BLOCK_V=block, num_warps=warps)
+        transpose_copy_(q_NV[None], q_VN[None])
+    return q_NV, q_VN, s
 
 
 class _CrossEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, logits_NV, labels_N, ignore_index):
+    def forward(ctx, logits_NV, labels_N, ignore_index, fp8_grad):
         with torch.profiler.record_function("cross_entropy_fwd"):  # the step breakdown's "loss"
             if logits_NV.stride(1) != 1:
                 logits_NV = logits_NV.contiguous()
@@ -143,20 +198,28 @@ class _CrossEntropy(torch.autograd.Function):
             loss_N, lse_N = fwd(logits_NV, labels_N, ignore_index)
             n_valid = (labels_N != ignore_index).sum(dtype=loss_N.dtype)  # device scalar: no host read
             ctx.save_for_backward(logits_NV, labels_N, lse_N, n_valid)
-            ctx.ignore_index, ctx.triton_path = ignore_index, triton_path
+            ctx.ignore_index, ctx.triton_path, ctx.fp8_grad = ignore_index, triton_path, fp8_grad
             return loss_N.sum() / n_valid
 
     @staticmethod
     def backward(ctx, grad_loss):
         with torch.profiler.record_function("cross_entropy_bwd"):
             logits_NV, labels_N, lse_N, n_valid = ctx.saved_tensors
+            args = (logits_NV, labels_N, lse_N, grad_loss.contiguous(), n_valid, ctx.ignore_index)
+            if ctx.fp8_grad is not None:
+                return ctx.fp8_grad.put(*cross_entropy_bwd_fp8(*args)), None, None, None
             bwd = cross_entropy_bwd if ctx.triton_path else cross_entropy_bwd_torch
-            return bwd(logits_NV, labels_N, lse_N, grad_loss.contiguous(), n_valid, ctx.ignore_index), None, None
+            return bwd(*args), None, None, None
 
 
-def cross_entropy(logits_NV: torch.Tensor, labels_N: torch.Tensor, ignore_index: int = -100) -> torch.Tensor:
+def cross_entropy(logits_NV: torch.Tensor, labels_N: torch.Tensor, ignore_index: int = -100,
+                  fp8_grad=None) -> torch.Tensor:
     """Mean cross-entropy of ``logits_NV`` [N, V] against ``labels_N`` [N] over rows whose label is not
-    ``ignore_index`` (F.cross_entropy, reduction "mean"); 0-d fp32 (fp64 for fp64 logits)."""
+    ``ignore_index`` (F.cross_entropy, reduction "mean"); 0-d fp32 (fp64 for fp64 logits).
+
+    ``fp8_grad``: where the layer that made the logits reads its gradient in FP8 (an FP8 output head), an object
+    whose ``put(q_NV, q_VN, s)`` takes the gradient as ``cross_entropy_bwd_fp8`` writes it and returns what
+    autograd passes on as the logits' gradient in its place; the bf16 gradient is then never written."""
     if logits_NV.dim() != 2 or labels_N.shape != logits_NV.shape[:1]:
         raise ValueError(f"cross_entropy: logits [N, V] and labels [N], got {tuple(logits_NV.shape)} and "
                          f"{tuple(labels_N.shape)}")
@@ -164,4 +227,4 @@ def cross_entropy(logits_NV: torch.Tensor, labels_N: torch.Tensor, ignore_index:
         bad = (labels_N != ignore_index) & ((labels_N < 0) | (labels_N >= logits_NV.shape[1]))
         if bad.any():
             raise IndexError(f"Target {int(labels_N[bad][0])} is out of bounds.")
-    return _CrossEntropy.apply(logits_NV, labels_N, ignore_index)
+    return _CrossEntropy.apply(logits_NV, labels_N, ignore_index, fp8_grad)

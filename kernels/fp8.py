@@ -20,6 +20,8 @@ Scales are dequantisation multipliers rounded up to a power of two (x ≈ q · s
     cast_experts_t(w_EOI, s_E, out_EIP, col0)    out[e, i, col0 + o]  = fp8(w[e, o, i] / s[e])
         the transposed FP8 copy the input gradient's GEMM needs (Hopper FP8 GEMMs read both operands
         along the reduction dimension); ``cast_experts_torch`` is the plain (forward) layout's reference.
+    cast_both(x_RC, dtype=FP8) -> (q_RC, q_CR, s)
+        one scale for the whole tensor, x in FP8 in its layout and transposed (the output head's operands).
     Fp8Copy, write_copy_reference_, recast_moved_, transpose_copy_
         a weight's place in a persistent FP8 copy that the optimizer step writes (kernels/adamw.py) with
         the scales it already has while it takes the new amax; ``recast_moved_`` then recasts only the
@@ -42,17 +44,19 @@ from .moe_rows import triton
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0
+FP8_GRAD = torch.float8_e5m2  # gradients scaled per tensor (the output head's): more range, less precision
+Q_MAX = {FP8: FP8_MAX, FP8_GRAD: 57344.0}
 
 
-def pow2_scale(amax: torch.Tensor) -> torch.Tensor:
-    """s = 2^ceil(log2(amax / 448)) (fp32), 1 where amax is 0."""
-    m, e = torch.frexp(amax.float() / FP8_MAX)  # v = m · 2^e, m in [0.5, 1)
+def pow2_scale(amax: torch.Tensor, q_max: float = FP8_MAX) -> torch.Tensor:
+    """s = 2^ceil(log2(amax / q_max)) (fp32), 1 where amax is 0."""
+    m, e = torch.frexp(amax.float() / q_max)  # v = m · 2^e, m in [0.5, 1)
     s = torch.ldexp(torch.ones_like(m), torch.where(m == 0.5, e - 1, e))
     return torch.where(amax > 0, s, torch.ones_like(s))
 
 
-def _cast(x: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
-    return (x.float() / s).clamp(-FP8_MAX, FP8_MAX).to(FP8)
+def _cast(x: torch.Tensor, s: torch.Tensor, dtype: torch.dtype = FP8) -> torch.Tensor:
+    return (x.float() / s).clamp(-Q_MAX[dtype], Q_MAX[dtype]).to(dtype)
 
 
 # --- torch reference (CPU, and the check for the kernels) ---------------------------------------
@@ -181,14 +185,19 @@ if triton is not None:
                      tl.clamp(v / s, -448.0, 448.0).to(out_ptr.dtype.element_ty), mask=mask)
 
     @triton.jit
-    def _cast_experts_t_kernel(w_ptr, s_ptr, out_ptr, O, I, P, col0, BLOCK_O: tl.constexpr, BLOCK_I: tl.constexpr):
+    def _cast_experts_t_kernel(w_ptr, s_ptr, out_ptr, plain_ptr, O, I, P, col0, Q_MAX: tl.constexpr,
+                               PLAIN: tl.constexpr, BLOCK_O: tl.constexpr, BLOCK_I: tl.constexpr):
+        """out[e, i, col0 + o] = fp8(w[e, o, i] / s[e]) for one [BLOCK_O, BLOCK_I] tile; PLAIN: plain[e, o, i] too."""
         e = tl.program_id(2).to(tl.int64)
         o = tl.program_id(0) * BLOCK_O + tl.arange(0, BLOCK_O)
         i = tl.program_id(1) * BLOCK_I + tl.arange(0, BLOCK_I)
         mask = (o[:, None] < O) & (i[None, :] < I)
         s = tl.load(s_ptr + e)
-        v = tl.load(w_ptr + e * O * I + o[:, None].to(tl.int64) * I + i[None, :], mask=mask, other=0.0)
-        q = tl.clamp(v.to(tl.float32) / s, -448.0, 448.0).to(out_ptr.dtype.element_ty)
+        src = e * O * I + o[:, None].to(tl.int64) * I + i[None, :]
+        v = tl.load(w_ptr + src, mask=mask, other=0.0)
+        q = tl.clamp(v.to(tl.float32) / s, -Q_MAX, Q_MAX).to(out_ptr.dtype.element_ty)
+        if PLAIN:
+            tl.store(plain_ptr + src, q, mask=mask)
         dst = out_ptr + e * I * P + i[:, None].to(tl.int64) * P + col0 + o[None, :]
         tl.store(dst, tl.trans(q), mask=(i[:, None] < I) & (o[None, :] < O))
 
@@ -348,16 +357,36 @@ def cast_experts_torch(w_EOI: torch.Tensor, s_E: torch.Tensor, out_EPI: torch.Te
     out_EPI[:, row0:row0 + w_EOI.shape[1]] = _cast(w_EOI.detach(), s_E[:, None, None])
 
 
-def cast_experts_t(w_EOI: torch.Tensor, s_E: torch.Tensor, out_EIP: torch.Tensor, col0: int) -> None:
-    """out[e, :, col0:col0+O] = fp8(w[e] / s[e])ᵀ (out [E, I, P] contiguous)."""
+def cast_experts_t(w_EOI: torch.Tensor, s_E: torch.Tensor, out_EIP: torch.Tensor, col0: int,
+                   plain_EOI: torch.Tensor | None = None) -> None:
+    """out[e, :, col0:col0+O] = fp8(w[e] / s[e])ᵀ (out [E, I, P] contiguous; its dtype, e4m3 or e5m2); with
+    ``plain_EOI`` (contiguous, out's dtype) the same values in w's layout as well, from the same pass."""
     E, O, I = w_EOI.shape
     if not _on_kernels(w_EOI):
-        out_EIP[:, :, col0:col0 + O] = _cast(w_EOI.detach(), s_E[:, None, None]).transpose(1, 2)
+        q_EOI = _cast(w_EOI.detach(), s_E[:, None, None], out_EIP.dtype)
+        out_EIP[:, :, col0:col0 + O] = q_EOI.transpose(1, 2)
+        if plain_EOI is not None:
+            plain_EOI.copy_(q_EOI)
+        return
+    if E == 0 or O == 0 or I == 0:
         return
     w = w_EOI.detach().contiguous()
     BO, BI = 64, 64
-    _cast_experts_t_kernel[(triton.cdiv(O, BO), triton.cdiv(I, BI), E)](w, s_E, out_EIP, O, I, out_EIP.shape[2], col0,
-                                                                         BLOCK_O=BO, BLOCK_I=BI, num_warps=4)
+    _cast_experts_t_kernel[(triton.cdiv(O, BO), triton.cdiv(I, BI), E)](
+        w, s_E, out_EIP, out_EIP if plain_EOI is None else plain_EOI, O, I, out_EIP.shape[2], col0,
+        Q_MAX=Q_MAX[out_EIP.dtype], PLAIN=plain_EOI is not None, BLOCK_O=BO, BLOCK_I=BI, num_warps=4)
+
+
+def cast_both(x_RC: torch.Tensor, dtype: torch.dtype = FP8) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(q_RC, q_CR, s): x in FP8 ``dtype`` with one power-of-two scale for the whole tensor (|x| / s <= the
+    dtype's max), in x's layout and transposed (the two layouts Hopper's FP8 GEMMs read, each along its
+    reduction dimension), from one amax pass and one cast pass. s: fp32 0-d, on the device."""
+    R, C = x_RC.shape
+    s = pow2_scale(torch.linalg.vector_norm(x_RC.detach(), float("inf")), Q_MAX[dtype])
+    q_RC = torch.empty(R, C, dtype=dtype, device=x_RC.device)
+    q_CR = torch.empty(C, R, dtype=dtype, device=x_RC.device)
+    cast_experts_t(x_RC[None], s[None], q_CR[None], 0, plain_EOI=q_RC[None])
+    return q_RC, q_CR, s
 
 
 class Fp8Copy(NamedTuple):

@@ -67,12 +67,17 @@ def combine_backward_torch(g_TD, y_ND, w_TK, idx_TK):
 if triton is not None:
 
     @triton.jit
-    def _pow2_scale(amax):
-        """The FP8 scale of a row or tile (kernels/fp8.py): 2^ceil(log2(amax / 448)), 1 where amax is 0."""
-        v = tl.maximum(amax, 1e-30) / 448.0
+    def _pow2_scale_to(amax, q_max):
+        """2^ceil(log2(amax / q_max)), 1 where amax is 0: a power-of-two scale s with |x| / s <= q_max."""
+        v = tl.maximum(amax, 1e-30) / q_max
         s = tl.exp2(tl.ceil(tl.log2(v)))
         s = tl.where(v > s, s * 2.0, s)  # guard against log2 rounding down
         return tl.where(amax > 0, s, 1.0)
+
+    @triton.jit
+    def _pow2_scale(amax):
+        """The e4m3 scale of a row or tile (kernels/fp8.py): 2^ceil(log2(amax / 448)), 1 where amax is 0."""
+        return _pow2_scale_to(amax, 448.0)
 
     @triton.jit
     def _gather_sum_rows(out_ptr, src_ptr, idx_ptr, rank_ptr, ptrs_ptr, w_ptr, T, D, K: tl.constexpr,

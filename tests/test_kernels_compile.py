@@ -1,6 +1,7 @@
-"""Kernels no interpreter test runs (FP8 casts, the fused master-weight AdamW, also writing FP8 copies) compile for sm_90 on a
-machine without a GPU: their wrappers launch them on CPU tensors with launches recorded, not
-executed (tests/sm90_compile.py, SM90_COMPILE_ONLY), then Triton compiles each launch to a cubin."""
+"""Kernels no interpreter test runs (FP8 casts, the FP8 cross-entropy backward, the fused master-weight AdamW, also
+writing FP8 copies) compile for sm_90 on a machine without a GPU: their wrappers launch them on CPU tensors with
+launches recorded, not executed (tests/sm90_compile.py, SM90_COMPILE_ONLY), then Triton compiles each launch to a
+cubin."""
 
 from test_kernels import _interpret, needs_cpu_interpreter, run_in_interpreter
 
@@ -19,6 +20,12 @@ for n_valid in (None, torch.tensor([3], dtype=torch.int32)):
 w1, w3 = torch.randn(4, 96, 64), torch.randn(4, 96, 64)
 fp8.cast_experts_scaled((w1, w3), torch.empty(4, 192, 64, dtype=FP8), torch.ones(4))
 fp8.cast_experts_t(w1, torch.ones(4), torch.empty(4, 64, 192, dtype=FP8), 96)
+for dtype in (FP8, fp8.FP8_GRAD):  # the output head's casts: one scale, both layouts
+    fp8.cast_both(torch.randn(70, 48).bfloat16(), dtype)
+from kernels import cross_entropy as ce
+ce._use_triton = lambda *ts: True
+x, labels = torch.randn(9, 300).bfloat16(), torch.tensor([3, -100, 299, 0, 5, 6, 7, 8, 9])
+ce.cross_entropy_bwd_fp8(x, labels, torch.zeros(9), torch.ones(()), torch.full((), 8.0), -100)
 adamw._use_triton = lambda t: True
 step = torch.ones((), dtype=torch.float32)
 for param_dtype in (torch.bfloat16, torch.float32):
@@ -48,5 +55,6 @@ def test_fp8_and_adamw_kernels_compile_for_sm90():
     run_in_interpreter(_SCRIPT, "LAUNCHED-OK", p)
     compiled = p.stderr.split("SM90-COMPILED", 1)[1].splitlines()[0]
     for kernel in ("_quant_rows_kernel", "_cast_amax_kernel", "_recast_kernel", "_cast_experts_t_kernel",
-                   "_swiglu_quant_kernel", "_swiglu_quant_bwd_kernel", "_adamw_kernel", "_transpose_kernel"):
+                   "_swiglu_quant_kernel", "_swiglu_quant_bwd_kernel", "_adamw_kernel", "_transpose_kernel",
+                   "_cross_entropy_bwd_kernel"):
         assert kernel in compiled.split(": ", 1)[1].split(), compiled  # launched, so compiled (not a torch fallback)

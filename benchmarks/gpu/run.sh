@@ -80,7 +80,8 @@
 #                    (filter_fqns); h (1 GPU) FP8 here vs FP8 on build/base.tgz's tree (HEAD=1: head in FP8); p bf16 and FP8
 #                    profiled; g (2 GPUs) the FSDP FP8 all-gather tested and measured beside torchtitan's; e (2 GPUs)
 #                    v2lite_6b_2gpu 500-step loss parity (RUNS= bf16 fp8 bf16_compile, a subset per invocation);
-#                    l (1 GPU) loss parity of one FP8 variant (VARIANT=, default the output head in FP8)
+#                    l (1 GPU) loss parity of one FP8 variant (VARIANT=, default the output head in FP8); o (1 GPU)
+#                    the FP8 output head's tests and its head + loss beside bf16's and torchao's
 #   guard       1    cost of the non-finite guard: v2lite_1b (CONFIGS=...), eager and graphed, on vs off
 #   titan       2    torchtitan's own trainer with our TrainSpec (EP=2, ECHO) vs the recipe: per-step losses
 #   overlap_profile 2  the graphed v2lite_1b step at EP=2 profiled: nvlink and padded, whole and in 2 chunks
@@ -277,6 +278,11 @@ print('largest step difference over steps 1-20: %.2e at step %d' % max(rel[:20])
         [ -d /tmp/base/recipes ] || { echo "fp8_step PART=h: no build/base.tgz to compare with"; exit 1; }
         H8=${HEAD:+ --quantize.linear.float8.filter_fqns router.gate}
         one_gpu_variants ${LABEL:-fp8_base} "bf16=;fp8_base=@/tmp/base $F8$H8;fp8=$F8$H8" ;;
+      o)  # one GPU: the FP8 output head's tests, then its head + loss against bf16's and torchao's (v2lite_1b's shape)
+          # -> fp8_head_1x<GPU>.md
+        export CUDA_VISIBLE_DEVICES=${CUDA_VISIBLE_DEVICES:-0}
+        python3 -m pytest tests/test_fp8_head.py tests/test_cross_entropy.py -p no:warnings -rfEs 2>&1 | tail -4
+        python3 benchmarks/fp8_head.py --out "$OUT" 2>&1 | noise | tail -6 ;;
       p)  # one GPU, v2lite_1b compiled + graphed: bf16 and FP8 profiled -> step_breakdown_v2lite_1b_gpu_fp8_vs_bf16_1x<GPU>.md
           # (RECIPE=rowwise made that file), ..._fp8_vs_bf16_<RECIPE>_1x<GPU>.md for another RECIPE; HEAD=1 profiles
           # the output head in FP8 as a third column (..._<RECIPE>_head_1x<GPU>.md)

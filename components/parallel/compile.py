@@ -8,9 +8,10 @@
 feed-forward (non-MoE blocks) and the MoE's shared experts when they are a module. The routed MoE
 path (router, ECHO, dispatcher, grouped experts, combine) stays eager: it launches Triton kernels,
 touches symmetric memory / NCCL under EP and keeps Python state that guards would recompile on.
-``compile_ends`` compiles the final norm and the output head, each its own graph: an FP8 head's
-scaling (amax, cast, transpose of the [tokens, vocab] gradient) then fuses as the blocks' does
-instead of running as torchao's separate eager kernels. Invariants:
+``compile_ends`` compiles the final norm and the output head, each its own graph: a torchao FP8
+head's scaling (amax, cast, transpose of the [tokens, vocab] gradient) then fuses as the blocks' does
+instead of running as torchao's separate eager kernels. A module with ``eager_only = True`` (the tensorwise
+FP8 head, components/train/fp8_head.py) is left as it is. Invariants:
 
 - modules are not wrapped: ``module.forward`` is replaced in place by its compiled version, so
   FQNs and state_dict keys are unchanged and DCP checkpoints load across compile on / off
@@ -69,7 +70,7 @@ def _compile_in_place(found: list[tuple[str, nn.Module | None]], backend: str) -
     opts = compile_options(backend)
     done = []
     for name, child in found:
-        if isinstance(child, nn.Module) and not is_compiled(child):
+        if isinstance(child, nn.Module) and not is_compiled(child) and not getattr(child, "eager_only", False):
             child.forward = torch.compile(child.forward, **opts)
             done.append(name)
     return done

@@ -13,7 +13,9 @@
 Every ``nn.Linear`` of the model whose name matches none of ``filter_fqns`` and whose both dimensions
 are multiples of 16 becomes torchao's ``Float8Linear`` before parallelisation: attention projections,
 dense feed-forwards and the shared experts. Same parameters, same names (checkpoints load either way);
-the forward and both backward GEMMs run in FP8 with scales computed on the device. The routers' gates
+the forward and both backward GEMMs run in FP8 with scales computed on the device. An output head in FP8
+(``filter_fqns`` not naming it) with tensorwise scaling becomes ``Fp8Head`` instead: the same GEMMs, with
+the loss writing its gradient straight in FP8 (components/train/fp8_head.py). The routers' gates
 always stay as they are (top-k is decided on their logits). With ``"auto_filter_small_kn"`` in ``filter_fqns``
 (torchtitan's flag) so do the layers whose (in, out) torchao's size thresholds for the recipe rule out
 (tensorwise: in ≤ 4096 and out ≤ 1024; rowwise: out ≤ 2048, in ≤ 1024, or out ≤ 4096 and in ≤ 2048). The
@@ -34,9 +36,12 @@ from torch import nn
 
 from components.errors import UserError
 
+from .fp8_head import Fp8Head
+
 NAMES = ("float8", "quantize.linear.float8")  # torchtitan's older and 0.2 names of the converter
 ALWAYS_KEPT = ("router.gate",)  # routing decisions stay on unquantised logits
-DEFAULT_KEPT = ("output",)  # where filter_fqns is empty: the output head
+HEAD = "output"  # the model's output head (torchtitan's name)
+DEFAULT_KEPT = (HEAD,)  # where filter_fqns is empty: the output head
 AUTO_FILTER = "auto_filter_small_kn"  # torchtitan's flag in filter_fqns: torchao's per-recipe size thresholds
 AUTO_RECIPES = ("tensorwise", "rowwise")  # the recipes torchao has thresholds for
 
@@ -149,8 +154,12 @@ def convert_float8(model: nn.Module, cfg, fsdp: bool = False) -> list[str]:
     names of the swapped layers. ``fsdp``: FSDP will shard them (their weights may then be all-gathered in FP8)."""
     from torchao.float8 import convert_to_float8_training
 
-    keep = keep_rule(cfg.quantize.linear.float8)
+    f8 = cfg.quantize.linear.float8
+    keep = keep_rule(f8)
     swapped = [fqn for fqn, m in model.named_modules() if not keep(fqn, m)]
+    head = getattr(model, HEAD, None)
+    if HEAD in swapped and (f8.recipe_name or "tensorwise") == "tensorwise" and not f8.emulate and head.bias is None:
+        setattr(model, HEAD, Fp8Head.from_linear(head))  # the loss hands it its gradient in FP8: fp8_head.py
     convert_to_float8_training(model, config=torchao_config(cfg, fsdp),
                                module_filter_fn=lambda m, fqn: not keep(fqn, m))
     return swapped

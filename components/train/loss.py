@@ -5,8 +5,9 @@
     loss = loss_fn(logits_BSV, labels_BS)
 
 On CUDA it is ``lm_loss``: the fused cross-entropy kernels (kernels/cross_entropy.py) on the logits
-in their dtype — one read forward, one read + one write backward, no fp32 copy — which leaves
-nothing for ``[compile]``'s "loss" component to fuse. Elsewhere "loss" in ``[compile] components``
+in their dtype — one read forward, one read + one write backward (the write in FP8 for an FP8 output
+head's logits), no fp32 copy — which leaves nothing for ``[compile]``'s "loss" component to fuse.
+Elsewhere "loss" in ``[compile] components``
 compiles ``F.cross_entropy`` on fp32 logits as one static-shape graph (components/parallel/compile.py);
 without it the CPU path is the kernels' torch reference. No host read either way (CUDA-graph capturable).
 """
@@ -17,10 +18,13 @@ import torch.nn.functional as F
 from components.parallel.compile import compile_fn
 from kernels.cross_entropy import cross_entropy
 
+from .fp8_head import handoff_of
+
 
 def lm_loss(logits_BSV: torch.Tensor, labels_BS: torch.Tensor, ignore_index: int = -100) -> torch.Tensor:
-    """Fused cross-entropy of ``logits_BSV`` [B, S, V] (any float dtype) against ``labels_BS`` [B, S]."""
-    return cross_entropy(logits_BSV.flatten(0, 1), labels_BS.flatten(), ignore_index)
+    """Fused cross-entropy of ``logits_BSV`` [B, S, V] (any float dtype) against ``labels_BS`` [B, S]. Logits
+    from an FP8 output head get their gradient in FP8 (components/train/fp8_head.py)."""
+    return cross_entropy(logits_BSV.flatten(0, 1), labels_BS.flatten(), ignore_index, fp8_grad=handoff_of(logits_BSV))
 
 
 def cross_entropy_loss(logits_BSV: torch.Tensor, labels_BS: torch.Tensor) -> torch.Tensor:

@@ -31,6 +31,7 @@ from components.parallel.mesh import Meshes, ParallelDims, build_mesh, parallel_
 from components.parallel.parallelize import parallelize
 
 from . import checkpoint, float8
+from .fp8_head import Fp8Head
 from .config import check_global_batch, load_config
 from .data import TokenBatchLoader, build_token_stream
 from .hf_weights import load_initial_weights
@@ -162,6 +163,8 @@ def build_parallel_model(run: Run, tokenizer):
         run.say(f"float8: {len(swapped)} linear layers in FP8 ({f8.recipe_name or 'tensorwise'}"
                 f"{', emulated' if f8.emulate else ''}{gather}); kept: router gates, "
                 f"{', '.join(float8.kept_names(f8))}")
+        if isinstance(getattr(model, float8.HEAD, None), Fp8Head):
+            run.say("float8: the output head takes its gradient from the loss in FP8 (e5m2, written in one pass)")
         if note := float8.uncompiled_note(cfg):
             run.say(note)
     model = parallelize(model, run.mesh, run.dims, cfg, run.device)

@@ -1,0 +1,124 @@
+"""The output head in FP8, with the loss's gradient handed to it in FP8 (tensorwise scaling, Hopper).
+
+    head = Fp8Head.from_linear(model.output)     # the same weight Parameter: "output.weight" as before
+    logits_BSV = head(h_BSD)                     # bf16; _scaled_mm of e4m3 h and W, one scale each
+    loss = lm_loss(logits_BSV, labels_BS)        # its backward writes dlogits in FP8, never in bf16
+
+Its three GEMMs run in FP8 as torchao's tensorwise ``Float8Linear`` runs them. What differs is the gradient
+of the logits, [tokens, vocab] and the largest activation gradient of the step: the cross-entropy's
+backward writes it straight in e5m2, with a scale it knows before computing a value (|softmax − one-hot|
+<= 1), then transposes those bytes for the weight gradient's GEMM (``cross_entropy_bwd_fp8``). Under
+torchao the loss writes it in bf16, then the head reads it for its amax, then again to cast and transpose it.
+
+The handover (``Fp8GradHandoff``), per forward and backward:
+
+    head forward    offer(logits): the tensor the loss may take the FP8 gradient path for
+    loss forward    handoff_of(logits) -> the handoff where logits is that very tensor, unmodified (else None)
+    loss backward   put(q_NV, q_VN, s) -> a zero tensor broadcast to logits' shape: autograd's gradient for it
+    head backward   take(grad) -> the FP8 gradient where grad is that zero tensor; where something else used
+                    the logits too, grad is their gradient and take adds the FP8 one to it (never lost)
+
+Scales: powers of two on the device (kernels/fp8.py), e4m3 for h and W, e5m2 for the gradient (torchao's
+choice for gradients). Saved for backward: h and W in FP8, transposed (half the bytes of h in bf16). No host
+read: a CUDA graph captures it. Not compiled (``eager_only``): its casts are kernels of its own, and the
+handover is Python state.
+"""
+
+import torch
+from torch import nn
+
+from kernels.fp8 import FP8, FP8_GRAD, cast_both
+
+
+def scaled_mm(a_q, b_q, s_a, s_b, out_dtype):
+    """(a_q · s_a) @ (b_q · s_b): a [M, K] row-major, b [K, N] column-major, one fp32 scale each (0-d)."""
+    return torch._scaled_mm(a_q, b_q, scale_a=s_a, scale_b=s_b, out_dtype=out_dtype)
+
+
+class Fp8GradHandoff:
+    """Carries one logits tensor's gradient from the loss's backward to the head's backward, in FP8."""
+
+    def __init__(self):
+        self._key = None  # (data_ptr, shape, version) of the logits the head returned last
+        self._fp8 = None  # (q_NV, q_VN, s) put by the loss, until the head takes it
+        self._zero = None  # the gradient the loss returned in its place
+        self._dtype = None  # the logits' dtype (autograd casts a gradient of another dtype)
+
+    @staticmethod
+    def _key_of(t: torch.Tensor):
+        return t.data_ptr(), t.numel(), t.shape[-1], t._version
+
+    def offer(self, logits: torch.Tensor) -> None:
+        self._key, self._fp8, self._zero, self._dtype = self._key_of(logits), None, None, logits.dtype
+
+    def matches(self, logits: torch.Tensor) -> bool:
+        """True where ``logits`` is (a view of) what the head returned, not modified since."""
+        return self._key is not None and self._key_of(logits) == self._key and logits.is_contiguous()
+
+    def put(self, q_NV: torch.Tensor, q_VN: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+        self._fp8 = (q_NV, q_VN, s)
+        self._zero = torch.zeros((), dtype=self._dtype, device=q_NV.device).expand(q_NV.shape)
+        return self._zero
+
+    def take(self, grad: torch.Tensor):
+        """(fp8, grad): ``fp8`` = (q_TV, q_VT, s) where ``grad`` is the zero ``put`` returned; otherwise
+        fp8 is None and grad is the whole gradient (the FP8 one dequantised and added, where there is one)."""
+        fp8, zero, self._fp8, self._zero, self._key = self._fp8, self._zero, None, None, None
+        if fp8 is None:
+            return None, grad
+        if grad.data_ptr() == zero.data_ptr() and not any(grad.stride()):
+            return fp8, None
+        q_NV, _, s = fp8
+        return None, grad + (q_NV.float() * s).to(grad.dtype).view(grad.shape)
+
+
+def handoff_of(logits: torch.Tensor) -> Fp8GradHandoff | None:
+    """The handoff of the FP8 head that returned ``logits`` (or the tensor it views), if it still matches."""
+    handoff = getattr(logits, "fp8_grad_handoff", None) or getattr(logits._base, "fp8_grad_handoff", None)
+    return handoff if handoff is not None and handoff.matches(logits) else None
+
+
+class _Fp8HeadFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, h_TD, w_VD, handoff, out_dtype):
+        qh_TD, qh_DT, s_h = cast_both(h_TD, FP8)
+        qw_VD, qw_DV, s_w = cast_both(w_VD, FP8)
+        ctx.save_for_backward(qh_DT, qw_DV, s_h, s_w)
+        ctx.handoff, ctx.dtypes = handoff, (h_TD.dtype, w_VD.dtype)
+        return scaled_mm(qh_TD, qw_VD.t(), s_h, s_w, out_dtype)
+
+    @staticmethod
+    def backward(ctx, g_TV):
+        qh_DT, qw_DV, s_h, s_w = ctx.saved_tensors
+        fp8, g_TV = ctx.handoff.take(g_TV)
+        qg_TV, qg_VT, s_g = fp8 if fp8 is not None else cast_both(g_TV.contiguous(), FP8_GRAD)
+        dh_TD = scaled_mm(qg_TV, qw_DV.t(), s_g, s_w, ctx.dtypes[0])  # [T, V] @ [V, D]
+        dw_VD = scaled_mm(qg_VT, qh_DT.t(), s_g, s_h, ctx.dtypes[1])  # [V, T] @ [T, D]
+        return dh_TD, dw_VD, None, None
+
+
+class Fp8Head(nn.Linear):
+    """``nn.Linear`` without bias whose GEMMs run in FP8 and whose gradient the loss hands over in FP8."""
+
+    eager_only = True  # components/parallel/compile.py leaves it uncompiled
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear) -> "Fp8Head":
+        if linear.bias is not None:
+            raise ValueError("Fp8Head: the output head has no bias")
+        with torch.device("meta"):
+            head = cls(linear.in_features, linear.out_features, bias=False)
+        head.weight = linear.weight
+        return head
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.handoff = Fp8GradHandoff()
+
+    def forward(self, h_BSD: torch.Tensor) -> torch.Tensor:
+        dtype = torch.get_autocast_dtype("cuda") if torch.is_autocast_enabled("cuda") else h_BSD.dtype
+        logits_TV = _Fp8HeadFn.apply(h_BSD.reshape(-1, h_BSD.shape[-1]).to(dtype), self.weight, self.handoff, dtype)
+        logits = logits_TV.view(*h_BSD.shape[:-1], -1)
+        self.handoff.offer(logits)
+        logits.fp8_grad_handoff = self.handoff
+        return logits
