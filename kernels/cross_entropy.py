@@ -158,30 +158,32 @@ def cross_entropy_bwd_torch(logits_NV, labels_N, lse_N, grad_loss, n_valid, igno
     return _grad_torch(logits_NV, labels_N, lse_N, scale, ignore_index).to(logits_NV.dtype)
 
 
-def cross_entropy_bwd_fp8_torch(logits_NV, labels_N, lse_N, grad_loss, n_valid, ignore_index: int):
+def cross_entropy_bwd_fp8_torch(logits_NV, labels_N, lse_N, grad_loss, n_valid, ignore_index: int,
+                                dtype: torch.dtype = FP8_GRAD):
     """The FP8 backward's reference: the fp32 gradient over the power-of-two scale of its bound |grad_loss| / n_valid."""
     scale = grad_loss.float() / n_valid.float()
-    s = pow2_scale(scale.abs(), Q_MAX[FP8_GRAD])
+    s = pow2_scale(scale.abs(), Q_MAX[dtype])
     g_NV = _grad_torch(logits_NV, labels_N, lse_N, scale / s, ignore_index).float()
-    q_NV = g_NV.clamp(-Q_MAX[FP8_GRAD], Q_MAX[FP8_GRAD]).to(FP8_GRAD)  # clamp keeps nan
+    q_NV = g_NV.clamp(-Q_MAX[dtype], Q_MAX[dtype]).to(dtype)  # clamp keeps nan
     return q_NV, q_NV.t().contiguous(), s
 
 
-def cross_entropy_bwd_fp8(logits_NV, labels_N, lse_N, grad_loss, n_valid, ignore_index: int):
-    """(q_NV, q_VN, s): the gradient in FP8 (e5m2) in both layouts with one scale, s = 2^ceil(log2(|grad_loss| /
-    n_valid / 57344)): |softmax − one-hot| <= 1 bounds it, so the scale is known before a value is computed and
+def cross_entropy_bwd_fp8(logits_NV, labels_N, lse_N, grad_loss, n_valid, ignore_index: int,
+                          dtype: torch.dtype = FP8_GRAD):
+    """(q_NV, q_VN, s): the gradient in FP8 ``dtype`` (e5m2 or e4m3) in both layouts with one scale, s =
+    2^ceil(log2(|grad_loss| / n_valid / max)): |softmax − one-hot| <= 1 bounds it, so the scale is known before a value is computed and
     the backward kernel writes q_NV in its one pass (reads 2 bytes a logit, writes 1); ``transpose_copy_`` then
     writes q_VN (reads 1, writes 1). grad ≈ q · s."""
     if not _use_triton(logits_NV, labels_N):
-        return cross_entropy_bwd_fp8_torch(logits_NV, labels_N, lse_N, grad_loss, n_valid, ignore_index)
+        return cross_entropy_bwd_fp8_torch(logits_NV, labels_N, lse_N, grad_loss, n_valid, ignore_index, dtype)
     N, V = logits_NV.shape
-    q_NV = torch.empty(N, V, dtype=FP8_GRAD, device=logits_NV.device)
-    q_VN = torch.empty(V, N, dtype=FP8_GRAD, device=logits_NV.device)
+    q_NV = torch.empty(N, V, dtype=dtype, device=logits_NV.device)
+    q_VN = torch.empty(V, N, dtype=dtype, device=logits_NV.device)
     s = torch.ones((), dtype=torch.float32, device=logits_NV.device)
     if N:
         block, warps = _launch_args(V)
         _cross_entropy_bwd_kernel[(N,)](logits_NV, labels_N, lse_N, grad_loss, n_valid, q_NV, s, logits_NV.stride(0),
-                                        V, V, ignore_index, Q_MAX=Q_MAX[FP8_GRAD], BLOCK_V=block, num_warps=warps)
+                                        V, V, ignore_index, Q_MAX=Q_MAX[dtype], BLOCK_V=block, num_warps=warps)
         transpose_copy_(q_NV[None], q_VN[None])
     return q_NV, q_VN, s
 
@@ -207,7 +209,7 @@ class _CrossEntropy(torch.autograd.Function):
             logits_NV, labels_N, lse_N, n_valid = ctx.saved_tensors
             args = (logits_NV, labels_N, lse_N, grad_loss.contiguous(), n_valid, ctx.ignore_index)
             if ctx.fp8_grad is not None:
-                return ctx.fp8_grad.put(*cross_entropy_bwd_fp8(*args)), None, None, None
+                return ctx.fp8_grad.put(*cross_entropy_bwd_fp8(*args, ctx.fp8_grad.dtype)), None, None, None
             bwd = cross_entropy_bwd if ctx.triton_path else cross_entropy_bwd_torch
             return bwd(*args), None, None, None
 
@@ -218,7 +220,8 @@ def cross_entropy(logits_NV: torch.Tensor, labels_N: torch.Tensor, ignore_index:
     ``ignore_index`` (F.cross_entropy, reduction "mean"); 0-d fp32 (fp64 for fp64 logits).
 
     ``fp8_grad``: where the layer that made the logits reads its gradient in FP8 (an FP8 output head), an object
-    whose ``put(q_NV, q_VN, s)`` takes the gradient as ``cross_entropy_bwd_fp8`` writes it and returns what
+    with the FP8 ``dtype`` it reads, whose ``put(q_NV, q_VN, s)`` takes the gradient as ``cross_entropy_bwd_fp8``
+    writes it and returns what
     autograd passes on as the logits' gradient in its place; the bf16 gradient is then never written."""
     if logits_NV.dim() != 2 or labels_N.shape != logits_NV.shape[:1]:
         raise ValueError(f"cross_entropy: logits [N, V] and labels [N], got {tuple(logits_NV.shape)} and "

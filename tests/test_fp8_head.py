@@ -50,7 +50,7 @@ def test_fp8_gradient_of_the_loss_is_the_fp64_gradient_in_e5m2(grad_loss):
     x_NV[6] = 0.0  # a uniform row
     loss_N, lse_N = ce.cross_entropy_fwd_torch(x_NV, labels_N, -100)
     n_valid = (labels_N != -100).sum().float()
-    q, qt, s = ce.cross_entropy_bwd_fp8(x_NV, labels_N, lse_N, torch.tensor(grad_loss), n_valid, -100)
+    q, qt, s = ce.cross_entropy_bwd_fp8(x_NV, labels_N, lse_N, torch.tensor(grad_loss), n_valid, -100, FP8_GRAD)
     bound = grad_loss / n_valid
     assert float(s) * Q_MAX[FP8_GRAD] >= bound > float(s) * Q_MAX[FP8_GRAD] / 2
     x64 = x_NV.double().requires_grad_()

@@ -38,7 +38,8 @@ def scaled_mm(a_q, b_q, s_a, s_b, out_dtype):
 class Fp8GradHandoff:
     """Carries one logits tensor's gradient from the loss's backward to the head's backward, in FP8."""
 
-    def __init__(self):
+    def __init__(self, dtype: torch.dtype):
+        self.dtype = dtype  # the FP8 dtype the head reads its gradient in
         self._key = None  # (data_ptr, shape, version) of the logits the head returned last
         self._fp8 = None  # (q_NV, q_VN, s) put by the loss, until the head takes it
         self._zero = None  # the gradient the loss returned in its place
@@ -91,7 +92,7 @@ class _Fp8HeadFn(torch.autograd.Function):
     def backward(ctx, g_TV):
         qh_DT, qw_DV, s_h, s_w = ctx.saved_tensors
         fp8, g_TV = ctx.handoff.take(g_TV)
-        qg_TV, qg_VT, s_g = fp8 if fp8 is not None else cast_both(g_TV.contiguous(), FP8_GRAD)
+        qg_TV, qg_VT, s_g = fp8 if fp8 is not None else cast_both(g_TV.contiguous(), ctx.handoff.dtype)
         dh_TD = scaled_mm(qg_TV, qw_DV.t(), s_g, s_w, ctx.dtypes[0])  # [T, V] @ [V, D]
         dw_VD = scaled_mm(qg_VT, qh_DT.t(), s_g, s_h, ctx.dtypes[1])  # [V, T] @ [T, D]
         return dh_TD, dw_VD, None, None
@@ -101,6 +102,7 @@ class Fp8Head(nn.Linear):
     """``nn.Linear`` without bias whose GEMMs run in FP8 and whose gradient the loss hands over in FP8."""
 
     eager_only = True  # components/parallel/compile.py leaves it uncompiled
+    grad_dtype = FP8_GRAD  # the logits' gradient: e5m2, as torchao's tensorwise recipe casts gradients
 
     @classmethod
     def from_linear(cls, linear: nn.Linear) -> "Fp8Head":
@@ -113,7 +115,7 @@ class Fp8Head(nn.Linear):
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        self.handoff = Fp8GradHandoff()
+        self.handoff = Fp8GradHandoff(self.grad_dtype)
 
     def forward(self, h_BSD: torch.Tensor) -> torch.Tensor:
         dtype = torch.get_autocast_dtype("cuda") if torch.is_autocast_enabled("cuda") else h_BSD.dtype
