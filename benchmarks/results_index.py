@@ -42,6 +42,7 @@ BENCHMARKS = {
     "ep_scaling_cpu": "benchmarks/ep_scaling_cpu.py",
     "fp8_bound": "benchmarks/fp8_bound.py",
     "fp8_experts": "benchmarks/gpu/run.sh fp8",
+    "fp8_head": "benchmarks/fp8_head.py",
     "gate_up_gemm": "benchmarks/gate_up_gemm.py",
     "gather_gemm": "benchmarks/gather_gemm.py",
     "gpu_tests": "benchmarks/gpu/run.sh graph",
