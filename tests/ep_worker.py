@@ -312,3 +312,39 @@ def compute_copies_train(rank, world, tmp=None, echo=False):
             assert torch.equal(w.detach().to_local(), w2.detach().to_local())
             assert torch.equal(moe2.experts.copies[w2].compute, w2.detach().to_local().bfloat16())
             assert torch.equal(opt.state[w]["exp_avg"].to_local(), opt2.state[w2]["exp_avg"].to_local())
+
+
+def fp8_head_fsdp(rank, world):
+    """The FP8 output head as an FSDP2 unit: the loss still hands it the gradient in FP8 (the head casts none),
+    its input gradient is bit for bit the unsharded head's on the rank's tokens, and its sharded weight
+    gradient is the mean of the ranks' unsharded ones."""
+    import copy
+
+    from torch import nn
+    from torch.distributed.fsdp import fully_shard
+
+    from components.train import fp8_head as fh
+    from components.train.loss import lm_loss
+
+    torch.manual_seed(0)
+    linear = nn.Linear(64, 96, bias=False)
+    ref = fh.Fp8Head.from_linear(copy.deepcopy(linear))
+    head = fully_shard(fh.Fp8Head.from_linear(linear))
+    g = torch.Generator().manual_seed(1 + rank)  # each rank its own tokens
+    h = torch.randn(2, 8, 64, generator=g)
+    labels = torch.randint(0, 96, (2, 8), generator=g)
+    cast = fh.cast_both
+    casts = []
+    fh.cast_both = lambda x, dtype: casts.append(dtype) or cast(x, dtype)
+    try:
+        h_fsdp = h.clone().requires_grad_()
+        lm_loss(head(h_fsdp), labels).backward()
+    finally:
+        fh.cast_both = cast
+    assert casts == [fh.FP8, fh.FP8], casts  # h and W in the forward; no gradient cast in the backward
+    h_ref = h.clone().requires_grad_()
+    lm_loss(ref(h_ref), labels).backward()
+    assert torch.equal(h_fsdp.grad, h_ref.grad)
+    want = ref.weight.grad.clone()
+    dist.all_reduce(want)
+    torch.testing.assert_close(head.weight.grad.full_tensor(), want / world, rtol=1e-6, atol=0)

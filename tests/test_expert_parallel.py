@@ -67,6 +67,7 @@ EP_CHECKS = [
     ("test_experts_leave_fsdp_where_each_has_one_owner", (2, 4), "experts_fsdp_layout"),
     ("test_optimizer_written_expert_copies_train_as_the_per_step_cast", (2,), "compute_copies_train"),
     ("test_optimizer_written_expert_copies_with_echo_train_as_the_per_step_cast", (2,), "compute_copies_echo_train"),
+    ("test_fp8_head_as_an_fsdp_unit_takes_the_fp8_gradient_and_reduces_it", (2,), "fp8_head_fsdp"),
 ]
 
 
@@ -112,6 +113,11 @@ def test_optimizer_written_expert_copies_with_echo_train_as_the_per_step_cast(ep
     """The same with ECHO on and full activation checkpointing: clones read the copies, their gradients reach
     the home experts' compute gradients, and the forward recomputed in backward keeps them."""
     ep_check(2, "compute_copies_echo_train")
+
+
+def test_fp8_head_as_an_fsdp_unit_takes_the_fp8_gradient_and_reduces_it(ep_check):
+    """components/train/fp8_head.py under fully_shard (gloo; torch._scaled_mm on CPU)."""
+    ep_check(2, "fp8_head_fsdp")
 
 
 @pytest.mark.parametrize("world", [2, 4])
