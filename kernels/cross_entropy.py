@@ -170,10 +170,10 @@ def cross_entropy_bwd_fp8_torch(logits_NV, labels_N, lse_N, grad_loss, n_valid, 
 
 def cross_entropy_bwd_fp8(logits_NV, labels_N, lse_N, grad_loss, n_valid, ignore_index: int,
                           dtype: torch.dtype = FP8_GRAD):
-    """(q_NV, q_VN, s): the gradient in FP8 ``dtype`` (e5m2 or e4m3) in both layouts with one scale, s =
-    2^ceil(log2(|grad_loss| / n_valid / max)): |softmax − one-hot| <= 1 bounds it, so the scale is known before a value is computed and
-    the backward kernel writes q_NV in its one pass (reads 2 bytes a logit, writes 1); ``transpose_copy_`` then
-    writes q_VN (reads 1, writes 1). grad ≈ q · s."""
+    """(q_NV, q_VN, s): the gradient in FP8 ``dtype`` (e5m2 or e4m3) in both layouts with one scale,
+    s = 2^ceil(log2(|grad_loss| / n_valid / max)). |softmax − one-hot| <= 1 bounds the gradient, so the scale
+    is known before a value is computed: the backward kernel writes q_NV in its one pass (reads 2 bytes a logit,
+    writes 1), then ``transpose_copy_`` writes q_VN (reads 1, writes 1). grad ≈ q · s."""
     if not _use_triton(logits_NV, labels_N):
         return cross_entropy_bwd_fp8_torch(logits_NV, labels_N, lse_N, grad_loss, n_valid, ignore_index, dtype)
     N, V = logits_NV.shape
@@ -221,8 +221,8 @@ def cross_entropy(logits_NV: torch.Tensor, labels_N: torch.Tensor, ignore_index:
 
     ``fp8_grad``: where the layer that made the logits reads its gradient in FP8 (an FP8 output head), an object
     with the FP8 ``dtype`` it reads, whose ``put(q_NV, q_VN, s)`` takes the gradient as ``cross_entropy_bwd_fp8``
-    writes it and returns what
-    autograd passes on as the logits' gradient in its place; the bf16 gradient is then never written."""
+    writes it and returns what autograd passes on as the logits' gradient in its place; the bf16 gradient is
+    then never written."""
     if logits_NV.dim() != 2 or labels_N.shape != logits_NV.shape[:1]:
         raise ValueError(f"cross_entropy: logits [N, V] and labels [N], got {tuple(logits_NV.shape)} and "
                          f"{tuple(labels_N.shape)}")

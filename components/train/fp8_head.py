@@ -40,7 +40,7 @@ class Fp8GradHandoff:
 
     def __init__(self, dtype: torch.dtype):
         self.dtype = dtype  # the FP8 dtype the head reads its gradient in
-        self._key = None  # (data_ptr, shape, version) of the logits the head returned last
+        self._key = None  # (data_ptr, numel, last dim, version) of the logits the head returned last
         self._fp8 = None  # (q_NV, q_VN, s) put by the loss, until the head takes it
         self._zero = None  # the gradient the loss returned in its place
         self._dtype = None  # the logits' dtype (autograd casts a gradient of another dtype)
