@@ -10,6 +10,8 @@ per rank, readable on the device) and a (rank, row) pair per (token, choice) slo
                                                                    src_T None: src[t] = t
                                                                    x_scales: x is fp8, one scale per
                                                                    scale_block columns
+        fp8_out (local scatter): each row also as an FP8 row, (q, s) = kernels.fp8.quant_rows of the row as
+        written, bit for bit (what FP8 experts read)
     peer_gather_sum(rank_TK, row_TK, ptrs_R, peers, w_TK=None, out_dtype=None, add_into=None) -> out_TD
         out[t] = Σ_k w[t, k] · peer[rank[t, k]][row[t, k]]   (fp32 accumulate; -1 adds nothing)
                                                               add_into: out[t] += that, in place
@@ -32,7 +34,7 @@ import os
 
 import torch
 
-from kernels.fp8 import dequant_blocks
+from kernels.fp8 import FP8, dequant_blocks, quant_rows_torch
 from kernels.moe_rows import gather_sum_torch, launch_gather_sum, row_launch
 
 try:
@@ -88,10 +90,15 @@ def peer_route_meta_torch(ids_TK, rank_in_id_TK, base_X, e: int, capacity: int, 
 
 if triton is not None:
 
+    from kernels.moe_rows import _pow2_scale
+
     @triton.jit
-    def _scatter_rows(x_ptr, src_ptr, rank_ptr, row_ptr, ptrs_ptr, buf_like, scale_ptr, rs_ptr, T, D, x_stride,
-                      rs_stride, K: tl.constexpr, HAS_SRC: tl.constexpr, HAS_SCALE: tl.constexpr,
-                      SCALE_BLOCK: tl.constexpr, ONE_DEST: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr):
+    def _scatter_rows(x_ptr, src_ptr, rank_ptr, row_ptr, ptrs_ptr, buf_like, scale_ptr, rs_ptr, q_ptr, qs_ptr, T, D,
+                      x_stride, rs_stride, K: tl.constexpr, HAS_SRC: tl.constexpr, HAS_SCALE: tl.constexpr,
+                      SCALE_BLOCK: tl.constexpr, ONE_DEST: tl.constexpr, QUANT: tl.constexpr, BLOCK_T: tl.constexpr,
+                      BLOCK_D: tl.constexpr):
+        """QUANT (no HAS_SCALE: every copy of a token is the same row): each row written is also written to
+        q / qs as quant_rows would quantise it (its amax over the values as written, a power-of-two scale)."""
         ty = buf_like.dtype.element_ty
         cols = tl.arange(0, BLOCK_D)[None, :]
         in_row = cols < D
@@ -108,6 +115,10 @@ if triton is not None:
             if SCALE_BLOCK > 0:  # fp8 rows, one scale per SCALE_BLOCK columns
                 x = x.to(tl.float32) * tl.load(rs_ptr + src_T[:, None] * rs_stride + cols // SCALE_BLOCK,
                                                mask=read_T[:, None] & in_row, other=1.0)
+            if QUANT:
+                xw = tl.where(in_row, x.to(ty).to(tl.float32), 0.0)  # the values as written
+                qs_T = _pow2_scale(tl.max(tl.abs(xw), axis=1))
+                q = tl.clamp(xw / qs_T[:, None], -448.0, 448.0).to(q_ptr.dtype.element_ty)
             for k in tl.static_range(K):
                 row_T = tl.load(row_ptr + t_T * K + k, mask=ok_T, other=-1).to(tl.int64)
                 if ONE_DEST:
@@ -120,6 +131,9 @@ if triton is not None:
                     s_T = tl.load(scale_ptr + t_T * K + k, mask=ok_T, other=0.0).to(tl.float32)
                     v = x.to(tl.float32) * s_T[:, None]
                 tl.store(dst_T[:, None] + row_T[:, None] * D + cols, v.to(ty), mask=(row_T >= 0)[:, None] & in_row)
+                if QUANT:
+                    tl.store(q_ptr + row_T[:, None] * D + cols, q, mask=(row_T >= 0)[:, None] & in_row)
+                    tl.store(qs_ptr + row_T, qs_T, mask=row_T >= 0)
 
     # two kernels over one body, so a profile tells the writes into peers (NVLink) from the scatter into one buffer
     # (the owner's expansion of its received tokens into expert rows, in its own memory)
@@ -127,15 +141,16 @@ if triton is not None:
     def _peer_scatter_kernel(x_ptr, src_ptr, rank_ptr, row_ptr, ptrs_ptr, buf_like, scale_ptr, rs_ptr, T, D, x_stride,
                              rs_stride, K: tl.constexpr, HAS_SRC: tl.constexpr, HAS_SCALE: tl.constexpr,
                              SCALE_BLOCK: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr):
-        _scatter_rows(x_ptr, src_ptr, rank_ptr, row_ptr, ptrs_ptr, buf_like, scale_ptr, rs_ptr, T, D, x_stride,
-                      rs_stride, K, HAS_SRC, HAS_SCALE, SCALE_BLOCK, False, BLOCK_T, BLOCK_D)
+        _scatter_rows(x_ptr, src_ptr, rank_ptr, row_ptr, ptrs_ptr, buf_like, scale_ptr, rs_ptr, scale_ptr, scale_ptr,
+                      T, D, x_stride, rs_stride, K, HAS_SRC, HAS_SCALE, SCALE_BLOCK, False, False, BLOCK_T, BLOCK_D)
 
     @triton.jit
-    def _scatter_rows_kernel(x_ptr, src_ptr, row_ptr, ptrs_ptr, buf_like, scale_ptr, rs_ptr, T, D, x_stride, rs_stride,
-                             K: tl.constexpr, HAS_SRC: tl.constexpr, HAS_SCALE: tl.constexpr, SCALE_BLOCK: tl.constexpr,
-                             BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr):
-        _scatter_rows(x_ptr, src_ptr, row_ptr, row_ptr, ptrs_ptr, buf_like, scale_ptr, rs_ptr, T, D, x_stride,
-                      rs_stride, K, HAS_SRC, HAS_SCALE, SCALE_BLOCK, True, BLOCK_T, BLOCK_D)
+    def _scatter_rows_kernel(x_ptr, src_ptr, row_ptr, ptrs_ptr, buf_like, scale_ptr, rs_ptr, q_ptr, qs_ptr, T, D,
+                             x_stride, rs_stride, K: tl.constexpr, HAS_SRC: tl.constexpr, HAS_SCALE: tl.constexpr,
+                             SCALE_BLOCK: tl.constexpr, QUANT: tl.constexpr, BLOCK_T: tl.constexpr,
+                             BLOCK_D: tl.constexpr):
+        _scatter_rows(x_ptr, src_ptr, row_ptr, row_ptr, ptrs_ptr, buf_like, scale_ptr, rs_ptr, q_ptr, qs_ptr, T, D,
+                      x_stride, rs_stride, K, HAS_SRC, HAS_SCALE, SCALE_BLOCK, True, QUANT, BLOCK_T, BLOCK_D)
 
 
     @triton.jit
@@ -182,19 +197,28 @@ def peer_block_t(D: int) -> int:
 
 
 def peer_scatter(x_TD, rank_TK, row_TK, ptrs_R, peers, scale_TK=None, programs: int = 32, block_t: int | None = None,
-                 src_T=None, x_scales=None, scale_block: int = 0):
+                 src_T=None, x_scales=None, scale_block: int = 0, fp8_out=None):
     """``peers`` (list of tensors) is used by the torch path, ``ptrs_R`` by the kernel; ``rank_TK``
     None writes every slot into ``peers[0]`` / ``ptrs_R[0]`` (a local scatter). ``src_T`` (int, [T]): slot row t
     sends row ``src_T[t]`` of ``x`` (x then has any number of rows), in place of a gathered copy of x.
     ``x_scales`` (fp32 [rows of x, ceil(D / scale_block)], unit column stride): x is fp8 (unit column stride, any
     row stride) standing for x[i, c] · x_scales[i, c // scale_block] (dequantised on the way, into the buffers'
-    dtype)."""
+    dtype). ``fp8_out`` (q [rows of the buffer, D] e4m3 and s [rows] fp32, contiguous; a local scatter without
+    ``scale_TK``): every row written is also written there as ``kernels.fp8.quant_rows`` quantises it; other rows
+    are left as they are."""
+    if fp8_out is not None and (rank_TK is not None or scale_TK is not None):
+        raise ValueError("peer_scatter: fp8_out is for a local scatter (rank_TK None) of unscaled rows")
     if not (use_triton(x_TD) and use_triton(peers[0])):
         if x_scales is not None:
             x_TD = dequant_blocks(x_TD, x_scales, scale_block,
                                   torch.empty(x_TD.shape, dtype=peers[0].dtype, device=x_TD.device))
-        return peer_scatter_torch(x_TD if src_T is None else x_TD.index_select(0, src_T), rank_TK, row_TK, peers,
-                                  scale_TK)
+        peer_scatter_torch(x_TD if src_T is None else x_TD.index_select(0, src_T), rank_TK, row_TK, peers, scale_TK)
+        if fp8_out is not None:
+            rows = row_TK[row_TK >= 0].long()
+            q, s = quant_rows_torch(peers[0].index_select(0, rows))
+            fp8_out[0].view(torch.uint8).index_copy_(0, rows, q.view(torch.uint8))
+            fp8_out[1].index_copy_(0, rows, s)
+        return
     T, K = row_TK.shape
     if T == 0:
         return
@@ -210,9 +234,16 @@ def peer_scatter(x_TD, rank_TK, row_TK, ptrs_R, peers, scale_TK=None, programs: 
     assert D < 2 or x_TD.stride(1) == 1
     assert x_scales is None or (scale_block > 0 and (x_scales.shape[1] < 2 or x_scales.stride(1) == 1))
     row_TK = row_TK.contiguous()
-    args = (x_TD, src) + ((row_TK,) if rank_TK is None else (rank_TK.contiguous(), row_TK))
-    kernel = _scatter_rows_kernel if rank_TK is None else _peer_scatter_kernel  # one buffer / the peers
-    kernel[grid](*args, ptrs_R, peers[0], scale, rs, T, D, x_TD.stride(0), rs.stride(0), **flags)
+    if rank_TK is not None:  # into the peers
+        _peer_scatter_kernel[grid](x_TD, src, rank_TK.contiguous(), row_TK, ptrs_R, peers[0], scale, rs, T, D,
+                                   x_TD.stride(0), rs.stride(0), **flags)
+        return
+    if fp8_out is not None:
+        assert fp8_out[0].dtype == FP8 and fp8_out[0].shape == peers[0].shape and fp8_out[0].is_contiguous()
+        assert fp8_out[1].shape == peers[0].shape[:1] and fp8_out[1].is_contiguous()
+    q, qs = fp8_out if fp8_out is not None else (scale, scale)  # dummy pointers without FP8 rows
+    _scatter_rows_kernel[grid](x_TD, src, row_TK, ptrs_R, peers[0], scale, rs, q, qs, T, D, x_TD.stride(0),
+                               rs.stride(0), QUANT=fp8_out is not None, **flags)
 
 
 def peer_gather_sum(rank_TK, row_TK, ptrs_R, peers, w_TK=None, out_dtype=None, programs: int = 32,

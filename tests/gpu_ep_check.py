@@ -9,7 +9,10 @@
    1e-5; with the fp8 wire (dispatch_precision = "fp8") the outputs equal alltoall's over its fp8 wire (the same
    token rows quantised the same way) to 1e-5, and outputs and gradients agree across the copy paths and chunk
    counts to 1e-5 (alltoall's backward quantises weighted gradient rows, nvlink's the unweighted ones: their
-   gradients differ at the fp8 level)."""
+   gradients differ at the fp8 level);
+5. FP8 experts behind nvlink (bf16 and fp8 wire): the rows the dispatcher's kernels quantise as they write them
+   (its local expand, its combine backward) give bitwise the output and gradients of quantising in the experts,
+   which then quantise no [N, D] rows themselves; sync-free."""
 
 import copy
 import os
@@ -27,10 +30,10 @@ from components.moe_echo.layer import MoELayer
 from components.parallel.parallelize import apply_expert_parallel
 
 
-def make(dev):
+def make(dev, cfg: MoEEchoConfig | None = None):
     torch.manual_seed(0)
     args = MoEArgs(num_experts=16, num_shared_experts=1, top_k=4, score_func="softmax", score_before_experts=False)
-    layer = MoELayer(args, 512, 256, MoEEchoConfig()).to(dev)
+    layer = MoELayer(args, 512, 256, cfg or MoEEchoConfig()).to(dev)
     layer.init_weights(0.02, dev)
     return layer
 
@@ -125,10 +128,53 @@ def main():
               f"fp8 wire: outputs == alltoall's fp8 wire (vs bf16 wire: {wire_gap:.1e}), copy engines and 2 chunks == "
               f"kernels; its gradients vs the exact ones: {grad_gap:.1e}",
               flush=True)
+    fp8_rows_check(mesh, dev, rank, world, x_all)
     dist.barrier()
     if rank == 0:
         print("GPU-EP-OK", flush=True)
     dist.destroy_process_group()
+
+
+def fp8_rows_check(mesh, dev, rank: int, world: int, x_all: torch.Tensor) -> None:
+    """5.: FP8 experts over nvlink, the dispatcher's FP8 rows on and off, bitwise."""
+    import components.moe_echo.fp8_experts as fe
+
+    quantised, real = [], fe.quant_rows
+    fe.quant_rows = lambda x, *a: quantised.append(tuple(x.shape)) or real(x, *a)
+    try:
+        for wire in ("bf16", "fp8"):
+            runs = []
+            for fp8_rows in (False, True):
+                cfg = MoEEchoConfig(dispatcher="nvlink", capacity_factor=float(world), expert_precision="fp8",
+                                    dispatch_precision=wire)
+                layer = make(dev, cfg)
+                layer.expert_bias[:2] = 0.5  # two hot experts on rank 0
+                apply_expert_parallel(layer, mesh, cfg)
+                assert layer.dispatcher.fp8_rows  # what the config builds
+                layer.dispatcher.fp8_rows = fp8_rows
+                quantised.clear()
+                x = x_all[rank:rank + 1].clone().requires_grad_()
+                with torch.autocast("cuda", dtype=torch.bfloat16):
+                    y = layer(x)
+                (y.float() * torch.linspace(-1, 1, y.numel(), device=dev).view_as(y)).sum().backward()
+                rows = [s for s in quantised if s[1] == x.shape[-1]]  # x_ND and dy_ND: [N, D]
+                assert len(rows) == (0 if fp8_rows else 2), (wire, fp8_rows, quantised)
+                runs.append([y.detach(), x.grad] + [p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad
+                                                     for p in layer.parameters()])
+                torch.cuda.synchronize()
+                torch.cuda.set_sync_debug_mode("error")
+                try:
+                    with torch.autocast("cuda", dtype=torch.bfloat16):
+                        layer(x).float().pow(2).mean().backward()
+                finally:
+                    torch.cuda.set_sync_debug_mode("default")
+            for i, (a, b) in enumerate(zip(*runs)):
+                assert a is not None and torch.equal(a, b), f"fp8 rows ({wire} wire): tensor {i} differs"
+            if rank == 0:
+                print(f"FP8 experts over nvlink, {wire} wire: the dispatcher's FP8 rows == the experts' own quantisation "
+                      f"(output and {len(runs[0]) - 1} gradients, bitwise); sync-free", flush=True)
+    finally:
+        fe.quant_rows = real
 
 
 if __name__ == "__main__":

@@ -469,3 +469,87 @@ def test_dispatched_fp8_rows_equal_quantising_in_the_experts_on_gpu():
         runs.append(_layer_step(layer, x, gy))
     for a, b in zip(*runs):
         assert torch.equal(a, b)
+
+
+# --- the nvlink dispatcher's FP8 rows (its local expand and combine backward quantise them) --------
+
+@pytest.mark.parametrize("routing", ["random", "all_to_one"])
+def test_nvlink_fp8_rows_replace_the_experts_quantisation(monkeypatch, routing):
+    """FP8 experts behind the nvlink dispatcher at EP=2 (threads as ranks, CPU): with ``fp8_rows`` the dispatcher
+    hands over x_ND and y_ND's gradient as FP8 rows and the experts quantise no [N, D] rows themselves; output and
+    every gradient are bitwise those of quantising in the experts (``all_to_one``: every token to one expert of
+    rank 0, whose peer then receives nothing)."""
+    import copy
+
+    import components.moe_echo.fp8_experts as fe
+    from components.moe_echo.nvlink_dispatch import NVLinkDispatcher
+    from threaded_ranks import run_ranks
+
+    quantised = []
+    real = fe.quant_rows
+    monkeypatch.setattr(fe, "quant_rows", lambda x, *a: quantised.append(tuple(x.shape)) or real(x, *a))
+    R, E, D, S, K = 2, 8, 64, 24, 3
+    e = E // R
+    ref = _fp8_layer("cpu", False, E=E, D=D, K=K).to(torch.bfloat16)
+    if routing == "all_to_one":
+        ref.expert_bias[1] = 50.0
+    g = torch.Generator().manual_seed(3)
+    x_all = torch.randn(R, 1, S, D, generator=g).to(torch.bfloat16)
+    gy_all = torch.randn(R, 1, S, D, generator=g).to(torch.bfloat16)
+    runs = {}
+    for fp8_rows in (False, True):
+        layers = [copy.deepcopy(ref) for _ in range(R)]
+        quantised.clear()
+
+        def rank_fn(rank, ws, layers=layers, fp8_rows=fp8_rows):
+            layer = layers[rank]
+            for name in ("w1", "w2", "w3"):
+                full = getattr(layer.experts, name).data
+                setattr(layer.experts, name, torch.nn.Parameter(full[rank * e:(rank + 1) * e].clone()))
+            layer.dispatcher = NVLinkDispatcher(E, None, R, float(R), workspace=ws, name="layer", fp8_rows=fp8_rows)
+            layer.ep_size = R
+            return _layer_step(layer, x_all[rank], gy_all[rank])
+
+        runs[fp8_rows] = run_ranks(R, rank_fn)
+        cap = 128 * -(-R * S * K // 128)  # nvlink_capacity at capacity factor R
+        rows = [s for s in quantised if s == (cap, D)]
+        assert len(rows) == (0 if fp8_rows else 2 * R), quantised
+    for rank in range(R):
+        for a, b in zip(runs[True][rank], runs[False][rank]):
+            assert a is not None and torch.equal(a, b)
+
+
+@pytest.mark.gpu
+@hopper
+def test_nvlink_expand_quantises_bit_for_bit_like_quant_rows():
+    """The nvlink dispatcher's local expand (``peer_scatter`` into one buffer) with ``fp8_out``: every row it writes
+    is also written as quant_rows would quantise it, bit for bit, from bf16 token rows and from the fp8 wire's
+    block-scaled rows (dequantised on the way); rows no choice lands on keep what they held. Rows spanning
+    10⁻⁶..10⁶, a zero row, a token sent nowhere, a width that is not a power of two."""
+    from kernels.peer_rows import peer_scatter
+
+    g = torch.Generator().manual_seed(5)
+    for D in (1408, 2048):
+        U, K, N = 300, 6, 2048
+        tok = (torch.randn(U, D, generator=g) * torch.logspace(-6, 6, U)[:, None]).to(torch.bfloat16).cuda()
+        tok[7] = 0
+        row_UK = torch.randperm(N, generator=g)[:U * K].view(U, K)
+        row_UK[torch.rand(U, K, generator=g) < 0.6] = -1  # most choices land on other ranks
+        row_UK[11] = -1
+        row_UK = row_UK.to(torch.int32).cuda()
+        written = row_UK[row_UK >= 0].long()
+        for scales in (None, fp8.quant_blocks(tok, 128)):
+            src = tok if scales is None else scales[0]
+            buf = torch.full((N, D), 3.0, dtype=torch.bfloat16, device="cuda")
+            q = torch.full((N, D), 1.0, device="cuda").to(FP8)
+            s = torch.full((N,), -1.0, device="cuda")
+            ptrs = torch.tensor([buf.data_ptr()], dtype=torch.int64, device="cuda")
+            peer_scatter(src, None, row_UK, ptrs, [buf], x_scales=None if scales is None else scales[1],
+                         scale_block=0 if scales is None else 128, fp8_out=(q, s))
+            qr, sr = fp8.quant_rows(buf.index_select(0, written))
+            assert torch.equal(s[written], sr)
+            assert torch.equal(q[written].view(torch.uint8), qr.view(torch.uint8))
+            kept = torch.ones(N, dtype=torch.bool, device="cuda")
+            kept[written] = False
+            assert kept.any() and (s[kept] == -1).all() and (q[kept].float() == 1).all()
+            assert torch.equal(buf[kept], torch.full_like(buf[kept], 3.0))

@@ -1,7 +1,7 @@
 """Kernels no interpreter test runs (FP8 casts, the FP8 cross-entropy backward, the fused master-weight AdamW, also
-writing FP8 copies) compile for sm_90 on a machine without a GPU: their wrappers launch them on CPU tensors with
-launches recorded, not executed (tests/sm90_compile.py, SM90_COMPILE_ONLY), then Triton compiles each launch to a
-cubin."""
+writing FP8 copies, the nvlink expand writing FP8 rows) compile for sm_90 on a machine without a GPU: their wrappers
+launch them on CPU tensors with launches recorded, not executed (tests/sm90_compile.py, SM90_COMPILE_ONLY), then
+Triton compiles each launch to a cubin."""
 
 from test_kernels import _interpret, needs_cpu_interpreter, run_in_interpreter
 
@@ -45,6 +45,11 @@ adamw.adamw_master_(torch.zeros(E, H, D).bfloat16(), torch.zeros(E, H, D).bfloat
                     0.95, 1e-8, 0.1, fp8=c)
 fp8.recast_moved_(w, c, torch.ones(E))
 fp8.transpose_copy_(plain, torch.empty(E, D, 2 * H, dtype=FP8))
+# the nvlink dispatcher's local expand writing FP8 rows beside the bf16 ones
+from kernels import peer_rows
+buf, row_TK = torch.zeros(16, 300).bfloat16(), torch.tensor([[3, -1], [0, 9], [-1, -1], [5, 6], [1, 2]], dtype=torch.int32)
+peer_rows.peer_scatter(torch.randn(5, 300).bfloat16(), None, row_TK, torch.zeros(1, dtype=torch.int64), [buf],
+                       fp8_out=(torch.empty(16, 300, dtype=FP8), torch.empty(16)))
 print("LAUNCHED-OK")
 """
 
@@ -56,5 +61,5 @@ def test_fp8_and_adamw_kernels_compile_for_sm90():
     compiled = p.stderr.split("SM90-COMPILED", 1)[1].splitlines()[0]
     for kernel in ("_quant_rows_kernel", "_cast_amax_kernel", "_recast_kernel", "_cast_experts_t_kernel",
                    "_swiglu_quant_kernel", "_swiglu_quant_bwd_kernel", "_adamw_kernel", "_transpose_kernel",
-                   "_cross_entropy_bwd_kernel"):
+                   "_cross_entropy_bwd_kernel", "_scatter_rows_kernel"):
         assert kernel in compiled.split(": ", 1)[1].split(), compiled  # launched, so compiled (not a torch fallback)

@@ -71,7 +71,8 @@ def _build(cfg: MoEEchoConfig, backend: str, num_experts: int, ep_group, ep_size
         return HierarchicalDispatcher(num_experts, ep_group, ep_size, cfg.capacity_factor, hosts.hosts,
                                       hosts.net_group, hosts.host_group, hosts.host_rank)
     if backend == "nvlink":
-        return NVLinkDispatcher(num_experts, ep_group, ep_size, cfg.capacity_factor, cfg.nvlink_sms, copies=cfg.nvlink_copy)
+        return NVLinkDispatcher(num_experts, ep_group, ep_size, cfg.capacity_factor, cfg.nvlink_sms, copies=cfg.nvlink_copy,
+                                fp8_rows=cfg.expert_precision == "fp8")
     if backend == "deepep":
         return DeepEPDispatcher(num_experts, ep_group, ep_size)
     if backend == "alltoall":

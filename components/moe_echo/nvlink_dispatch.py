@@ -32,6 +32,11 @@ barrier the kernels that read those rows read the wire instead, dequantising on 
 expert rows, and the combine's backward (gathered experts: the wire rows are dequantised into ``tok`` /
 ``grad_tok`` first). Sums and gradients sent back stay in bf16.
 
+With ``fp8_rows`` (FP8 experts) the kernels that write the expert rows also write them as FP8 rows (one
+power-of-two scale per row, ``kernels.fp8.quant_rows`` bit for bit) and hand them to the experts through
+``handle.fp8_rows``: the local expand (x) and the combine's backward (the experts' output gradient). The experts
+then quantise neither [N, D] tensor themselves.
+
 What moves the token rows (``copies``, ``[moe_echo] nvlink_copy``):
     ``copy_engine``: the copy engines, no SM. A send copies the whole [T, D] block into rows s·T.. of
         every rank (rows of tokens that go nowhere there cross too and are never read: their meta rows are -1).
@@ -59,13 +64,14 @@ from dataclasses import dataclass
 import torch
 
 from components.streams import side_stream
-from kernels.fp8 import dequant_blocks
-from kernels.moe_rows import combine_backward, gather_sum
+from kernels.fp8 import FP8, dequant_blocks, quant_rows
+from kernels.moe_rows import _use_triton, combine_backward, gather_sum
 from kernels.peer_rows import peer_gather_sum, peer_route_meta, peer_scatter
 from kernels.route_layout import layout_tail, slot_ranks
 
 from .comm import WIRE_BLOCK, fp8_parts, fp8_rows, wire_scales
 from .dispatcher import DispatchHandle, ExpertParallel, FixedCapacity, capacity_rows
+from .row_ops import Fp8Rows
 from .symmetric import SymmBuffer, workspace_for
 
 _instance_ids = itertools.count()
@@ -129,7 +135,8 @@ class NVLinkDispatcher(FixedCapacity, ExpertParallel):
     echo_from_ep = 4
 
     def __init__(self, num_experts: int, group, ep_size: int, capacity_factor: float, programs: int = 32,
-                 workspace=None, name: str | None = None, block_t: int | None = None, copies: str = "kernel"):
+                 workspace=None, name: str | None = None, block_t: int | None = None, copies: str = "kernel",
+                 fp8_rows: bool = False):
         ExpertParallel.__init__(self, num_experts, group, ep_size)
         FixedCapacity.__init__(self, capacity_factor)
         self.programs = programs
@@ -137,6 +144,7 @@ class NVLinkDispatcher(FixedCapacity, ExpertParallel):
         if copies not in ("copy_engine", "kernel"):
             raise ValueError(f"[moe_echo] nvlink_copy = {copies!r}: use 'copy_engine' or 'kernel'")
         self.copies = copies  # what moves token rows, their sums and gradients across ranks (``nvlink_copy``)
+        self.fp8_rows = fp8_rows  # FP8 experts: hand them the expert rows and their gradient as FP8 rows too
         self.ws = workspace if workspace is not None else workspace_for(group)
         self.rank = self.ws.rank
         # buffer names must agree across ranks: layers are built in the same order on every rank
@@ -177,6 +185,8 @@ class NVLinkDispatcher(FixedCapacity, ExpertParallel):
     def dispatch(self, x_TD, ids_TK, w_TK):
         x_TD, counts_e, h = self.route(x_TD, ids_TK, w_TK)
         cap, D = nvlink_capacity(*ids_TK.shape, self.capacity_factor), x_TD.shape[1]
+        if self.fp8_rows and x_TD.dtype == torch.bfloat16:
+            h.fp8_rows = Fp8Rows()
         x_buf = self.ws.buffer(f"{self.name}/x", (cap, D), x_TD.dtype, x_TD.device)
         return _NVLinkDispatch.apply(x_TD, self, h, x_buf), counts_e, h
 
@@ -355,8 +365,11 @@ class _NVLinkDispatch(torch.autograd.Function):
         else:
             send_tokens(disp, h, x_TD)
         r = disp.rank
+        fp8 = _fp8_rows_like(x_buf.local) if h.fp8_rows is not None else None
         peer_scatter(tok_UD, None, h.meta_row.local, x_buf.ptrs_R[r:r + 1], [x_buf.local],
-                     programs=disp.LOCAL_PROGRAMS, x_scales=scale_U, scale_block=WIRE_BLOCK)
+                     programs=disp.LOCAL_PROGRAMS, x_scales=scale_U, scale_block=WIRE_BLOCK, fp8_out=fp8)
+        if fp8 is not None:
+            h.fp8_rows.x = fp8
         ctx.disp, ctx.h = disp, h
         return x_buf.local.view(x_buf.local.shape)
 
@@ -384,6 +397,17 @@ class _NVLinkCombine(torch.autograd.Function):
         else:
             g_UD, scale_U = grad_tokens(disp, h, grad_TD).local, None
         gy = disp._shared("grad_y", tuple(y_ND.shape), y_ND.dtype, y_ND.device)
+        fused = h.fp8_rows is not None and _use_triton(g_UD, y_ND)
+        fp8 = _fp8_rows_like(gy.local) if fused else None
         _, gw_UK = combine_backward(g_UD, y_ND, h.meta_w.local, h.meta_row.local, grad_y_out=gy.local,
-                                    g_scales=scale_U, scale_block=WIRE_BLOCK)
-        return gy.local.view(gy.local.shape), pull_grad_w(disp, h, gw_UK), None, None
+                                    g_scales=scale_U, scale_block=WIRE_BLOCK, fp8_out=fp8)
+        grad_y_ND = gy.local.view(gy.local.shape)
+        if h.fp8_rows is not None:  # off the kernels, quantised here (the experts would, the same way)
+            h.fp8_rows.put_grad(grad_y_ND, *(fp8 if fused else quant_rows(grad_y_ND)))
+        return grad_y_ND, pull_grad_w(disp, h, gw_UK), None, None
+
+
+def _fp8_rows_like(x_ND: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Room for x_ND's rows as FP8 rows: (q [N, D] e4m3, s [N] fp32)."""
+    return (torch.empty(x_ND.shape, dtype=FP8, device=x_ND.device),
+            torch.empty(x_ND.shape[0], dtype=torch.float32, device=x_ND.device))
