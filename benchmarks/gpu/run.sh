@@ -75,8 +75,8 @@
 #                    PART=b compiled + graphed, nvlink, one invocation: default, fsdp_reshard_after_forward never, ECHO on, bf16 reduce
 #   fp8_step    1/2  FP8 on the whole step ([model] converters = ["float8"] + FP8 experts): PART=a tests and
 #                    v2lite_1b bf16 vs FP8 beside torchtitan's float8; b (2 GPUs) 500-step loss parity, eager and
-#                    compiled FP8; c (2 GPUs) v2lite_6b_2gpu EP=2, the fp8 dispatch wire at EP=2 and across 2
-#                    emulated hosts; d (1 GPU) FP8 by part and scaling; f (1 GPU) which dense layers pay
+#                    compiled FP8; c (2 GPUs) v2lite_6b_2gpu EP=2 (HEAD=1: head in FP8 too; BASE=1: vs
+#                    build/base.tgz; WIRE=0: only that), the fp8 dispatch wire at EP=2 and across 2 emulated hosts; d (1 GPU) FP8 by part and scaling; f (1 GPU) which dense layers pay
 #                    (filter_fqns); h (1 GPU) FP8 here vs FP8 on build/base.tgz's tree (HEAD=1: head in FP8); p bf16 and FP8
 #                    profiled; g (2 GPUs) the FSDP FP8 all-gather tested and measured beside torchtitan's; e (2 GPUs)
 #                    v2lite_6b_2gpu 500-step loss parity (RUNS= bf16 fp8 bf16_compile, a subset per invocation);
@@ -250,12 +250,21 @@ print('largest step difference over steps 1-20: %.2e at step %d' % max(rel[:20])
         python3 benchmarks/loss_match.py "$OUT/f8_loss_bf16$s.jsonl" "$OUT/$name.jsonl" --floor \
           "$OUT/f8_loss_bf16_compile$s.jsonl" --plot "$OUT/$name.png" --names "bf16,$name,bf16 compiled" | tail -2 ;;
       c)  # two GPUs: v2lite_6b_2gpu at EP=2 (with torchtitan's float8, compiled), the fp8 wire at EP=2 (padded, bf16
-          # vs fp8 rows), then across 2 emulated hosts
-        label=$([ "${RECIPE:-tensorwise}" = rowwise ] && echo fp8_step || echo fp8_${RECIPE:-tensorwise})
+          # vs fp8 rows), then across 2 emulated hosts. HEAD=1: a third variant, the output head in FP8 too (label
+          # ..._head); BASE=1: FP8 here vs FP8 on build/base.tgz's tree (as PART=h; HEAD=1 puts both heads in FP8),
+          # no torchtitan run; REPEATS=N: our runs N times in turn; WIRE=0: the step only; LABEL= names the rows
+        label=$([ "${RECIPE:-tensorwise}" = rowwise ] && echo fp8_step || echo fp8_${RECIPE:-tensorwise})${HEAD:+_head}
+        H8=${HEAD:+ --quantize.linear.float8.filter_fqns router.gate}
+        V="bf16=;fp8=$F8${HEAD:+;fp8_head=$F8$H8}"
+        if [ -n "${BASE:-}" ]; then
+          [ -d /tmp/base/recipes ] || { echo "fp8_step PART=c BASE=1: no build/base.tgz to compare with"; exit 1; }
+          V="bf16=;fp8_base=@/tmp/base $F8$H8;fp8=$F8$H8"; label=${label}_base; fi
         python3 benchmarks/e2e.py --configs v2lite_6b_2gpu --nproc 2 --runs ours_compile_graph --steps 20 \
-          --label $label --variants "bf16=;fp8=$F8" --out "$OUT" 2>&1 | noise | grep -E "^\| v2lite" | tail -4
-        python3 benchmarks/e2e.py --configs v2lite_6b_2gpu --nproc 2 --runs torchtitan_compile --steps 20 --label titan_fp8 \
-          --titan "$T8" --out "$OUT" 2>&1 | noise | grep -E "^\| v2lite" | tail -1
+          --repeats ${REPEATS:-1} --label ${LABEL:-$label} --variants "$V" \
+          --out "$OUT" 2>&1 | noise | grep -E "^\| v2lite" | tail -4
+        [ -z "${BASE:-}" ] && python3 benchmarks/e2e.py --configs v2lite_6b_2gpu --nproc 2 --runs torchtitan_compile \
+          --steps 20 --label titan_fp8 --titan "$T8" --out "$OUT" 2>&1 | noise | grep -E "^\| v2lite" | tail -1
+        [ "${WIRE:-1}" = 0 ] && exit 0
         python3 benchmarks/e2e.py --configs v2lite_1b_gpu --nproc 2 --runs ours_graph --steps 20 --label fp8_wire \
           --ours "--parallelism.expert_parallel_degree 2 --moe_echo.dispatcher padded --moe_echo.capacity_factor 2.0" \
           --variants "bf16_wire=;fp8_wire=--moe_echo.dispatch_precision fp8" --out "$OUT" 2>&1 | noise | grep -E "^\| v2lite"
