@@ -10,9 +10,9 @@
    token rows quantised the same way) to 1e-5, and outputs and gradients agree across the copy paths and chunk
    counts to 1e-5 (alltoall's backward quantises weighted gradient rows, nvlink's the unweighted ones: their
    gradients differ at the fp8 level);
-5. FP8 experts behind nvlink (bf16 and fp8 wire): the rows the dispatcher's kernels quantise as they write them
-   (its local expand, its combine backward) give bitwise the output and gradients of quantising in the experts,
-   which then quantise no [N, D] rows themselves; sync-free."""
+5. FP8 experts behind nvlink (bf16 and fp8 wire, and the layer in 2 pipelined chunks): the rows the dispatcher's
+   kernels quantise as they write them (its local expand, its combine backward) give bitwise the output and
+   gradients of quantising in the experts, which then quantise no [N, D] rows themselves; sync-free."""
 
 import copy
 import os
@@ -142,11 +142,11 @@ def fp8_rows_check(mesh, dev, rank: int, world: int, x_all: torch.Tensor) -> Non
     quantised, real = [], fe.quant_rows
     fe.quant_rows = lambda x, *a: quantised.append(tuple(x.shape)) or real(x, *a)
     try:
-        for wire in ("bf16", "fp8"):
+        for wire, chunks in (("bf16", 1), ("fp8", 1), ("bf16", 2)):
             runs = []
             for fp8_rows in (False, True):
                 cfg = MoEEchoConfig(dispatcher="nvlink", capacity_factor=float(world), expert_precision="fp8",
-                                    dispatch_precision=wire)
+                                    dispatch_precision=wire, overlap_chunks=chunks)
                 layer = make(dev, cfg)
                 layer.expert_bias[:2] = 0.5  # two hot experts on rank 0
                 apply_expert_parallel(layer, mesh, cfg)
@@ -158,7 +158,7 @@ def fp8_rows_check(mesh, dev, rank: int, world: int, x_all: torch.Tensor) -> Non
                     y = layer(x)
                 (y.float() * torch.linspace(-1, 1, y.numel(), device=dev).view_as(y)).sum().backward()
                 rows = [s for s in quantised if s[1] == x.shape[-1]]  # x_ND and dy_ND: [N, D]
-                assert len(rows) == (0 if fp8_rows else 2), (wire, fp8_rows, quantised)
+                assert len(rows) == (0 if fp8_rows else 2 * chunks), (wire, chunks, fp8_rows, quantised)
                 runs.append([y.detach(), x.grad] + [p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad
                                                      for p in layer.parameters()])
                 torch.cuda.synchronize()
@@ -169,10 +169,11 @@ def fp8_rows_check(mesh, dev, rank: int, world: int, x_all: torch.Tensor) -> Non
                 finally:
                     torch.cuda.set_sync_debug_mode("default")
             for i, (a, b) in enumerate(zip(*runs)):
-                assert a is not None and torch.equal(a, b), f"fp8 rows ({wire} wire): tensor {i} differs"
+                assert a is not None and torch.equal(a, b), f"fp8 rows ({wire} wire, {chunks} chunks): tensor {i} differs"
             if rank == 0:
-                print(f"FP8 experts over nvlink, {wire} wire: the dispatcher's FP8 rows == the experts' own quantisation "
-                      f"(output and {len(runs[0]) - 1} gradients, bitwise); sync-free", flush=True)
+                print(f"FP8 experts over nvlink, {wire} wire, {chunks} chunk(s): the dispatcher's FP8 rows == the "
+                      f"experts' own quantisation (output and {len(runs[0]) - 1} gradients, bitwise); sync-free",
+                      flush=True)
     finally:
         fe.quant_rows = real
 

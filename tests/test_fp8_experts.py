@@ -473,13 +473,19 @@ def test_dispatched_fp8_rows_equal_quantising_in_the_experts_on_gpu():
 
 # --- the nvlink dispatcher's FP8 rows (its local expand and combine backward quantise them) --------
 
-@pytest.mark.parametrize("routing", ["random", "all_to_one"])
-def test_nvlink_fp8_rows_replace_the_experts_quantisation(monkeypatch, routing):
+@pytest.mark.parametrize("routing, chunks, recompute", [("random", 1, False), ("all_to_one", 1, False),
+                                                         ("random", 2, False), ("all_to_one", 1, True)])
+def test_nvlink_fp8_rows_replace_the_experts_quantisation(monkeypatch, routing, chunks, recompute):
     """FP8 experts behind the nvlink dispatcher at EP=2 (threads as ranks, CPU): with ``fp8_rows`` the dispatcher
     hands over x_ND and y_ND's gradient as FP8 rows and the experts quantise no [N, D] rows themselves; output and
     every gradient are bitwise those of quantising in the experts (``all_to_one``: every token to one expert of
-    rank 0, whose peer then receives nothing)."""
+    rank 0, whose peer then receives nothing; ``chunks``: the layer pipelined in token chunks, overlap_chunks;
+    ``recompute``: ECHO on with echo_recompute, whose recomputed forward quantises x once more)."""
     import copy
+    import dataclasses
+
+    from components.moe_echo.echo import Echo
+    from components.moe_echo.echo_transport import build_transport
 
     import components.moe_echo.fp8_experts as fe
     from components.moe_echo.nvlink_dispatch import NVLinkDispatcher
@@ -506,14 +512,22 @@ def test_nvlink_fp8_rows_replace_the_experts_quantisation(monkeypatch, routing):
             for name in ("w1", "w2", "w3"):
                 full = getattr(layer.experts, name).data
                 setattr(layer.experts, name, torch.nn.Parameter(full[rank * e:(rank + 1) * e].clone()))
-            layer.dispatcher = NVLinkDispatcher(E, None, R, float(R), workspace=ws, name="layer", fp8_rows=fp8_rows)
+            slots = 2 if recompute else 0  # ECHO's clone slots per rank
+            layer.dispatcher = NVLinkDispatcher(R * (e + slots), None, R, float(R), workspace=ws, name="layer",
+                                                fp8_rows=fp8_rows)
             layer.ep_size = R
-            return _layer_step(layer, x_all[rank], gy_all[rank])
+            layer.cfg = dataclasses.replace(layer.cfg, overlap_chunks=chunks, echo_recompute=recompute)
+            if recompute:
+                transport = build_transport(layer.dispatcher, None, R, rank, slots, e)
+                layer.echo = Echo(E, R, rank, slots, "greedy", transport)
+            out = _layer_step(layer, x_all[rank], gy_all[rank])
+            assert not recompute or float(layer.echo_stats[2]) >= 1  # ECHO cloned: the recompute path ran
+            return out
 
         runs[fp8_rows] = run_ranks(R, rank_fn)
-        cap = 128 * -(-R * S * K // 128)  # nvlink_capacity at capacity factor R
+        cap = 128 * -(-R * (S // chunks) * K // 128)  # nvlink_capacity at capacity factor R, per chunk
         rows = [s for s in quantised if s == (cap, D)]
-        assert len(rows) == (0 if fp8_rows else 2 * R), quantised
+        assert len(rows) == R * chunks * ((1 if recompute else 0) if fp8_rows else (3 if recompute else 2)), quantised
     for rank in range(R):
         for a, b in zip(runs[True][rank], runs[False][rank]):
             assert a is not None and torch.equal(a, b)

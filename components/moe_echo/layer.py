@@ -186,7 +186,9 @@ class MoELayer(nn.Module):
     def _experts(self, *args, extend=None, apply=None, fp8_rows=None):
         """The experts' forward, recomputed in backward where ECHO asks (``echo_recompute``)."""
         if extend is not None and self.cfg.echo_recompute and torch.is_grad_enabled():
-            return torch.utils.checkpoint.checkpoint(self.experts, *args, extend, apply, use_reentrant=False)
+            # the recomputed forward finds x's FP8 rows taken and quantises them again, the same way
+            return torch.utils.checkpoint.checkpoint(self.experts, *args, extend, apply, fp8_rows,
+                                                     use_reentrant=False)
         return self.experts(*args, extend, apply, fp8_rows=fp8_rows)
 
     def _dispatched(self, x_TD, ids_TK, w_TK, plan) -> torch.Tensor:
@@ -205,7 +207,7 @@ class MoELayer(nn.Module):
         shared, beside = [], None
         if shared_at_ends:
             beside = tuple((lambda x=x: shared.append(self.shared_experts(x))) for x in x_TD.chunk(2))
-        y_TD = pipelined_routed(self.dispatcher, lambda x, c, ext: self._experts(x, c, extend=ext),
+        y_TD = pipelined_routed(self.dispatcher, lambda x, c, ext, rows: self._experts(x, c, extend=ext, fp8_rows=rows),
                                 self._count_overflow, x_TD, ids_TK, w_TK, chunks, self._extend(plan), beside)
         return y_TD + torch.cat(shared) if shared else y_TD
 

@@ -96,7 +96,8 @@ def pipelined_routed(dispatcher, experts, count, x_TD, ids_TK, w_TK, chunks: int
                      beside=None) -> torch.Tensor:
     """The routed experts' y_TD [T, D] as dispatch -> experts -> combine over ``chunks`` token chunks.
 
-    ``experts(x_ND, counts_e, extend) -> y_ND`` and ``count(handle)`` (overflow bookkeeping) are the layer's;
+    ``experts(x_ND, counts_e, extend, fp8_rows) -> y_ND`` and ``count(handle)`` (overflow bookkeeping) are the
+    layer's (``fp8_rows``: the chunk's handle's, ``row_ops.Fp8Rows`` or None);
     on CUDA, dispatch and combine run on the ``moe_comm`` side stream (on CPU: in order, one stream).
     ``beside`` (two callables): work for the current stream at the pipeline's two ends, where it has nothing
     else to do: the first is issued while chunk 0 is dispatched, the second while the last chunk is combined
@@ -131,7 +132,7 @@ def pipelined_routed(dispatcher, experts, count, x_TD, ids_TK, w_TK, chunks: int
             main.wait_event(done)
             x_ND.record_stream(main)
             counts_e.record_stream(main)
-        y_ND = experts(x_ND, counts_e, extend)
+        y_ND = experts(x_ND, counts_e, extend, handle.fp8_rows)
         computed = _event(main)
         with on_comm():
             if comm is not None:

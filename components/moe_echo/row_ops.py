@@ -27,7 +27,9 @@ from kernels.moe_rows import _use_triton, combine_backward, gather_sum
 class Fp8Rows:
     """FP8 copies of the dispatched rows (``x``) and of their output's gradient (``grad``), each (q_ND, s_N),
     handed from the kernels that move the rows to FP8 experts. Each is taken once; a gradient is given only for
-    the very tensor it was made from (same memory, not modified since), else None and the experts quantise."""
+    the very tensor it was made from (same memory, not modified since), else None and the experts quantise.
+    What is taken is marked in use by the taker's stream (a pipelined layer moves rows on another stream than
+    its experts run on), so its memory is not reused before the taker's kernels are done with it."""
 
     def __init__(self):
         self.x: tuple[torch.Tensor, torch.Tensor] | None = None
@@ -35,7 +37,7 @@ class Fp8Rows:
 
     def take_x(self) -> tuple[torch.Tensor, torch.Tensor] | None:
         x, self.x = self.x, None
-        return x
+        return _used_here(x)
 
     def put_grad(self, g_ND: torch.Tensor, q_ND: torch.Tensor, s_N: torch.Tensor) -> None:
         self._grad = (g_ND, g_ND._version, q_ND, s_N)
@@ -47,7 +49,15 @@ class Fp8Rows:
         g, version, q_ND, s_N = held
         same = (g.data_ptr() == g_ND.data_ptr() and g.shape == g_ND.shape and g.stride() == g_ND.stride()
                 and g.dtype == g_ND.dtype and g._version == version)
-        return (q_ND, s_N) if same else None
+        return _used_here((q_ND, s_N)) if same else None
+
+
+def _used_here(rows):
+    if rows is not None and rows[0].is_cuda:
+        stream = torch.cuda.current_stream(rows[0].device)
+        for t in rows:
+            t.record_stream(stream)
+    return rows
 
 
 class _GatherRows(torch.autograd.Function):
