@@ -25,7 +25,8 @@ gets one scale per output channel of its GEMM instead of one per expert: a row o
 for the transposed one (so the two copies are quantised separately), cast from the weights in every pass.
 Expert groups need no alignment (the 2d×3d FP8 GEMMs accept any row counts); rows past sum(counts)
 are skipped by every pass. The FP8 rows of x and of dy come from the dispatcher where it made them as it moved
-the rows (``rows``: the local dispatcher's gather and combine backward), else from ``quant_rows`` here.
+the rows (``rows``: the local dispatcher's gather, ``nvlink``'s expand into expert rows, and either one's combine
+backward), else from ``quant_rows`` here.
 
 Off CUDA the GEMMs are emulated (dequantise, fp32 matmul per expert): the same quantisation, so CPU
 tests check everything but the tensor-core kernels.
