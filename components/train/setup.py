@@ -163,8 +163,9 @@ def build_parallel_model(run: Run, tokenizer):
         run.say(f"float8: {len(swapped)} linear layers in FP8 ({f8.recipe_name or 'tensorwise'}"
                 f"{', emulated' if f8.emulate else ''}{gather}); kept: router gates, "
                 f"{', '.join(float8.kept_names(f8))}")
-        if isinstance(getattr(model, float8.HEAD, None), Fp8Head):
-            run.say("float8: the output head takes its gradient from the loss in FP8 (e5m2, written in one pass)")
+        if isinstance(head := getattr(model, float8.HEAD, None), Fp8Head):
+            kind = str(head.grad_dtype).removeprefix("torch.float8_").removesuffix("fn")  # e5m2 / e4m3
+            run.say(f"float8: the output head takes its gradient from the loss in FP8 ({kind}, written in one pass)")
         if note := float8.uncompiled_note(cfg):
             run.say(note)
     model = parallelize(model, run.mesh, run.dims, cfg, run.device)
