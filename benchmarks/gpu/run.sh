@@ -79,9 +79,10 @@
 #                    build/base.tgz; WIRE=0: only that), the fp8 dispatch wire at EP=2 and across 2 emulated hosts; d (1 GPU) FP8 by part and scaling; f (1 GPU) which dense layers pay
 #                    (filter_fqns); h (1 GPU) FP8 here vs FP8 on build/base.tgz's tree (HEAD=1: head in FP8); p bf16 and FP8
 #                    profiled; g (2 GPUs) the FSDP FP8 all-gather tested and measured beside torchtitan's; e (2 GPUs)
-#                    v2lite_6b_2gpu 500-step loss parity (RUNS= bf16 fp8 bf16_compile, a subset per invocation);
-#                    l (1 GPU) loss parity of one FP8 variant (VARIANT=, default the output head in FP8); o (1 GPU)
-#                    the FP8 output head's tests and its head + loss beside bf16's and torchao's
+#                    v2lite_6b_2gpu 500-step loss parity (RUNS= bf16 fp8 bf16_compile fp8_compile fp8_head_compile,
+#                    a subset per invocation); l (1 GPU) loss parity of one FP8 variant (VARIANT=, default the output
+#                    head in FP8); o (1 GPU) the FP8 output head's tests and its head + loss beside bf16's and
+#                    torchao's; q (1 GPU) the FP8 head's trained weights evaluated with the head in FP8 and in bf16
 #   guard       1    cost of the non-finite guard: v2lite_1b (CONFIGS=...), eager and graphed, on vs off
 #   titan       2    torchtitan's own trainer with our TrainSpec (EP=2, ECHO) vs the recipe: per-step losses
 #   overlap_profile 2  the graphed v2lite_1b step at EP=2 profiled: nvlink and padded, whole and in 2 chunks
@@ -287,6 +288,29 @@ print('largest step difference over steps 1-20: %.2e at step %d' % max(rel[:20])
         [ -d /tmp/base/recipes ] || { echo "fp8_step PART=h: no build/base.tgz to compare with"; exit 1; }
         H8=${HEAD:+ --quantize.linear.float8.filter_fqns router.gate}
         one_gpu_variants ${LABEL:-fp8_base} "bf16=;fp8_base=@/tmp/base $F8$H8;fp8=$F8$H8" ;;
+      q)  # one GPU: whose is the FP8 output head's higher loss, the model's or the loss's own rounding? v2lite_1b
+          # with the head in FP8 trained 500 steps (compiled, graphed, a DCP checkpoint at the end); then those
+          # weights' loss on the first EVAL (default 20) batches, lr 1e-12 (recipes/finetune.py): the head in FP8 as
+          # trained, the head in bf16 (the rest as trained), everything bf16 -> f8_eval_*.jsonl and a summary line
+        export CUDA_VISIBLE_DEVICES=${CUDA_VISIBLE_DEVICES:-0}
+        H8="--quantize.linear.float8.filter_fqns router.gate"
+        TMO=300 recipe f8_eval_train 1 --training.steps 500 --training.cuda_graph true --compile.enable true $F8 $H8 \
+          --checkpoint.enable true --checkpoint.interval 500 | cut -c1-300
+        ck=/tmp/run_f8_eval_train/checkpoint/step-500
+        [ -f $ck/COMPLETE ] || { echo "fp8_step PART=q: no checkpoint at $ck"; exit 1; }
+        for v in "head_fp8=$F8 $H8" "head_bf16=$F8" "bf16="; do
+          name=${v%%=*}; rm -rf /tmp/run_eval_$name
+          timeout 240 torchrun --nproc_per_node 1 recipes/finetune.py --job.config_file train_configs/v2lite_1b_gpu.toml \
+            --job.dump_folder /tmp/run_eval_$name --metrics.enable_tensorboard false --checkpoint.enable false \
+            --checkpoint.initial_load_path $ck --training.steps ${EVAL:-20} --optimizer.lr 1e-12 --metrics.log_freq 1 \
+            --training.cuda_graph true ${v#*=} > "$OUT/f8_eval_$name.log" 2>&1
+          echo "== eval $name rc=$?"; cp /tmp/run_eval_$name/metrics.jsonl "$OUT/f8_eval_$name.jsonl"
+        done
+        python3 -c "
+import json
+m = {n: [r['loss'] for r in map(json.loads, open('$OUT/f8_eval_%s.jsonl' % n)) if 'loss' in r] for n in ('head_fp8', 'head_bf16', 'bf16')}
+b = sum(m['head_bf16']) / len(m['head_bf16'])
+print('; '.join('%s %.4f (%+.2f%% vs the head in bf16, %d batches)' % (n, sum(v) / len(v), 100 * (sum(v) / len(v) / b - 1), len(v)) for n, v in m.items()))" ;;
       o)  # one GPU: the FP8 output head's tests, then its head + loss against bf16's and torchao's (v2lite_1b's shape)
           # -> fp8_head_1x<GPU>.md
         export CUDA_VISIBLE_DEVICES=${CUDA_VISIBLE_DEVICES:-0}
@@ -320,15 +344,24 @@ print('largest step difference over steps 1-20: %.2e at step %d' % max(rel[:20])
         CUDA_VISIBLE_DEVICES=0 timeout ${TMO:-150} python3 benchmarks/e2e.py --configs v2lite_1b_gpu --runs torchtitan_compile \
           --steps 30 --label titan_fp8_tensorwise --titan "$T8" --out "$OUT" 2>&1 | noise | grep -E "^\| v2lite" \
           | tail -1 ;;
-      e)  # two GPUs: v2lite_6b_2gpu at EP=2, 500 steps, bf16 / FP8 / bf16 compiled (RUNS= a subset; each run ~3.5 min)
+      e)  # two GPUs: v2lite_6b_2gpu at EP=2, 500 steps (graphed), RUNS= any of bf16, fp8, bf16_compile,
+          # fp8_compile, fp8_head_compile (the output head in FP8 too); default the first three; each run ~3.5 min.
+          # With both bf16 runs in the same invocation, each FP8 run is compared with bf16, the floor being bf16 vs
+          # bf16 compiled (benchmarks/loss_match.py) -> fp8_loss_v2lite_6b[_<run>].png
         G="--training.steps 500 --training.cuda_graph true"
         for r in ${RUNS:-bf16 fp8 bf16_compile}; do
-          case $r in bf16) a="";; fp8) a="$F8";; bf16_compile) a="--compile.enable true";; esac
+          case $r in bf16) a="";; fp8) a="$F8";; bf16_compile) a="--compile.enable true";;
+            fp8_compile) a="$F8 --compile.enable true";;
+            fp8_head_compile) a="$F8 --compile.enable true --quantize.linear.float8.filter_fqns router.gate";;
+            *) echo "fp8_step PART=e: unknown run $r"; exit 1;; esac
           CFG=train_configs/v2lite_6b_2gpu.toml TMO=290 recipe "f8_6b_$r" 2 $G $a | cut -c1-300
         done
-        [ -f "$OUT/f8_6b_bf16_compile.jsonl" ] && python3 benchmarks/loss_match.py "$OUT/f8_6b_bf16.jsonl" \
-          "$OUT/f8_6b_fp8.jsonl" --floor "$OUT/f8_6b_bf16_compile.jsonl" --plot "$OUT/fp8_loss_v2lite_6b.png" \
-          --names "bf16,FP8,bf16 compiled" | tail -2 ;;
+        for r in fp8 fp8_compile fp8_head_compile; do
+          [ -f "$OUT/f8_6b_bf16.jsonl" ] && [ -f "$OUT/f8_6b_bf16_compile.jsonl" ] && [ -f "$OUT/f8_6b_$r.jsonl" ] || continue
+          python3 benchmarks/loss_match.py "$OUT/f8_6b_bf16.jsonl" "$OUT/f8_6b_$r.jsonl" --floor \
+            "$OUT/f8_6b_bf16_compile.jsonl" --plot "$OUT/fp8_loss_v2lite_6b${r#fp8}.png" --names "bf16,$r,bf16 compiled" \
+            | tail -2
+        done ;;
     esac ;;
 
   nvlink_fp8)  # the fp8 wire over NVLink (dispatch_precision = "fp8" with the nvlink dispatcher)
