@@ -166,6 +166,8 @@ def build_parallel_model(run: Run, tokenizer):
         if isinstance(head := getattr(model, float8.HEAD, None), Fp8Head):
             kind = str(head.grad_dtype).removeprefix("torch.float8_").removesuffix("fn")  # e5m2 / e4m3
             run.say(f"float8: the output head takes its gradient from the loss in FP8 ({kind}, written in one pass)")
+        if note := float8.head_note(swapped):
+            run.say(note)
         if note := float8.uncompiled_note(cfg):
             run.say(note)
     model = parallelize(model, run.mesh, run.dims, cfg, run.device)
