@@ -82,7 +82,8 @@
 #                    v2lite_6b_2gpu 500-step loss parity (RUNS= bf16 fp8 bf16_compile fp8_compile fp8_head_compile,
 #                    a subset per invocation); l (1 GPU) loss parity of one FP8 variant (VARIANT=, default the output
 #                    head in FP8); o (1 GPU) the FP8 output head's tests and its head + loss beside bf16's and
-#                    torchao's; q (1 GPU) the FP8 head's trained weights evaluated with the head in FP8 and in bf16
+#                    torchao's; q (1 GPU) the FP8 head's trained weights evaluated with the head in FP8 and in bf16;
+#                    s (2 GPUs) PART=l at two seeds side by side (SEEDS=)
 #   guard       1    cost of the non-finite guard: v2lite_1b (CONFIGS=...), eager and graphed, on vs off
 #   titan       2    torchtitan's own trainer with our TrainSpec (EP=2, ECHO) vs the recipe: per-step losses
 #   overlap_profile 2  the graphed v2lite_1b step at EP=2 profiled: nvlink and padded, whole and in 2 chunks
@@ -250,6 +251,22 @@ print('largest step difference over steps 1-20: %.2e at step %d' % max(rel[:20])
         TMO=280 recipe $name 1 $G $F8 --compile.enable true ${VARIANT:---quantize.linear.float8.filter_fqns router.gate}
         python3 benchmarks/loss_match.py "$OUT/f8_loss_bf16$s.jsonl" "$OUT/$name.jsonl" --floor \
           "$OUT/f8_loss_bf16_compile$s.jsonl" --plot "$OUT/$name.png" --names "bf16,$name,bf16 compiled" | tail -2 ;;
+      s)  # two GPUs: PART=l (VARIANT, NAME as there) at two seeds at once, GPU i running the i-th of SEEDS (default
+          # "0 1"); each FP8 run also against bf16 compiled (both compiled) -> seed<SEED>.txt, <NAME>_s<SEED>.png, and
+          # the runs' logs and metrics in loss_runs.tgz (what comes back of $OUT is a few files)
+        i=0
+        for seed in ${SEEDS:-0 1}; do
+          (export CUDA_VISIBLE_DEVICES=$i PET_MASTER_PORT=$((29511 + 11 * i)); SEED=$seed PART=l bash "$0" fp8_step \
+            > "$OUT/seed$seed.txt" 2>&1) &
+          i=$((i + 1))
+        done
+        wait
+        for seed in ${SEEDS:-0 1}; do
+          echo "== seed $seed"; grep -E "^(==|loss curves|noise floor)" "$OUT/seed$seed.txt" | cut -c1-250
+          python3 benchmarks/loss_match.py "$OUT/f8_loss_bf16_compile_s$seed.jsonl" \
+            "$OUT/${NAME:-f8_loss_fp8_head}_s$seed.jsonl" | tail -1
+        done
+        (cd "$OUT" && tar czf loss_runs.tgz ./*.jsonl ./*.log && rm -f ./*.jsonl ./*.log) ;;
       c)  # two GPUs: v2lite_6b_2gpu at EP=2 (with torchtitan's float8, compiled), the fp8 wire at EP=2 (padded, bf16
           # vs fp8 rows), then across 2 emulated hosts. HEAD=1: a third variant, the output head in FP8 too (label
           # ..._head); BASE=1: FP8 here vs FP8 on build/base.tgz's tree (as PART=h; HEAD=1 puts both heads in FP8),
