@@ -140,6 +140,50 @@ def test_modified_or_copied_logits_take_the_plain_path():
     assert _rel(hg.grad, want_h) < 0.12 and _rel(head.weight.grad, want_w) < 0.12
 
 
+@pytest.mark.parametrize("gemms", [(), ("output",), ("grad_input", "grad_weight"), ("output", "grad_weight"),
+                                   ("output", "grad_input")])
+def test_each_gemm_of_the_head_in_fp8_or_unquantised_as_asked(gemms):
+    """``fp8_gemms`` picks the head's GEMMs one by one: each named one equals ``_scaled_mm`` of the tensorwise-cast
+    operands bit for bit, each other one the unquantised product (fp32 here). The loss hands over its gradient in
+    FP8 only where both backward GEMMs are FP8; otherwise the head receives the full-precision gradient."""
+    head, h, labels = _head_and_input(seed=3)
+    head.fp8_gemms = gemms
+    puts, put = [], head.handoff.put
+    head.handoff.put = lambda *a: puts.append(a) or put(*a)
+    hg = h.clone().requires_grad_()
+    logits = head(hg)
+    assert (fh.handoff_of(logits) is not None) == head.takes_fp8_grad == ({"grad_input", "grad_weight"} <= set(gemms))
+    logits.retain_grad()
+    lm_loss(logits, labels).backward()
+    h_TD, w_VD, g_TV = hg.detach().flatten(0, 1), head.weight.detach(), logits.grad.flatten(0, 1)
+    qh_TD, qh_DT, s_h = cast_both(h_TD, FP8)
+    qw_VD, qw_DV, s_w = cast_both(w_VD, FP8)
+    qg_TV, qg_VT, s_g = puts[0] if puts else cast_both(g_TV, head.grad_dtype)  # puts: the loss's FP8 gradient
+    assert len(puts) == head.takes_fp8_grad
+    g_TV = qg_TV.float() * s_g if puts else g_TV  # what the head's backward received
+    fp8 = {"output": fh.scaled_mm(qh_TD, qw_VD.t(), s_h, s_w, torch.float32),
+           "grad_input": fh.scaled_mm(qg_TV, qw_DV.t(), s_g, s_w, torch.float32),
+           "grad_weight": fh.scaled_mm(qg_VT, qh_DT.t(), s_g, s_h, torch.float32)}
+    exact = {"output": h_TD.double() @ w_VD.double().t(), "grad_input": g_TV.double() @ w_VD.double(),
+             "grad_weight": g_TV.double().t() @ h_TD.double()}
+    got = {"output": logits.detach().flatten(0, 1), "grad_input": hg.grad.flatten(0, 1), "grad_weight": head.weight.grad}
+    for name in fh.GEMMS:
+        if name in gemms:
+            assert torch.equal(got[name], fp8[name]), name
+            assert _rel(got[name], exact[name]) > 1e-3, name  # quantised: visibly off the exact product
+        else:
+            assert _rel(got[name], exact[name]) < 1e-6, name
+
+
+def test_head_gemms_study_reads_the_gemms_by_name():
+    from benchmarks.fp8_head_gemms import parse_gemms
+
+    assert parse_gemms("grad_weight, output") == ("output", "grad_weight")  # the head's order
+    assert parse_gemms("none") == () == parse_gemms("")
+    with pytest.raises(SystemExit, match="'dgrad' is not one of the head's GEMMs"):
+        parse_gemms("output,dgrad")
+
+
 def test_recipe_swaps_a_tensorwise_head_and_compile_leaves_it_eager():
     from components.moe_echo.models import build_model
     from components.train import float8

@@ -62,9 +62,9 @@ torch.testing.assert_close(ops.gmm(a, b, torch.tensor([3, 5])).float(), ref, rto
 
 noise() { grep -Ev '^\{|^W[0-9]{4} |[Ww]arn'; }   # drop the JSON rows and torch warnings from benchmark output
 
-recipe() {  # name, nproc, extra recipe args
+recipe() {  # name, nproc, extra recipe args (SCRIPT: another entry point taking pretrain.py's arguments)
   rm -rf "/tmp/run_$1"
-  timeout ${TMO:-150} torchrun --nproc_per_node $2 recipes/pretrain.py --job.config_file ${CFG:-train_configs/v2lite_1b_gpu.toml} \
+  timeout ${TMO:-150} torchrun --nproc_per_node $2 ${SCRIPT:-recipes/pretrain.py} --job.config_file ${CFG:-train_configs/v2lite_1b_gpu.toml} \
     --metrics.log_freq 10 --checkpoint.enable false --metrics.enable_tensorboard false \
     --job.dump_folder /tmp/run_$1 "${@:3}" > "$OUT/$1.log" 2>&1
   echo "== $1 rc=$? $(grep -E 'cuda graph|^(loss|rank load|expert load|overflow|tokens|memory|peak|params|dispatcher) |^dispatcher: fastest' $OUT/$1.log | tr '\n' ';')"

@@ -83,7 +83,8 @@
 #                    a subset per invocation); l (1 GPU) loss parity of one FP8 variant (VARIANT=, default the output
 #                    head in FP8); o (1 GPU) the FP8 output head's tests and its head + loss beside bf16's and
 #                    torchao's; q (1 GPU) the FP8 head's trained weights evaluated with the head in FP8 and in bf16;
-#                    s (2 GPUs) PART=l at two seeds side by side (SEEDS=)
+#                    s (2 GPUs) PART=l at two seeds side by side (SEEDS=); k (2 GPUs) which of the FP8 head's three
+#                    GEMMs moves the loss (each in bf16 in turn, 500 steps)
 #   guard       1    cost of the non-finite guard: v2lite_1b (CONFIGS=...), eager and graphed, on vs off
 #   titan       2    torchtitan's own trainer with our TrainSpec (EP=2, ECHO) vs the recipe: per-step losses
 #   overlap_profile 2  the graphed v2lite_1b step at EP=2 profiled: nvlink and padded, whole and in 2 chunks
@@ -305,6 +306,30 @@ print('largest step difference over steps 1-20: %.2e at step %d' % max(rel[:20])
         [ -d /tmp/base/recipes ] || { echo "fp8_step PART=h: no build/base.tgz to compare with"; exit 1; }
         H8=${HEAD:+ --quantize.linear.float8.filter_fqns router.gate}
         one_gpu_variants ${LABEL:-fp8_base} "bf16=;fp8_base=@/tmp/base $F8$H8;fp8=$F8$H8" ;;
+      k)  # two GPUs: which of the FP8 output head's GEMMs moves the loss (benchmarks/fp8_head_gemms.py). v2lite_1b,
+          # the FP8 step (compiled, graphed, STEPS default 500, SEED) with the head in bf16 (the reference) and as an
+          # Fp8Head with its GEMMs in FP8 by name; "none": an Fp8Head all in bf16, the same math as the reference in
+          # other kernels (the noise floor). GPU 0: reference, all, grad_input+grad_weight; GPU 1: none,
+          # output+grad_weight, output+grad_input -> head_<GEMMS>.png, losses and logs in loss_runs.tgz
+        G="--training.steps ${STEPS:-500} --training.cuda_graph true --training.seed ${SEED:-0} --compile.enable true"
+        H8="--quantize.linear.float8.filter_fqns router.gate"
+        head_runs() {  # GPU, then the --head-fp8 value of each run (ref: the reference)
+          export CUDA_VISIBLE_DEVICES=$1 PET_MASTER_PORT=$((29511 + 11 * $1)); shift
+          for g in "$@"; do
+            if [ "$g" = ref ]; then TMO=${TMO:-200} recipe head_ref 1 $G $F8
+            else TMO=${TMO:-200} SCRIPT="benchmarks/fp8_head_gemms.py --head-fp8 $g" recipe head_${g//,/+} 1 $G $F8 $H8; fi
+          done
+        }
+        (head_runs 0 ref output,grad_input,grad_weight grad_input,grad_weight > "$OUT/gpu0.txt" 2>&1) &
+        (head_runs 1 none output,grad_weight output,grad_input > "$OUT/gpu1.txt" 2>&1) &
+        wait
+        cat "$OUT/gpu0.txt" "$OUT/gpu1.txt" | grep -E "^(==|tok/s)" | cut -c1-300
+        for r in output+grad_input+grad_weight grad_input+grad_weight output+grad_weight output+grad_input; do
+          echo "== head FP8: $r"
+          python3 benchmarks/loss_match.py "$OUT/head_ref.jsonl" "$OUT/head_$r.jsonl" --floor "$OUT/head_none.jsonl" \
+            --plot "$OUT/head_$r.png" --names "head bf16,head FP8 $r,head bf16 (Fp8Head)" | tail -2
+        done
+        (cd "$OUT" && tar czf loss_runs.tgz ./*.jsonl ./*.log && rm -f ./*.jsonl ./*.log) ;;
       q)  # one GPU: whose is the FP8 output head's higher loss, the model's or the loss's own rounding? v2lite_1b
           # with the head in FP8 trained 500 steps (compiled, graphed, a DCP checkpoint at the end); then those
           # weights' loss on the first EVAL (default 20) batches, lr 1e-12 (recipes/finetune.py): the head in FP8 as

@@ -79,23 +79,38 @@ def handoff_of(logits: torch.Tensor) -> Fp8GradHandoff | None:
     return handoff if handoff is not None and handoff.matches(logits) else None
 
 
+GEMMS = ("output", "grad_input", "grad_weight")  # the head's GEMMs, torchao's names: logits, dh, dW
+
+
 class _Fp8HeadFn(torch.autograd.Function):
+    """The head's three GEMMs, those named in ``gemms`` in FP8, the others in the input's dtype (bf16) on
+    unquantised operands. The gradient comes from the loss in FP8 only where both backward GEMMs are FP8."""
+
     @staticmethod
-    def forward(ctx, h_TD, w_VD, handoff, out_dtype):
-        qh_TD, qh_DT, s_h = cast_both(h_TD, FP8)
-        qw_VD, qw_DV, s_w = cast_both(w_VD, FP8)
-        ctx.save_for_backward(qh_DT, qw_DV, s_h, s_w)
-        ctx.handoff, ctx.dtypes = handoff, (h_TD.dtype, w_VD.dtype)
-        return scaled_mm(qh_TD, qw_VD.t(), s_h, s_w, out_dtype)
+    def forward(ctx, h_TD, w_VD, handoff, out_dtype, gemms):
+        fwd8, dgrad8, wgrad8 = (g in gemms for g in GEMMS)
+        if fwd8 or wgrad8:
+            qh_TD, qh_DT, s_h = cast_both(h_TD, FP8)
+        if fwd8 or dgrad8:
+            qw_VD, qw_DV, s_w = cast_both(w_VD, FP8)
+        w_hp = None if fwd8 and dgrad8 else w_VD.to(out_dtype)
+        ctx.save_for_backward(*((qw_DV, s_w) if dgrad8 else (w_hp, None)), *((qh_DT, s_h) if wgrad8 else (h_TD, None)))
+        ctx.handoff, ctx.dtypes, ctx.gemms = handoff, (h_TD.dtype, w_VD.dtype), (dgrad8, wgrad8)
+        return scaled_mm(qh_TD, qw_VD.t(), s_h, s_w, out_dtype) if fwd8 else h_TD @ w_hp.t()
 
     @staticmethod
     def backward(ctx, g_TV):
-        qh_DT, qw_DV, s_h, s_w = ctx.saved_tensors
-        fp8, g_TV = ctx.handoff.take(g_TV)
-        qg_TV, qg_VT, s_g = fp8 if fp8 is not None else cast_both(g_TV.contiguous(), ctx.handoff.dtype)
-        dh_TD = scaled_mm(qg_TV, qw_DV.t(), s_g, s_w, ctx.dtypes[0])  # [T, V] @ [V, D]
-        dw_VD = scaled_mm(qg_VT, qh_DT.t(), s_g, s_h, ctx.dtypes[1])  # [V, T] @ [T, D]
-        return dh_TD, dw_VD, None, None
+        w, s_w, h, s_h = ctx.saved_tensors
+        dgrad8, wgrad8 = ctx.gemms
+        fp8, g_TV = ctx.handoff.take(g_TV) if dgrad8 and wgrad8 else (None, g_TV)
+        if fp8 is None and (dgrad8 or wgrad8):
+            fp8 = cast_both(g_TV.contiguous(), ctx.handoff.dtype)
+        qg_TV, qg_VT, s_g = fp8 if fp8 is not None else (None, None, None)
+        dh_TD = (scaled_mm(qg_TV, w.t(), s_g, s_w, ctx.dtypes[0]) if dgrad8  # [T, V] @ [V, D]
+                 else (g_TV @ w).to(ctx.dtypes[0]))
+        dw_VD = (scaled_mm(qg_VT, h.t(), s_g, s_h, ctx.dtypes[1]) if wgrad8  # [V, T] @ [T, D]
+                 else (g_TV.t() @ h.to(g_TV.dtype)).to(ctx.dtypes[1]))
+        return dh_TD, dw_VD, None, None, None
 
 
 class Fp8Head(nn.Linear):
@@ -103,6 +118,7 @@ class Fp8Head(nn.Linear):
 
     eager_only = True  # components/parallel/compile.py leaves it uncompiled
     grad_dtype = FP8_GRAD  # the logits' gradient: e5m2, as torchao's tensorwise recipe casts gradients
+    fp8_gemms = GEMMS  # which of its GEMMs run in FP8 (the others in bf16; benchmarks/fp8_head_gemms.py)
 
     @classmethod
     def from_linear(cls, linear: nn.Linear) -> "Fp8Head":
@@ -119,8 +135,16 @@ class Fp8Head(nn.Linear):
 
     def forward(self, h_BSD: torch.Tensor) -> torch.Tensor:
         dtype = torch.get_autocast_dtype("cuda") if torch.is_autocast_enabled("cuda") else h_BSD.dtype
-        logits_TV = _Fp8HeadFn.apply(h_BSD.reshape(-1, h_BSD.shape[-1]).to(dtype), self.weight, self.handoff, dtype)
+        gemms = tuple(g for g in GEMMS if g in self.fp8_gemms)
+        logits_TV = _Fp8HeadFn.apply(h_BSD.reshape(-1, h_BSD.shape[-1]).to(dtype), self.weight, self.handoff, dtype,
+                                     gemms)
         logits = logits_TV.view(*h_BSD.shape[:-1], -1)
-        self.handoff.offer(logits)
-        logits.fp8_grad_handoff = self.handoff
+        if self.takes_fp8_grad:
+            self.handoff.offer(logits)
+            logits.fp8_grad_handoff = self.handoff
         return logits
+
+    @property
+    def takes_fp8_grad(self) -> bool:
+        """True where the loss writes the logits' gradient in FP8 for it: both backward GEMMs are FP8."""
+        return "grad_input" in self.fp8_gemms and "grad_weight" in self.fp8_gemms

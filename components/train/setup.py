@@ -31,7 +31,7 @@ from components.parallel.mesh import Meshes, ParallelDims, build_mesh, parallel_
 from components.parallel.parallelize import parallelize
 
 from . import checkpoint, float8
-from .fp8_head import Fp8Head
+from .fp8_head import GEMMS, Fp8Head
 from .config import check_global_batch, load_config
 from .data import TokenBatchLoader, build_token_stream
 from .hf_weights import load_initial_weights
@@ -165,7 +165,10 @@ def build_parallel_model(run: Run, tokenizer):
                 f"{', '.join(float8.kept_names(f8))}")
         if isinstance(head := getattr(model, float8.HEAD, None), Fp8Head):
             kind = str(head.grad_dtype).removeprefix("torch.float8_").removesuffix("fn")  # e5m2 / e4m3
-            run.say(f"float8: the output head takes its gradient from the loss in FP8 ({kind}, written in one pass)")
+            if head.takes_fp8_grad:
+                run.say(f"float8: the output head takes its gradient from the loss in FP8 ({kind}, written in one pass)")
+            if bf16 := [g for g in GEMMS if g not in head.fp8_gemms]:
+                run.say(f"float8: the output head's {', '.join(bf16)} GEMM{'s' * (len(bf16) > 1)} in bf16")
         if note := float8.head_note(swapped):
             run.say(note)
         if note := float8.uncompiled_note(cfg):
