@@ -306,28 +306,40 @@ print('largest step difference over steps 1-20: %.2e at step %d' % max(rel[:20])
         [ -d /tmp/base/recipes ] || { echo "fp8_step PART=h: no build/base.tgz to compare with"; exit 1; }
         H8=${HEAD:+ --quantize.linear.float8.filter_fqns router.gate}
         one_gpu_variants ${LABEL:-fp8_base} "bf16=;fp8_base=@/tmp/base $F8$H8;fp8=$F8$H8" ;;
-      k)  # two GPUs: which of the FP8 output head's GEMMs moves the loss (benchmarks/fp8_head_gemms.py). v2lite_1b,
-          # the FP8 step (compiled, graphed, STEPS default 500, SEED) with the head in bf16 (the reference) and as an
-          # Fp8Head with its GEMMs in FP8 by name; "none": an Fp8Head all in bf16, the same math as the reference in
-          # other kernels (the noise floor). GPU 0: reference, all, grad_input+grad_weight; GPU 1: none,
-          # output+grad_weight, output+grad_input -> head_<GEMMS>.png, losses and logs in loss_runs.tgz
+      k)  # two GPUs: which of the FP8 output head's GEMMs moves the loss (benchmarks/fp8_head_gemms.py). The FP8 step
+          # (compiled, graphed, STEPS default 500, SEED) with the head in bf16 ("ref", the reference) and as an
+          # Fp8Head with the GEMMs named in FP8 ("all": the three; "none": an Fp8Head all in bf16, the reference's
+          # math in other kernels, the noise floor). v2lite_1b (default): six runs, three a GPU, GPU 0: ref, all,
+          # grad_input,grad_weight; GPU 1: none, output,grad_weight, output,grad_input. NPROC=2: v2lite_6b_2gpu at
+          # EP=2 on both GPUs, the runs of HEADS (default "ref all") in turn, each ~3.5 min -> head_<GEMMS>.png, the
+          # losses and logs in loss_runs.tgz
         G="--training.steps ${STEPS:-500} --training.cuda_graph true --training.seed ${SEED:-0} --compile.enable true"
         H8="--quantize.linear.float8.filter_fqns router.gate"
-        head_runs() {  # GPU, then the --head-fp8 value of each run (ref: the reference)
-          export CUDA_VISIBLE_DEVICES=$1 PET_MASTER_PORT=$((29511 + 11 * $1)); shift
+        head_runs() {  # nproc, then each run: ref, all, none or a --head-fp8 value
+          local n=$1 g; shift
           for g in "$@"; do
-            if [ "$g" = ref ]; then TMO=${TMO:-200} recipe head_ref 1 $G $F8
-            else TMO=${TMO:-200} SCRIPT="benchmarks/fp8_head_gemms.py --head-fp8 $g" recipe head_${g//,/+} 1 $G $F8 $H8; fi
+            if [ "$g" = ref ]; then TMO=${TMO:-200} recipe head_ref $n $G $F8; continue; fi
+            [ "$g" = all ] && g=output,grad_input,grad_weight
+            TMO=${TMO:-200} SCRIPT="benchmarks/fp8_head_gemms.py --head-fp8 $g" recipe head_${g//,/-} $n $G $F8 $H8
           done
         }
-        (head_runs 0 ref output,grad_input,grad_weight grad_input,grad_weight > "$OUT/gpu0.txt" 2>&1) &
-        (head_runs 1 none output,grad_weight output,grad_input > "$OUT/gpu1.txt" 2>&1) &
-        wait
-        cat "$OUT/gpu0.txt" "$OUT/gpu1.txt" | grep -E "^(==|tok/s)" | cut -c1-300
-        for r in output+grad_input+grad_weight grad_input+grad_weight output+grad_weight output+grad_input; do
-          echo "== head FP8: $r"
-          python3 benchmarks/loss_match.py "$OUT/head_ref.jsonl" "$OUT/head_$r.jsonl" --floor "$OUT/head_none.jsonl" \
-            --plot "$OUT/head_$r.png" --names "head bf16,head FP8 $r,head bf16 (Fp8Head)" | tail -2
+        if [ "${NPROC:-1}" = 2 ]; then
+          CFG=train_configs/v2lite_6b_2gpu.toml TMO=${TMO:-290} head_runs 2 ${HEADS:-ref all} 2>&1 | cut -c1-300
+        else
+          (export CUDA_VISIBLE_DEVICES=0 PET_MASTER_PORT=29511; head_runs 1 ref all grad_input,grad_weight > "$OUT/gpu0.txt" 2>&1) &
+          (export CUDA_VISIBLE_DEVICES=1 PET_MASTER_PORT=29522; head_runs 1 none output,grad_weight output,grad_input \
+            > "$OUT/gpu1.txt" 2>&1) &
+          wait
+          cat "$OUT/gpu0.txt" "$OUT/gpu1.txt" | grep -E "^(==|tok/s)" | cut -c1-300
+        fi
+        for f in "$OUT"/head_*.jsonl; do
+          r=$(basename "$f" .jsonl)
+          case $r in head_ref|head_none) continue;; esac
+          [ -f "$OUT/head_ref.jsonl" ] || continue
+          floor=$([ -f "$OUT/head_none.jsonl" ] && echo "--floor $OUT/head_none.jsonl")
+          echo "== ${r#head_} in FP8"
+          python3 benchmarks/loss_match.py "$OUT/head_ref.jsonl" "$f" $floor --plot "$OUT/$r.png" \
+            --names "head bf16,head FP8: ${r#head_},head bf16 (Fp8Head)" | tail -2
         done
         (cd "$OUT" && tar czf loss_runs.tgz ./*.jsonl ./*.log && rm -f ./*.jsonl ./*.log) ;;
       q)  # one GPU: whose is the FP8 output head's higher loss, the model's or the loss's own rounding? v2lite_1b
