@@ -1,10 +1,13 @@
 """The output head and the loss, forward + backward, on one GPU, CUDA-graphed: h [T, D] -> logits [T, V] ->
-cross-entropy (kernels/cross_entropy.py) -> gradients of h and W. Three heads:
+cross-entropy (kernels/cross_entropy.py) -> gradients of h and W. Four heads:
 
 - ``bf16``: ``nn.Linear`` in bf16 (cuBLAS);
 - ``torchao``: torchao's tensorwise ``Float8Linear``, compiled (what ``compile_ends`` makes of it): the loss writes
   the logits' gradient in bf16, the head takes its amax, then casts and transposes it;
-- ``fp8_head``: ``components/train/fp8_head.py``: the loss writes that gradient in FP8, in both layouts, in one pass.
+- ``fp8_head_all``: ``components/train/fp8_head.py`` with its three GEMMs in FP8: the loss writes that gradient in
+  FP8, in both layouts, in one pass;
+- ``fp8_head``: the same head as the recipe converts it, its input gradient in bf16 (the loss writes the
+  gradient in bf16; the head casts it for the weight gradient's FP8 GEMM).
 
 Each row: median ms of one graph replay, and the ratio to bf16 and to torchao's. The GEMMs alone take
 6·T·D·V FLOPs (T·D·V multiply-adds, three times).
@@ -19,7 +22,7 @@ import torch
 from torch import nn
 
 from benchmarks.common import environment, graphed, markdown_table, time_ms, write_results
-from components.train.fp8_head import Fp8Head
+from components.train.fp8_head import GEMMS, Fp8Head
 from components.train.loss import lm_loss
 
 
@@ -33,7 +36,9 @@ def heads(D: int, V: int) -> dict:
     convert_to_float8_training(ao, config=Float8LinearConfig.from_recipe_name("tensorwise"))
     ao = ao[0]
     ao.forward = torch.compile(ao.forward, fullgraph=True, dynamic=False)
-    return {"bf16": linear, "torchao": ao, "fp8_head": Fp8Head.from_linear(copy.deepcopy(linear))}
+    every = Fp8Head.from_linear(copy.deepcopy(linear))
+    every.fp8_gemms = GEMMS
+    return {"bf16": linear, "torchao": ao, "fp8_head_all": every, "fp8_head": Fp8Head.from_linear(copy.deepcopy(linear))}
 
 
 def main() -> None:

@@ -330,6 +330,7 @@ def fp8_head_fsdp(rank, world):
     linear = nn.Linear(64, 96, bias=False)
     ref = fh.Fp8Head.from_linear(copy.deepcopy(linear))
     head = fully_shard(fh.Fp8Head.from_linear(linear))
+    ref.fp8_gemms = head.fp8_gemms = fh.GEMMS  # both backward GEMMs FP8: the gradient comes from the loss
     g = torch.Generator().manual_seed(1 + rank)  # each rank its own tokens
     h = torch.randn(2, 8, 64, generator=g)
     labels = torch.randint(0, 96, (2, 8), generator=g)

@@ -73,7 +73,7 @@ def test_dense_linears_go_fp8_the_head_and_router_gates_stay():
     swapped = float8.convert_float8(model, cfg)
     kinds = {fqn: type(m) for fqn, m in model.named_modules()}
     assert swapped and all(kinds[f] is Float8Linear for f in swapped)
-    assert kinds["output"] is torch.nn.Linear and float8.head_note(swapped) is None
+    assert kinds["output"] is torch.nn.Linear and float8.head_note(swapped, model.output) is None
     assert any(f.endswith("attention.wo") for f in swapped) and any("shared_experts" in f for f in swapped)
     gates = [f for f in kinds if f.endswith("router.gate")]
     assert gates and all(kinds[f] is torch.nn.Linear for f in gates)
@@ -89,7 +89,8 @@ def test_dense_linears_go_fp8_the_head_and_router_gates_stay():
     head_cfg = load_config([*EMULATED, "--quantize.linear.float8.filter_fqns", "router.gate"])
     head_swapped = float8.convert_float8(copy.deepcopy(ref), head_cfg)
     assert "output" in head_swapped
-    assert 'keep it in bf16 with "output" in [quantize.linear.float8] filter_fqns' in float8.head_note(head_swapped)
+    assert 'keep it in bf16 with "output" in [quantize.linear.float8] filter_fqns' in float8.head_note(
+        head_swapped, torch.nn.Linear(4, 4))  # emulated: torchao's head, all three GEMMs FP8
 
 
 def test_recipe_trains_with_emulated_float8(tmp_path):

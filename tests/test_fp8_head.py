@@ -65,12 +65,15 @@ def test_fp8_gradient_of_the_loss_is_the_fp64_gradient_in_e5m2(grad_loss):
 
 
 def _head_and_input(V=96, D=64, B=2, S=8, seed=0, device="cpu"):
+    """A small Fp8Head with all three GEMMs in FP8 (the loss hands over its gradient in FP8), h and labels."""
     torch.manual_seed(seed)
     linear = nn.Linear(D, V, bias=False, device=device)
     h = torch.randn(B, S, D, device=device)
     labels = torch.randint(0, V, (B, S), device=device)
     labels[0, 3] = -100
-    return fh.Fp8Head.from_linear(linear), h, labels
+    head = fh.Fp8Head.from_linear(linear)
+    head.fp8_gemms = fh.GEMMS
+    return head, h, labels
 
 
 def _fp64_grads(head, h, labels, extra=None):
@@ -197,6 +200,12 @@ def test_recipe_swaps_a_tensorwise_head_and_compile_leaves_it_eager():
         weight = model.output.weight
         names = float8.convert_float8(model, cfg)
         assert "output" in names and (type(model.output) is fh.Fp8Head) == swapped, recipe
+        # warned only where both backward GEMMs are FP8: torchao's rowwise head, or an Fp8Head told so
+        assert (float8.head_note(names, model.output) is None) == swapped, recipe
+        if swapped:
+            assert model.output.fp8_gemms == ("output", "grad_weight") and not model.output.takes_fp8_grad
+            model.output.fp8_gemms = fh.GEMMS
+            assert "~2% above bf16's loss" in float8.head_note(names, model.output)
         assert model.output.weight is weight and "output.weight" in dict(model.named_parameters())
     assert compile_ends(model, "eager") == ["norm", "output"]  # torchao's rowwise head compiles
     cfg = load_config(["--model.converters", "float8", "--quantize.linear.float8.filter_fqns", "router.gate"])
@@ -256,9 +265,11 @@ def _torchao_head(linear):
 
 @pytest.mark.gpu
 @hopper
-def test_head_tracks_torchaos_tensorwise_head_and_a_cuda_graph_replays_it():
+@pytest.mark.parametrize("gemms", [fh.Fp8Head.fp8_gemms, fh.GEMMS])
+def test_head_tracks_torchaos_tensorwise_head_and_a_cuda_graph_replays_it(gemms):
     """v2lite_1b's head shape: loss and gradients as close to fp64's as torchao's tensorwise head (another FP8
-    implementation) gets; a CUDA graph of forward + loss + backward replays to the eager result."""
+    implementation) gets; a CUDA graph of forward + loss + backward replays to the eager result. With the
+    default GEMMs and with all three in FP8 (the loss's FP8 gradient kernel)."""
     import copy
 
     torch.manual_seed(0)
@@ -268,6 +279,7 @@ def test_head_tracks_torchaos_tensorwise_head_and_a_cuda_graph_replays_it():
     h = torch.randn(1, T, D, device="cuda", dtype=torch.bfloat16)
     labels = torch.randint(0, V, (1, T), device="cuda")
     head, ao = fh.Fp8Head.from_linear(copy.deepcopy(linear)), _torchao_head(copy.deepcopy(linear))
+    head.fp8_gemms = gemms
     want_loss, want_h, want_w = _fp64_grads(head, h, labels)
     errs = {}
     for name, m in (("ours", head), ("torchao", ao)):

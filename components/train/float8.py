@@ -14,10 +14,12 @@ Every ``nn.Linear`` of the model whose name matches none of ``filter_fqns`` and 
 are multiples of 16 becomes torchao's ``Float8Linear`` before parallelisation: attention projections,
 dense feed-forwards and the shared experts. Same parameters, same names (checkpoints load either way);
 the forward and both backward GEMMs run in FP8 with scales computed on the device. An output head in FP8
-(``filter_fqns`` not naming it) with tensorwise scaling becomes ``Fp8Head`` instead: the same GEMMs, with
-the loss writing its gradient straight in FP8 (components/train/fp8_head.py); measured, runs with the head in
-FP8 end ~2% above bf16's loss after 500 steps, so the default keeps it in bf16 and the run says so where it is
-converted. The routers' gates
+(``filter_fqns`` not naming it) with tensorwise scaling becomes ``Fp8Head`` instead, its logits and weight
+gradient in FP8 and its input gradient in bf16 (components/train/fp8_head.py): measured over 500 steps, runs with
+all three of its GEMMs in FP8 (torchao's tensorwise head) ended ~2% above bf16's loss, with the input gradient
+in bf16 within bf16's noise; a run whose head has both backward GEMMs in FP8 (torchao's head, as rowwise
+converts it) says so. The default keeps the head in
+bf16, as torchtitan does. The routers' gates
 always stay as they are (top-k is decided on their logits). With ``"auto_filter_small_kn"`` in ``filter_fqns``
 (torchtitan's flag) so do the layers whose (in, out) torchao's size thresholds for the recipe rule out
 (tensorwise: in ≤ 4096 and out ≤ 1024; rowwise: out ≤ 2048, in ≤ 1024, or out ≤ 4096 and in ≤ 2048). The
@@ -107,13 +109,15 @@ def uncompiled_note(cfg) -> str | None:
             "slower than bf16; set [compile] enable = true")
 
 
-def head_note(swapped: list[str]) -> str | None:
-    """The advice printed where the output head was converted (``swapped``: ``convert_float8``'s names): measured,
-    runs with it in FP8 ended ~2% above bf16's loss after 500 steps, a worse trained model (docs/performance.md)."""
-    if HEAD not in swapped:
+def head_note(swapped: list[str], head: nn.Module | None) -> str | None:
+    """The advice printed where the output head was converted with both backward GEMMs in FP8 (torchao's head;
+    ``swapped``: ``convert_float8``'s names): measured, such runs ended ~2% above bf16's loss after 500 steps, a
+    worse trained model, where an ``Fp8Head`` with its input gradient in bf16 ended within (docs/performance.md)."""
+    if HEAD not in swapped or (isinstance(head, Fp8Head) and not head.takes_fp8_grad):
         return None
-    return (f'float8: the output head is in FP8: a faster step, but measured runs ended ~2% above bf16\'s loss after '
-            f'500 steps; keep it in bf16 with "{HEAD}" in [quantize.linear.float8] filter_fqns (the default)')
+    return (f'float8: the output head is in FP8 with both backward GEMMs: a faster step, but measured runs ended ~2% '
+            f'above bf16\'s loss after 500 steps; keep it in bf16 with "{HEAD}" in [quantize.linear.float8] '
+            f'filter_fqns (the default)')
 
 
 def torchao_config(cfg, fsdp: bool = False):

@@ -1,16 +1,22 @@
-"""The output head in FP8, with the loss's gradient handed to it in FP8 (tensorwise scaling, Hopper).
+"""The output head in FP8 (tensorwise scaling, Hopper): its logits and weight gradient in FP8, its input gradient
+in bf16 by default.
 
     head = Fp8Head.from_linear(model.output)     # the same weight Parameter: "output.weight" as before
     logits_BSV = head(h_BSD)                     # bf16; _scaled_mm of e4m3 h and W, one scale each
-    loss = lm_loss(logits_BSV, labels_BS)        # its backward writes dlogits in FP8, never in bf16
+    loss = lm_loss(logits_BSV, labels_BS)        # bf16 dlogits; with fp8_gemms naming both backward GEMMs
+                                                 # the loss writes dlogits in FP8 instead, never in bf16
 
-Its three GEMMs run in FP8 as torchao's tensorwise ``Float8Linear`` runs them. What differs is the gradient
-of the logits, [tokens, vocab] and the largest activation gradient of the step: the cross-entropy's
-backward writes it straight in e5m2, with a scale it knows before computing a value (|softmax − one-hot|
-<= 1), then transposes those bytes for the weight gradient's GEMM (``cross_entropy_bwd_fp8``). Under
-torchao the loss writes it in bf16, then the head reads it for its amax, then again to cast and transpose it.
+``fp8_gemms`` names the GEMMs that run in FP8 as torchao's tensorwise ``Float8Linear`` runs them: ``output``
+(the logits), ``grad_input`` (the gradient into the network), ``grad_weight``; the others run in bf16 on
+unquantised operands. Measured over 500 steps (docs/performance.md, FP8, The output head): with all three in
+FP8 the loss ends ~2% above the bf16 head's, outside the noise floor; with ``grad_input`` or ``grad_weight``
+in bf16 it ends within. The default, ``("output", "grad_weight")``, ended closest and runs faster.
 
-The handover (``Fp8GradHandoff``), per forward and backward:
+With both backward GEMMs in FP8, the gradient of the logits, [tokens, vocab] and the largest activation
+gradient of the step, comes from the cross-entropy's backward straight in e5m2, with a scale it knows before
+computing a value (|softmax − one-hot| <= 1), then transposed for the weight gradient's GEMM
+(``cross_entropy_bwd_fp8``). Under torchao the loss writes it in bf16, then the head reads it for its amax, then
+again to cast and transpose it. The handover (``Fp8GradHandoff``), per forward and backward:
 
     head forward    offer(logits): the tensor the loss may take the FP8 gradient path for
     loss forward    handoff_of(logits) -> the handoff where logits is that very tensor, unmodified (else None)
@@ -19,9 +25,9 @@ The handover (``Fp8GradHandoff``), per forward and backward:
                     the logits too, grad is their gradient and take adds the FP8 one to it (never lost)
 
 Scales: powers of two on the device (kernels/fp8.py), e4m3 for h and W, e5m2 for the gradient (torchao's
-choice for gradients). Saved for backward: h and W in FP8, transposed (half the bytes of h in bf16). No host
-read: a CUDA graph captures it. Not compiled (``eager_only``): its casts are kernels of its own, and the
-handover is Python state.
+choice for gradients). Saved for backward: h and W in FP8, transposed, where an FP8 GEMM reads them (half
+the bytes of bf16). No host read: a CUDA graph captures it. Not compiled (``eager_only``): its casts are
+kernels of its own, and the handover is Python state.
 """
 
 import torch
@@ -114,11 +120,11 @@ class _Fp8HeadFn(torch.autograd.Function):
 
 
 class Fp8Head(nn.Linear):
-    """``nn.Linear`` without bias whose GEMMs run in FP8 and whose gradient the loss hands over in FP8."""
+    """``nn.Linear`` without bias whose GEMMs named in ``fp8_gemms`` run in FP8."""
 
     eager_only = True  # components/parallel/compile.py leaves it uncompiled
     grad_dtype = FP8_GRAD  # the logits' gradient: e5m2, as torchao's tensorwise recipe casts gradients
-    fp8_gemms = GEMMS  # which of its GEMMs run in FP8 (the others in bf16; benchmarks/fp8_head_gemms.py)
+    fp8_gemms = ("output", "grad_weight")  # the GEMMs in FP8, the others bf16 (benchmarks/fp8_head_gemms.py)
 
     @classmethod
     def from_linear(cls, linear: nn.Linear) -> "Fp8Head":

@@ -169,7 +169,7 @@ def build_parallel_model(run: Run, tokenizer):
                 run.say(f"float8: the output head takes its gradient from the loss in FP8 ({kind}, written in one pass)")
             if bf16 := [g for g in GEMMS if g not in head.fp8_gemms]:
                 run.say(f"float8: the output head's {', '.join(bf16)} GEMM{'s' * (len(bf16) > 1)} in bf16")
-        if note := float8.head_note(swapped):
+        if note := float8.head_note(swapped, getattr(model, float8.HEAD, None)):
             run.say(note)
         if note := float8.uncompiled_note(cfg):
             run.say(note)
