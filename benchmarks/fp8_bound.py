@@ -6,6 +6,8 @@ the model's linear layers (built on the meta device), the share of the step FP8 
     dense:   the "dense GEMMs" share × the FLOP share of the converted nn.Linears (all but the output head and the
              router gates, as ``[model] converters = ["float8"]`` converts them by default)
     experts: the "routed experts" share (their grouped GEMMs and the SwiGLU between them)
+    head:    with the output head converted too, the "dense GEMMs" share × its FLOP share × the fraction of its
+             three GEMMs a converted head runs in FP8 (``Fp8Head.fp8_gemms``: the logits and the weight gradient)
 
 and the step with those parts ``s`` times faster, everything else (quantisation included) free, is at most
 1 / (1 - share · (1 - 1/s)) times the bf16 step. A measured FP8 step below the bound by much means quantisation
@@ -28,7 +30,8 @@ sys.path.insert(0, ROOT)
 
 from benchmarks.common import environment, markdown_table, write_results  # noqa: E402
 from components.moe_echo.models import MODEL_CLASSES, model_args_for  # noqa: E402
-from components.train.float8 import ALWAYS_KEPT, DEFAULT_KEPT  # noqa: E402
+from components.train.float8 import ALWAYS_KEPT, DEFAULT_KEPT, HEAD  # noqa: E402
+from components.train.fp8_head import GEMMS, Fp8Head  # noqa: E402
 
 SPEEDUPS = (1.5, 2.0)  # FP8 GEMM rate over bf16's: Hopper's peak is 2x; mid-sized GEMMs reach less
 
@@ -73,10 +76,14 @@ def main():
     with open(a.breakdown) as f:
         pct = json.load(f)[a.run]["pct"]
     converted, left = linear_flops(*config_model(a.config))
+    with_head, _ = linear_flops(*config_model(a.config), kept=())
     dense = pct["dense GEMMs"] / 100 * converted / (converted + left)
     experts = pct["routed experts"] / 100
+    head_gemms = len(Fp8Head.fp8_gemms) / len(GEMMS)
+    head = pct["dense GEMMs"] / 100 * (with_head - converted) / (converted + left) * head_gemms
     rows = []
-    for what, share in (("dense layers", dense), ("routed experts", experts), ("both", dense + experts)):
+    for what, share in (("dense layers", dense), ("routed experts", experts), ("both", dense + experts),
+                        (f"both, the {HEAD} head converted ({', '.join(Fp8Head.fp8_gemms)})", dense + experts + head)):
         rows.append({"fp8_on": what, "share_of_step_pct": round(100 * share, 1),
                      **{f"bound_{s}x_gemms": round(bound(share, s), 3) for s in SPEEDUPS}})
     note = (f"{a.config}: the converted linears are {100 * converted / (converted + left):.0f}% of the dense GEMM FLOPs "

@@ -35,6 +35,13 @@ def test_the_script_writes_its_table(tmp_path):
     assert p.returncode == 0, p.stderr[-2000:]
     rows = json.load(open(tmp_path / "fp8_bound_v2lite_1b_gpu_H200_cpu.json"))["rows"]
     both = next(r for r in rows if r["fp8_on"] == "both")
-    parts = [r["share_of_step_pct"] for r in rows if r["fp8_on"] != "both"]
+    parts = [r["share_of_step_pct"] for r in rows[:2]]
     assert both["share_of_step_pct"] == pytest.approx(sum(parts), abs=0.11)
     assert 1.0 < both["bound_1.5x_gemms"] < both["bound_2.0x_gemms"] < 2.0
+    # the converted head adds 2/3 of its share: v2lite_1b's head (2048 x 32768) is ~31% of the dense GEMM FLOPs
+    # (1 - 69%), so its two FP8 GEMMs add 2/3 x 31/69 of the converted dense layers' share
+    head = rows[3]
+    assert head["fp8_on"].startswith("both, the output head converted (output, grad_weight)")
+    added = head["share_of_step_pct"] - both["share_of_step_pct"]
+    assert added == pytest.approx(rows[0]["share_of_step_pct"] * 2 / 3 * 31 / 69, rel=0.05)
+    assert head["bound_1.5x_gemms"] > both["bound_1.5x_gemms"]
