@@ -8,9 +8,9 @@ in bf16 by default.
 
 ``fp8_gemms`` names the GEMMs that run in FP8 as torchao's tensorwise ``Float8Linear`` runs them: ``output``
 (the logits), ``grad_input`` (the gradient into the network), ``grad_weight``; the others run in bf16 on
-unquantised operands. Measured over 500 steps (docs/performance.md, FP8, The output head): with all three in
-FP8 the loss ends ~2% above the bf16 head's, outside the noise floor; with ``grad_input`` or ``grad_weight``
-in bf16 it ends within. The default, ``("output", "grad_weight")``, ended closest and runs faster.
+unquantised operands. Measured over 500 steps (docs/performance.md, FP8, Loss: Which of the head's GEMMs): with
+all three in FP8 the loss ends ~2% above the bf16 head's, outside the noise floor; with ``grad_input`` or
+``grad_weight`` in bf16 it ends within. The default, ``("output", "grad_weight")``, ended closest to bf16's.
 
 With both backward GEMMs in FP8, the gradient of the logits, [tokens, vocab] and the largest activation
 gradient of the step, comes from the cross-entropy's backward straight in e5m2, with a scale it knows before
