@@ -315,9 +315,10 @@ def compute_copies_train(rank, world, tmp=None, echo=False):
 
 
 def fp8_head_fsdp(rank, world):
-    """The FP8 output head as an FSDP2 unit: the loss still hands it the gradient in FP8 (the head casts none),
-    its input gradient is bit for bit the unsharded head's on the rank's tokens, and its sharded weight
-    gradient is the mean of the ranks' unsharded ones."""
+    """The FP8 output head as an FSDP2 unit, with all three GEMMs in FP8 (the loss hands it the gradient in FP8:
+    the head casts none) and with the default (its input gradient bf16: the head casts the bf16 gradient once);
+    its input gradient is bit for bit the unsharded head's on the rank's tokens, and its sharded weight gradient
+    is the mean of the ranks' unsharded ones."""
     import copy
 
     from torch import nn
@@ -326,26 +327,27 @@ def fp8_head_fsdp(rank, world):
     from components.train import fp8_head as fh
     from components.train.loss import lm_loss
 
-    torch.manual_seed(0)
-    linear = nn.Linear(64, 96, bias=False)
-    ref = fh.Fp8Head.from_linear(copy.deepcopy(linear))
-    head = fully_shard(fh.Fp8Head.from_linear(linear))
-    ref.fp8_gemms = head.fp8_gemms = fh.GEMMS  # both backward GEMMs FP8: the gradient comes from the loss
-    g = torch.Generator().manual_seed(1 + rank)  # each rank its own tokens
-    h = torch.randn(2, 8, 64, generator=g)
-    labels = torch.randint(0, 96, (2, 8), generator=g)
-    cast = fh.cast_both
-    casts = []
-    fh.cast_both = lambda x, dtype: casts.append(dtype) or cast(x, dtype)
-    try:
-        h_fsdp = h.clone().requires_grad_()
-        lm_loss(head(h_fsdp), labels).backward()
-    finally:
-        fh.cast_both = cast
-    assert casts == [fh.FP8, fh.FP8], casts  # h and W in the forward; no gradient cast in the backward
-    h_ref = h.clone().requires_grad_()
-    lm_loss(ref(h_ref), labels).backward()
-    assert torch.equal(h_fsdp.grad, h_ref.grad)
-    want = ref.weight.grad.clone()
-    dist.all_reduce(want)
-    torch.testing.assert_close(head.weight.grad.full_tensor(), want / world, rtol=1e-6, atol=0)
+    for gemms, want_casts in ((fh.GEMMS, [fh.FP8, fh.FP8]), (fh.Fp8Head.fp8_gemms, [fh.FP8, fh.FP8, fh.FP8_GRAD])):
+        torch.manual_seed(0)
+        linear = nn.Linear(64, 96, bias=False)
+        ref = fh.Fp8Head.from_linear(copy.deepcopy(linear))
+        head = fully_shard(fh.Fp8Head.from_linear(linear))
+        ref.fp8_gemms = head.fp8_gemms = gemms
+        g = torch.Generator().manual_seed(1 + rank)  # each rank its own tokens
+        h = torch.randn(2, 8, 64, generator=g)
+        labels = torch.randint(0, 96, (2, 8), generator=g)
+        cast = fh.cast_both
+        casts = []
+        fh.cast_both = lambda x, dtype: casts.append(dtype) or cast(x, dtype)
+        try:
+            h_fsdp = h.clone().requires_grad_()
+            lm_loss(head(h_fsdp), labels).backward()
+        finally:
+            fh.cast_both = cast
+        assert casts == want_casts, (gemms, casts)  # h and W in the forward; the gradient only without the handoff
+        h_ref = h.clone().requires_grad_()
+        lm_loss(ref(h_ref), labels).backward()
+        assert torch.equal(h_fsdp.grad, h_ref.grad), gemms
+        want = ref.weight.grad.clone()
+        dist.all_reduce(want)
+        torch.testing.assert_close(head.weight.grad.full_tensor(), want / world, rtol=1e-6, atol=0)

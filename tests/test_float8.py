@@ -87,10 +87,11 @@ def test_dense_linears_go_fp8_the_head_and_router_gates_stay():
     assert all(model.get_submodule(f).weight.grad is not None for f in swapped)
     # filter_fqns naming only the gates converts the head too, and the run is told what that cost in loss
     head_cfg = load_config([*EMULATED, "--quantize.linear.float8.filter_fqns", "router.gate"])
-    head_swapped = float8.convert_float8(copy.deepcopy(ref), head_cfg)
-    assert "output" in head_swapped
+    head_model = copy.deepcopy(ref)
+    head_swapped = float8.convert_float8(head_model, head_cfg)
+    assert "output" in head_swapped and type(head_model.output) is Float8Linear  # emulated: torchao's head
     assert 'keep it in bf16 with "output" in [quantize.linear.float8] filter_fqns' in float8.head_note(
-        head_swapped, torch.nn.Linear(4, 4))  # emulated: torchao's head, all three GEMMs FP8
+        head_swapped, head_model.output)
 
 
 def test_recipe_trains_with_emulated_float8(tmp_path):
