@@ -6,8 +6,10 @@ cross-entropy (kernels/cross_entropy.py) -> gradients of h and W. Four heads:
   the logits' gradient in bf16, the head takes its amax, then casts and transposes it;
 - ``fp8_head_all``: ``components/train/fp8_head.py`` with its three GEMMs in FP8: the loss writes that gradient in
   FP8, in both layouts, in one pass;
-- ``fp8_head``: the same head as the recipe converts it, its input gradient in bf16 (the loss writes the
-  gradient in bf16; the head casts it for the weight gradient's FP8 GEMM).
+- ``fp8_head``: the same head as the recipe converts it, its input gradient in bf16: the loss writes the gradient
+  in bf16 and, transposed, in FP8 for the weight gradient's GEMM, in one pass;
+- ``fp8_head_cast``: that head without the loss's FP8 form (the loss called without the handoff): the head casts
+  the bf16 gradient itself, an amax pass and a pass writing both layouts.
 
 Each row: median ms of one graph replay, and the ratio to bf16 and to torchao's. The GEMMs alone take
 6·T·D·V FLOPs (T·D·V multiply-adds, three times).
@@ -24,6 +26,7 @@ from torch import nn
 from benchmarks.common import environment, graphed, markdown_table, time_ms, write_results
 from components.train.fp8_head import GEMMS, Fp8Head
 from components.train.loss import lm_loss
+from kernels.cross_entropy import cross_entropy
 
 
 def heads(D: int, V: int) -> dict:
@@ -38,7 +41,8 @@ def heads(D: int, V: int) -> dict:
     ao.forward = torch.compile(ao.forward, fullgraph=True, dynamic=False)
     every = Fp8Head.from_linear(copy.deepcopy(linear))
     every.fp8_gemms = GEMMS
-    return {"bf16": linear, "torchao": ao, "fp8_head_all": every, "fp8_head": Fp8Head.from_linear(copy.deepcopy(linear))}
+    default = Fp8Head.from_linear(copy.deepcopy(linear))
+    return {"bf16": linear, "torchao": ao, "fp8_head_all": every, "fp8_head": default, "fp8_head_cast": default}
 
 
 def main() -> None:
@@ -56,9 +60,12 @@ def main() -> None:
     for name, head in heads(D, V).items():
         hg = h.clone().requires_grad_()
 
-        def step(head=head, hg=hg):
+        def step(head=head, hg=hg, handoff=name != "fp8_head_cast"):
             head.weight.grad, hg.grad = None, None
-            lm_loss(head(hg), labels).backward()
+            logits = head(hg)
+            loss = (lm_loss(logits, labels) if handoff else
+                    cross_entropy(logits.flatten(0, 1), labels.flatten()))  # no FP8 form: the head casts
+            loss.backward()
 
         ms = time_ms(graphed(step), iters=args.iters)
         rows.append({"head": name, "tokens": T, "dim": D, "vocab": V, "ms": round(ms, 3),

@@ -15,12 +15,13 @@ labels, n_valid. One program per row, blocks of up to 4096 columns, fp32 math. B
 Ignored rows are not read (their gradient row is written as zeros). No host read, no
 value-dependent shape: capturable in a CUDA graph.
 
-    cross_entropy_bwd_fp8(...) -> (q_NV, q_VN, s)     grad_NV ≈ q · s, e5m2, one scale
+    cross_entropy_bwd_fp8(..., rows, cols, plain) -> Fp8Grad(g_NV, q_NV, q_VN, s)     grad_NV ≈ q · s, one scale
 
 The backward for an FP8 output head (``cross_entropy(..., fp8_grad=...)``): |softmax − one-hot| <= 1, so
 |grad| <= |grad_loss| / n_valid, a bound known before any value is computed. With the power-of-two scale of
-that bound the gradient is written straight in FP8 by the backward's one pass, then transposed byte for byte
-(the two layouts its two GEMMs read): no bf16 gradient, no amax pass, no cast.
+that bound one pass over tiles of the logits writes the gradient in each form the head reads: in FP8 row by
+row (``rows``: the input gradient's GEMM), in FP8 transposed (``cols``: the weight gradient's), in the logits'
+dtype (``plain``: for a GEMM the head keeps in bf16). No amax pass, no cast, no transpose pass.
 
 A label outside [0, V) other than ignore_index: on CPU tensors this raises IndexError as
 F.cross_entropy does (the check is free there). On CUDA nothing is read on the host (the step is
@@ -29,9 +30,11 @@ non-finite step gate skips it; with TRITON_DEBUG=1 the kernel device-asserts ins
 Triton on CUDA (and under TRITON_INTERPRET=1); the same formulas in torch elsewhere (the reference).
 """
 
+from typing import NamedTuple
+
 import torch
 
-from .fp8 import FP8_GRAD, Q_MAX, pow2_scale, transpose_copy_
+from .fp8 import FP8_GRAD, Q_MAX, pow2_scale
 from .moe_rows import _acc_dtype, _use_triton, triton
 
 if triton is not None:
@@ -65,10 +68,9 @@ if triton is not None:
         tl.store(loss_ptr + row, tl.where(valid, loss, 0.0))
 
     @triton.jit
-    def _cross_entropy_bwd_kernel(x_ptr, labels_ptr, lse_ptr, grad_loss_ptr, n_valid_ptr, grad_ptr, s_ptr, stride_row,
-                                  grad_stride_row, V, ignore_index, Q_MAX: tl.constexpr, BLOCK_V: tl.constexpr):
-        """One row of the gradient. Q_MAX > 0: over s = the power-of-two scale of the bound |grad_loss| / n_valid,
-        clamped to ±Q_MAX and written in grad's FP8 dtype; row 0 stores s."""
+    def _cross_entropy_bwd_kernel(x_ptr, labels_ptr, lse_ptr, grad_loss_ptr, n_valid_ptr, grad_ptr, stride_row,
+                                  grad_stride_row, V, ignore_index, BLOCK_V: tl.constexpr):
+        """One row of the gradient, in grad's dtype."""
         row = tl.program_id(0)
         x_row = x_ptr + row.to(tl.int64) * stride_row
         g_row = grad_ptr + row.to(tl.int64) * grad_stride_row
@@ -77,11 +79,6 @@ if triton is not None:
         in_range = (label >= 0) & (label < V)
         lse = tl.load(lse_ptr + row)
         scale = tl.load(grad_loss_ptr).to(tl.float32) / tl.load(n_valid_ptr).to(tl.float32)
-        if Q_MAX > 0:
-            s = _pow2_scale_to(tl.abs(scale), Q_MAX)  # |grad| <= |scale|: softmax minus one-hot is within [-1, 1]
-            if row == 0:
-                tl.store(s_ptr, s)
-            scale = scale / s
         scale = tl.where(in_range, scale, float("nan"))
         n_read = tl.where(valid, V, 0)  # ignored rows are not read
         for start in range(0, V, BLOCK_V):
@@ -90,9 +87,43 @@ if triton is not None:
             x = tl.load(x_row + offs, mask=offs < n_read, other=0.0).to(tl.float32)
             g = (tl.exp(x - lse) - tl.where(offs == label, 1.0, 0.0)) * scale
             g = tl.where(valid, g, 0.0)
-            if Q_MAX > 0:  # exp's rounding can pass the bound by an ulp; nan stays nan
-                g = tl.where(g > Q_MAX, Q_MAX, tl.where(g < -Q_MAX, -Q_MAX, g))
             tl.store(g_row + offs, g.to(grad_ptr.dtype.element_ty), mask=mask)
+
+    @triton.jit
+    def _cross_entropy_bwd_fp8_kernel(x_ptr, labels_ptr, lse_ptr, grad_loss_ptr, n_valid_ptr, g_ptr, q_ptr, qt_ptr,
+                                      s_ptr, stride_row, N, V, ignore_index, Q_MAX: tl.constexpr, PLAIN: tl.constexpr,
+                                      ROWS: tl.constexpr, COLS: tl.constexpr, BLOCK_N: tl.constexpr,
+                                      BLOCK_V: tl.constexpr):
+        """One [BLOCK_N, BLOCK_V] tile of the gradient: over s, the power-of-two scale of the bound
+        |grad_loss| / n_valid, clamped to ±Q_MAX in FP8 as rows (q [N, V], ROWS) and transposed (qt [V, N],
+        COLS); unscaled in g's dtype (g [N, V], PLAIN). Program (0, 0) stores s."""
+        rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        cols = tl.program_id(1) * BLOCK_V + tl.arange(0, BLOCK_V)
+        row_ok, col_ok = rows < N, cols < V
+        label = tl.load(labels_ptr + rows, mask=row_ok, other=ignore_index).to(tl.int64)
+        valid = (label != ignore_index) & row_ok
+        in_range = (label >= 0) & (label < V)
+        lse = tl.load(lse_ptr + rows, mask=valid, other=0.0)
+        scale = tl.load(grad_loss_ptr).to(tl.float32) / tl.load(n_valid_ptr).to(tl.float32)
+        s = _pow2_scale_to(tl.abs(scale), Q_MAX)  # |grad| <= |scale|: softmax minus one-hot is within [-1, 1]
+        if (tl.program_id(0) == 0) & (tl.program_id(1) == 0):
+            tl.store(s_ptr, s)
+        scale_N = tl.where(in_range, scale, float("nan"))
+        ok = row_ok[:, None] & col_ok[None, :]
+        x = tl.load(x_ptr + rows[:, None].to(tl.int64) * stride_row + cols[None, :], mask=valid[:, None] & ok,
+                    other=0.0).to(tl.float32)  # ignored rows are not read
+        t = tl.exp(x - lse[:, None]) - tl.where(cols[None, :] == label[:, None], 1.0, 0.0)
+        at = rows[:, None].to(tl.int64) * V + cols[None, :]
+        if PLAIN:
+            g = tl.where(valid[:, None], t * scale_N[:, None], 0.0)
+            tl.store(g_ptr + at, g.to(g_ptr.dtype.element_ty), mask=ok)
+        q = tl.where(valid[:, None], t * (scale_N / s)[:, None], 0.0)
+        q = tl.where(q > Q_MAX, Q_MAX, tl.where(q < -Q_MAX, -Q_MAX, q))  # exp's rounding can pass the bound by an ulp
+        if ROWS:
+            tl.store(q_ptr + at, q.to(q_ptr.dtype.element_ty), mask=ok)
+        if COLS:
+            at_t = cols[:, None].to(tl.int64) * N + rows[None, :]
+            tl.store(qt_ptr + at_t, tl.trans(q).to(qt_ptr.dtype.element_ty), mask=col_ok[:, None] & row_ok[None, :])
 
 _MAX_BLOCK_V = 4096
 
@@ -121,9 +152,8 @@ def cross_entropy_bwd(logits_NV, labels_N, lse_N, grad_loss, n_valid, ignore_ind
     grad_NV = torch.empty_like(logits_NV, memory_format=torch.contiguous_format)
     if N:
         block, warps = _launch_args(V)
-        _cross_entropy_bwd_kernel[(N,)](logits_NV, labels_N, lse_N, grad_loss, n_valid, grad_NV, grad_NV,
-                                        logits_NV.stride(0), grad_NV.stride(0), V, ignore_index, Q_MAX=0.0,
-                                        BLOCK_V=block, num_warps=warps)
+        _cross_entropy_bwd_kernel[(N,)](logits_NV, labels_N, lse_N, grad_loss, n_valid, grad_NV, logits_NV.stride(0),
+                                        grad_NV.stride(0), V, ignore_index, BLOCK_V=block, num_warps=warps)
     return grad_NV
 
 
@@ -158,34 +188,50 @@ def cross_entropy_bwd_torch(logits_NV, labels_N, lse_N, grad_loss, n_valid, igno
     return _grad_torch(logits_NV, labels_N, lse_N, scale, ignore_index).to(logits_NV.dtype)
 
 
+class Fp8Grad(NamedTuple):
+    """The logits' gradient as an FP8 head reads it, grad_NV ≈ q_NV · s: each form None where not asked for."""
+    g_NV: torch.Tensor | None  # in the logits' dtype
+    q_NV: torch.Tensor | None  # FP8, [N, V]
+    q_VN: torch.Tensor | None  # FP8, [V, N]: q_NV transposed, byte for byte
+    s: torch.Tensor  # fp32 0-d
+
+
 def cross_entropy_bwd_fp8_torch(logits_NV, labels_N, lse_N, grad_loss, n_valid, ignore_index: int,
-                                dtype: torch.dtype = FP8_GRAD):
+                                dtype: torch.dtype = FP8_GRAD, rows: bool = True, cols: bool = True,
+                                plain: bool = False) -> Fp8Grad:
     """The FP8 backward's reference: the fp32 gradient over the power-of-two scale of its bound |grad_loss| / n_valid."""
     scale = grad_loss.float() / n_valid.float()
     s = pow2_scale(scale.abs(), Q_MAX[dtype])
     g_NV = _grad_torch(logits_NV, labels_N, lse_N, scale / s, ignore_index).float()
     q_NV = g_NV.clamp(-Q_MAX[dtype], Q_MAX[dtype]).to(dtype)  # clamp keeps nan
-    return q_NV, q_NV.t().contiguous(), s
+    plain_NV = cross_entropy_bwd_torch(logits_NV, labels_N, lse_N, grad_loss, n_valid, ignore_index) if plain else None
+    return Fp8Grad(plain_NV, q_NV if rows else None, q_NV.t().contiguous() if cols else None, s)
 
 
 def cross_entropy_bwd_fp8(logits_NV, labels_N, lse_N, grad_loss, n_valid, ignore_index: int,
-                          dtype: torch.dtype = FP8_GRAD):
-    """(q_NV, q_VN, s): the gradient in FP8 ``dtype`` (e5m2 or e4m3) in both layouts with one scale,
-    s = 2^ceil(log2(|grad_loss| / n_valid / max)). |softmax − one-hot| <= 1 bounds the gradient, so the scale
-    is known before a value is computed: the backward kernel writes q_NV in its one pass (reads 2 bytes a logit,
-    writes 1), then ``transpose_copy_`` writes q_VN (reads 1, writes 1). grad ≈ q · s."""
+                          dtype: torch.dtype = FP8_GRAD, rows: bool = True, cols: bool = True,
+                          plain: bool = False) -> Fp8Grad:
+    """The gradient in FP8 ``dtype`` (e5m2 or e4m3) with one scale s = 2^ceil(log2(|grad_loss| / n_valid / max)),
+    in the forms asked for: ``rows`` q_NV, ``cols`` q_VN (the same bytes transposed), ``plain`` g_NV in the logits'
+    dtype (unscaled, as ``cross_entropy_bwd`` writes it). |softmax − one-hot| <= 1 bounds the gradient, so the scale
+    is known before a value is computed: one pass over [64, 128] tiles reads 2 bytes a logit and writes 1 per FP8
+    form (2 for the plain one). grad ≈ q · s."""
     if not _use_triton(logits_NV, labels_N):
-        return cross_entropy_bwd_fp8_torch(logits_NV, labels_N, lse_N, grad_loss, n_valid, ignore_index, dtype)
+        return cross_entropy_bwd_fp8_torch(logits_NV, labels_N, lse_N, grad_loss, n_valid, ignore_index, dtype, rows,
+                                           cols, plain)
     N, V = logits_NV.shape
-    q_NV = torch.empty(N, V, dtype=dtype, device=logits_NV.device)
-    q_VN = torch.empty(V, N, dtype=dtype, device=logits_NV.device)
+    new = lambda *shape, dt=dtype: torch.empty(*shape, dtype=dt, device=logits_NV.device)
+    g_NV, q_NV, q_VN = new(N, V, dt=logits_NV.dtype) if plain else None, new(N, V) if rows else None, \
+        new(V, N) if cols else None
     s = torch.ones((), dtype=torch.float32, device=logits_NV.device)
-    if N:
-        block, warps = _launch_args(V)
-        _cross_entropy_bwd_kernel[(N,)](logits_NV, labels_N, lse_N, grad_loss, n_valid, q_NV, s, logits_NV.stride(0),
-                                        V, V, ignore_index, Q_MAX=Q_MAX[dtype], BLOCK_V=block, num_warps=warps)
-        transpose_copy_(q_NV[None], q_VN[None])
-    return q_NV, q_VN, s
+    if N and (plain or rows or cols):
+        some = next(t for t in (g_NV, q_NV, q_VN) if t is not None)  # a pointer for the forms not written
+        BN, BV = 64, 128
+        _cross_entropy_bwd_fp8_kernel[(triton.cdiv(N, BN), triton.cdiv(V, BV))](
+            logits_NV, labels_N, lse_N, grad_loss, n_valid, some if g_NV is None else g_NV,
+            some if q_NV is None else q_NV, some if q_VN is None else q_VN, s, logits_NV.stride(0), N, V, ignore_index,
+            Q_MAX=Q_MAX[dtype], PLAIN=plain, ROWS=rows, COLS=cols, BLOCK_N=BN, BLOCK_V=BV, num_warps=8)
+    return Fp8Grad(g_NV, q_NV, q_VN, s)
 
 
 class _CrossEntropy(torch.autograd.Function):
@@ -209,7 +255,8 @@ class _CrossEntropy(torch.autograd.Function):
             logits_NV, labels_N, lse_N, n_valid = ctx.saved_tensors
             args = (logits_NV, labels_N, lse_N, grad_loss.contiguous(), n_valid, ctx.ignore_index)
             if ctx.fp8_grad is not None:
-                return ctx.fp8_grad.put(*cross_entropy_bwd_fp8(*args, ctx.fp8_grad.dtype)), None, None, None
+                return ctx.fp8_grad.put(cross_entropy_bwd_fp8(*args, ctx.fp8_grad.dtype, *ctx.fp8_grad.forms)), None, \
+                    None, None
             bwd = cross_entropy_bwd if ctx.triton_path else cross_entropy_bwd_torch
             return bwd(*args), None, None, None
 
@@ -220,9 +267,9 @@ def cross_entropy(logits_NV: torch.Tensor, labels_N: torch.Tensor, ignore_index:
     ``ignore_index`` (F.cross_entropy, reduction "mean"); 0-d fp32 (fp64 for fp64 logits).
 
     ``fp8_grad``: where the layer that made the logits reads its gradient in FP8 (an FP8 output head), an object
-    with the FP8 ``dtype`` it reads, whose ``put(q_NV, q_VN, s)`` takes the gradient as ``cross_entropy_bwd_fp8``
-    writes it and returns what autograd passes on as the logits' gradient in its place; the bf16 gradient is
-    then never written."""
+    with the FP8 ``dtype`` it reads and the ``forms`` (rows, cols, plain) it reads it in, whose ``put(Fp8Grad)``
+    takes the gradient as ``cross_entropy_bwd_fp8`` writes it and returns what autograd passes on as the logits'
+    gradient: the plain one where written, else a stand-in (the gradient in the logits' dtype is then never written)."""
     if logits_NV.dim() != 2 or labels_N.shape != logits_NV.shape[:1]:
         raise ValueError(f"cross_entropy: logits [N, V] and labels [N], got {tuple(logits_NV.shape)} and "
                          f"{tuple(labels_N.shape)}")

@@ -220,6 +220,27 @@ grad = ce.cross_entropy_bwd(x, labels, lse_N, torch.tensor(1.0), torch.tensor(3.
 assert torch.isnan(grad[1]).all() and torch.isfinite(grad[[0, 2, 3]]).all() and grad[3].abs().max() == 0
 xg = x.clone().requires_grad_(); loss = ce.cross_entropy(xg, torch.full((4,), -100)); loss.backward()
 assert torch.isnan(loss) and xg.grad.abs().max() == 0
+# the FP8 backward's tile kernel (its FP8 values are checked on a GPU: the interpreter's e5m2 rounding is not the
+# hardware's): each form asked for, the scale, q_VN the bytes of q_NV transposed, the bf16 form, nan and ignored rows
+from kernels.fp8 import FP8_GRAD
+for N, V in [(70, 300), (5, 16)]:
+    x, labels = _case(N, V, torch.bfloat16, ignored=0.2, seed=N)
+    labels[1] = -100; labels[3] = V  # an ignored row; a label out of range
+    lse_N = ce.cross_entropy_fwd_torch(x, labels, -100)[1]
+    n_valid = (labels != -100).sum(dtype=torch.float32)
+    ref = ce.cross_entropy_bwd_fp8_torch(x, labels, lse_N, torch.tensor(0.7), n_valid, -100, FP8_GRAD, True, True, True)
+    for forms in [(True, True, False), (False, True, True), (True, False, True)]:
+        got = ce.cross_entropy_bwd_fp8(x, labels, lse_N, torch.tensor(0.7), n_valid, -100, FP8_GRAD, *forms)
+        assert tuple(t is not None for t in got[1:3] + got[:1]) == forms and torch.equal(got.s, ref.s)
+        q = got.q_NV if forms[0] else got.q_VN.t()
+        assert q.dtype == FP8_GRAD and not q[1].float().any() and q[3].float().isnan().all()
+        assert torch.isfinite(q.float()[[0, 2]]).all()
+        if forms[0] and forms[1]:
+            assert torch.equal(got.q_VN.view(torch.uint8), got.q_NV.t().contiguous().view(torch.uint8))
+        if forms[2]:
+            assert got.g_NV.dtype == torch.bfloat16 and got.g_NV[3].isnan().all()
+            ok = ~ref.g_NV.isnan()
+            torch.testing.assert_close(got.g_NV.float()[ok], ref.g_NV.float()[ok], rtol=2 ** -7, atol=1e-7)
 print("CROSS-ENTROPY-OK")
 """
 

@@ -50,7 +50,8 @@ def test_fp8_gradient_of_the_loss_is_the_fp64_gradient_in_e5m2(grad_loss):
     x_NV[6] = 0.0  # a uniform row
     loss_N, lse_N = ce.cross_entropy_fwd_torch(x_NV, labels_N, -100)
     n_valid = (labels_N != -100).sum().float()
-    q, qt, s = ce.cross_entropy_bwd_fp8(x_NV, labels_N, lse_N, torch.tensor(grad_loss), n_valid, -100, FP8_GRAD)
+    g, q, qt, s = ce.cross_entropy_bwd_fp8(x_NV, labels_N, lse_N, torch.tensor(grad_loss), n_valid, -100, FP8_GRAD)
+    assert g is None  # the bf16 form only where asked for
     bound = grad_loss / n_valid
     assert float(s) * Q_MAX[FP8_GRAD] >= bound > float(s) * Q_MAX[FP8_GRAD] / 2
     x64 = x_NV.double().requires_grad_()
@@ -62,6 +63,26 @@ def test_fp8_gradient_of_the_loss_is_the_fp64_gradient_in_e5m2(grad_loss):
     assert (err <= x64.grad.abs() * 2**-3 * 1.001 + float(s) * 2**-17).all(), float(err.max())
     assert not deq[1].any() and deq[0].any()
     assert torch.equal(qt.view(torch.uint8), q.t().contiguous().view(torch.uint8))
+
+
+@pytest.mark.parametrize("rows, cols, plain", [(True, True, False), (False, True, True), (True, False, True),
+                                               (False, False, True)])
+def test_the_loss_writes_the_forms_asked_for(rows, cols, plain):
+    """Each form of the FP8 backward where asked for, None where not: q_NV and q_VN the same bytes, the plain
+    form bit for bit the plain backward's gradient, the scale the same whichever forms are written."""
+    x_NV, labels_N = _case(29, 200, seed=4, dtype=torch.bfloat16)
+    _, lse_N = ce.cross_entropy_fwd_torch(x_NV, labels_N, -100)
+    n_valid, grad_loss = (labels_N != -100).sum().float(), torch.tensor(0.6)
+    got = ce.cross_entropy_bwd_fp8(x_NV, labels_N, lse_N, grad_loss, n_valid, -100, FP8_GRAD, rows, cols, plain)
+    every = ce.cross_entropy_bwd_fp8(x_NV, labels_N, lse_N, grad_loss, n_valid, -100, FP8_GRAD, True, True, True)
+    assert torch.equal(got.s, every.s)
+    for name, asked in (("q_NV", rows), ("q_VN", cols), ("g_NV", plain)):
+        assert (getattr(got, name) is not None) == asked, name
+        if asked:
+            assert torch.equal(getattr(got, name).view(torch.uint8), getattr(every, name).view(torch.uint8)), name
+    assert torch.equal(every.q_VN.view(torch.uint8), every.q_NV.t().contiguous().view(torch.uint8))
+    assert every.g_NV.dtype == torch.bfloat16
+    assert torch.equal(every.g_NV, ce.cross_entropy_bwd_torch(x_NV, labels_N, lse_N, grad_loss, n_valid, -100))
 
 
 def _head_and_input(V=96, D=64, B=2, S=8, seed=0, device="cpu"):
@@ -100,10 +121,11 @@ def test_the_head_takes_the_fp8_gradient_the_loss_wrote(monkeypatch):
     loss = lm_loss(logits, labels)
     puts = []
     put = head.handoff.put
-    monkeypatch.setattr(head.handoff, "put", lambda *a: puts.append(a) or put(*a))
+    monkeypatch.setattr(head.handoff, "put", lambda g: puts.append(g) or put(g))
     loss.backward()
     assert casts == [FP8, FP8] and len(puts) == 1  # h and W in the forward; the gradient came in FP8
-    q_NV, q_VN, s = puts[0]
+    g_NV, q_NV, q_VN, s = puts[0]
+    assert g_NV is None  # both backward GEMMs read FP8: no bf16 gradient written
     _, qh_DT, s_h = cast_both(hg.detach().flatten(0, 1), FP8)
     _, qw_DV, s_w = cast_both(head.weight.detach(), FP8)
     assert torch.equal(hg.grad.flatten(0, 1), fh.scaled_mm(q_NV, qw_DV.t(), s, s_w, torch.float32))
@@ -114,9 +136,12 @@ def test_the_head_takes_the_fp8_gradient_the_loss_wrote(monkeypatch):
     assert fh.handoff_of(logits) is None  # taken: a second loss on the same logits would not get it
 
 
-def test_another_use_of_the_logits_adds_its_gradient():
-    """Logits used by the loss and by a second term: the head gets the sum (nothing lost), as in fp64."""
+@pytest.mark.parametrize("gemms", [fh.GEMMS, fh.Fp8Head.fp8_gemms])
+def test_another_use_of_the_logits_adds_its_gradient(gemms):
+    """Logits used by the loss and by a second term: the head gets the sum (nothing lost), as in fp64 — where the
+    loss wrote the gradient in FP8 only (all three GEMMs) and where it wrote it in bf16 too (the default)."""
     head, h, labels = _head_and_input(seed=1)
+    head.fp8_gemms = gemms
     extra = lambda logits: 0.05 * (logits.float() ** 2).sum(-1).mean()
     hg = h.clone().requires_grad_()
     logits = head(hg)
@@ -147,35 +172,49 @@ def test_modified_or_copied_logits_take_the_plain_path():
                                    ("output", "grad_input")])
 def test_each_gemm_of_the_head_in_fp8_or_unquantised_as_asked(gemms):
     """``fp8_gemms`` picks the head's GEMMs one by one: each named one equals ``_scaled_mm`` of the tensorwise-cast
-    operands bit for bit, each other one the unquantised product (fp32 here). The loss hands over its gradient in
-    FP8 only where both backward GEMMs are FP8; otherwise the head receives the full-precision gradient."""
+    operands bit for bit (the gradient as the loss wrote it in FP8), each other one the unquantised product (fp32
+    here). The loss writes the gradient in FP8 wherever a backward GEMM reads it so, in the forms that GEMM reads,
+    and in full precision where the other one is not FP8; the head casts no gradient itself."""
     head, h, labels = _head_and_input(seed=3)
     head.fp8_gemms = gemms
     puts, put = [], head.handoff.put
-    head.handoff.put = lambda *a: puts.append(a) or put(*a)
-    hg = h.clone().requires_grad_()
-    logits = head(hg)
-    assert (fh.handoff_of(logits) is not None) == head.takes_fp8_grad == ({"grad_input", "grad_weight"} <= set(gemms))
-    logits.retain_grad()
-    lm_loss(logits, labels).backward()
-    h_TD, w_VD, g_TV = hg.detach().flatten(0, 1), head.weight.detach(), logits.grad.flatten(0, 1)
+    head.handoff.put = lambda *a: puts.append(a[0]) or put(*a)
+    casts, cast = [], fh.cast_both
+    fh.cast_both = lambda x, d: casts.append(d) or cast(x, d)
+    try:
+        hg = h.clone().requires_grad_()
+        logits = head(hg)
+        backward8 = {"grad_input", "grad_weight"} & set(gemms)
+        assert (fh.handoff_of(logits) is not None) == head.takes_fp8_grad == bool(backward8)
+        logits.retain_grad()
+        lm_loss(logits, labels).backward()
+    finally:
+        fh.cast_both = cast
+    assert FP8_GRAD not in casts and len(puts) == head.takes_fp8_grad
+    h_TD, w_VD = hg.detach().flatten(0, 1), head.weight.detach()
     qh_TD, qh_DT, s_h = cast_both(h_TD, FP8)
     qw_VD, qw_DV, s_w = cast_both(w_VD, FP8)
-    qg_TV, qg_VT, s_g = puts[0] if puts else cast_both(g_TV, head.grad_dtype)  # puts: the loss's FP8 gradient
-    assert len(puts) == head.takes_fp8_grad
-    g_TV = qg_TV.float() * s_g if puts else g_TV  # what the head's backward received
-    fp8 = {"output": fh.scaled_mm(qh_TD, qw_VD.t(), s_h, s_w, torch.float32),
-           "grad_input": fh.scaled_mm(qg_TV, qw_DV.t(), s_g, s_w, torch.float32),
-           "grad_weight": fh.scaled_mm(qg_VT, qh_DT.t(), s_g, s_h, torch.float32)}
+    if puts:
+        g = puts[0]
+        assert ((g.q_NV is not None, g.q_VN is not None, g.g_NV is not None)
+                == ("grad_input" in gemms, "grad_weight" in gemms, len(backward8) < 2))
+    g_TV = logits.grad.flatten(0, 1)  # what the head's backward received: bf16 (fp32 here) where the loss wrote it
+    if puts and puts[0].g_NV is None:
+        g_TV = puts[0].q_NV.float() * puts[0].s
+    fp8 = {"output": lambda: fh.scaled_mm(qh_TD, qw_VD.t(), s_h, s_w, torch.float32),
+           "grad_input": lambda: fh.scaled_mm(puts[0].q_NV, qw_DV.t(), puts[0].s, s_w, torch.float32),
+           "grad_weight": lambda: fh.scaled_mm(puts[0].q_VN, qh_DT.t(), puts[0].s, s_h, torch.float32)}
     exact = {"output": h_TD.double() @ w_VD.double().t(), "grad_input": g_TV.double() @ w_VD.double(),
              "grad_weight": g_TV.double().t() @ h_TD.double()}
     got = {"output": logits.detach().flatten(0, 1), "grad_input": hg.grad.flatten(0, 1), "grad_weight": head.weight.grad}
     for name in fh.GEMMS:
         if name in gemms:
-            assert torch.equal(got[name], fp8[name]), name
+            assert torch.equal(got[name], fp8[name]()), name
             assert _rel(got[name], exact[name]) > 1e-3, name  # quantised: visibly off the exact product
         else:
             assert _rel(got[name], exact[name]) < 1e-6, name
+    _, want_h, want_w = _fp64_grads(head, h, labels)
+    assert _rel(hg.grad, want_h) < 0.12 and _rel(head.weight.grad, want_w) < 0.12
 
 
 def test_head_gemms_study_reads_the_gemms_by_name():
@@ -203,7 +242,7 @@ def test_recipe_swaps_a_tensorwise_head_and_compile_leaves_it_eager():
         # warned only where both backward GEMMs are FP8: torchao's rowwise head, or an Fp8Head told so
         assert (float8.head_note(names, model.output) is None) == swapped, recipe
         if swapped:
-            assert model.output.fp8_gemms == ("output", "grad_weight") and not model.output.takes_fp8_grad
+            assert model.output.fp8_gemms == ("output", "grad_weight") and model.output.fp8_backward == ("grad_weight",)
             model.output.fp8_gemms = fh.GEMMS
             assert "~2% above bf16's loss" in float8.head_note(names, model.output)
         assert model.output.weight is weight and "output.weight" in dict(model.named_parameters())
@@ -237,22 +276,32 @@ def test_cast_both_kernel_equals_torch(dtype):
 @pytest.mark.gpu
 @hopper
 @pytest.mark.parametrize("N, V", [(4096, 32768), (333, 1000), (5, 16)])
-def test_fp8_backward_kernel_equals_torch(N, V):
+@pytest.mark.parametrize("rows, cols, plain", [(True, True, False), (False, True, True)])
+def test_fp8_backward_kernel_equals_torch(N, V, rows, cols, plain):
     """The kernel against the torch path on the same lse: the same scale, the layouts the same bytes, values equal
-    but for fp32 exp's last bit flipping a rounding (<= 1 e5m2 step on < 0.1% of them); ignored rows zero."""
+    but for fp32 exp's last bit flipping a rounding (<= 1 e5m2 step on < 0.1% of them; the bf16 form <= 1 bf16
+    step); ignored rows zero; only the forms asked for written."""
     x_NV, labels_N = _case(N, V, seed=N, dtype=torch.bfloat16, device="cuda")
     labels_N[2] = -100
     _, lse_N = ce.cross_entropy_fwd(x_NV, labels_N, -100)
     n_valid = (labels_N != -100).sum().float()
     grad_loss = torch.tensor(0.8, device="cuda")
-    q, qt, s = ce.cross_entropy_bwd_fp8(x_NV, labels_N, lse_N, grad_loss, n_valid, -100)
-    rq, rqt, rs = ce.cross_entropy_bwd_fp8_torch(x_NV, labels_N, lse_N, grad_loss, n_valid, -100)
-    assert torch.equal(s, rs)
-    assert torch.equal(qt.view(torch.uint8), q.t().contiguous().view(torch.uint8))
-    differ = q.view(torch.uint8) != rq.view(torch.uint8)
+    got = ce.cross_entropy_bwd_fp8(x_NV, labels_N, lse_N, grad_loss, n_valid, -100, FP8_GRAD, rows, cols, plain)
+    ref = ce.cross_entropy_bwd_fp8_torch(x_NV, labels_N, lse_N, grad_loss, n_valid, -100, FP8_GRAD, True, True, True)
+    assert torch.equal(got.s, ref.s)
+    assert ((got.q_NV is not None, got.q_VN is not None, got.g_NV is not None) == (rows, cols, plain))
+    q = got.q_NV if rows else got.q_VN.t()
+    if rows and cols:
+        assert torch.equal(got.q_VN.view(torch.uint8), got.q_NV.t().contiguous().view(torch.uint8))
+    differ = q.view(torch.uint8) != ref.q_NV.view(torch.uint8)
     assert float(differ.float().mean()) < 1e-3
-    assert ((q.float() - rq.float()).abs()[differ] <= rq.float().abs()[differ] * 2**-2 + 2**-16).all()
+    assert ((q.float() - ref.q_NV.float()).abs()[differ] <= ref.q_NV.float().abs()[differ] * 2**-2 + 2**-16).all()
     assert not q[1].float().any() and not q[2].float().any()
+    if plain:
+        plain_ref = ce.cross_entropy_bwd(x_NV, labels_N, lse_N, grad_loss, n_valid, -100)  # the row kernel
+        err = (got.g_NV.float() - plain_ref.float()).abs()
+        assert (err <= plain_ref.float().abs() * 2**-7).all() and float((err > 0).float().mean()) < 1e-3
+        assert not got.g_NV[1].float().any() and not got.g_NV[2].float().any()
 
 
 def _torchao_head(linear):

@@ -369,7 +369,7 @@ print('; '.join('%s %.4f (%+.2f%% vs the head in bf16, %d batches)' % (n, sum(v)
           # -> fp8_head_1x<GPU>.md
         export CUDA_VISIBLE_DEVICES=${CUDA_VISIBLE_DEVICES:-0}
         python3 -m pytest tests/test_fp8_head.py tests/test_cross_entropy.py -p no:warnings -rfEs 2>&1 | tail -4
-        python3 benchmarks/fp8_head.py --out "$OUT" 2>&1 | noise | tail -6 ;;
+        python3 benchmarks/fp8_head.py --out "$OUT" 2>&1 | noise | tail -9 ;;
       p)  # one GPU, v2lite_1b compiled + graphed: bf16 and FP8 profiled -> step_breakdown_v2lite_1b_gpu_fp8_vs_bf16_1x<GPU>.md
           # (RECIPE=rowwise made that file), ..._fp8_vs_bf16_<RECIPE>_1x<GPU>.md for another RECIPE; HEAD=1 profiles
           # the output head in FP8 as a third column (..._<RECIPE>_head_1x<GPU>.md)

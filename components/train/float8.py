@@ -113,7 +113,7 @@ def head_note(swapped: list[str], head: nn.Module | None) -> str | None:
     """The advice printed where the output head was converted with both backward GEMMs in FP8 (torchao's head;
     ``swapped``: ``convert_float8``'s names): measured, such runs ended ~2% above bf16's loss after 500 steps, a
     worse trained model, where an ``Fp8Head`` with its input gradient in bf16 ended within (docs/performance.md)."""
-    if HEAD not in swapped or (isinstance(head, Fp8Head) and not head.takes_fp8_grad):
+    if HEAD not in swapped or (isinstance(head, Fp8Head) and len(head.fp8_backward) < 2):
         return None
     return (f'float8: the output head is in FP8 with both backward GEMMs: a faster step, but measured runs ended ~2% '
             f'above bf16\'s loss after 500 steps; keep it in bf16 with "{HEAD}" in [quantize.linear.float8] '

@@ -166,7 +166,8 @@ def build_parallel_model(run: Run, tokenizer):
         if isinstance(head := getattr(model, float8.HEAD, None), Fp8Head):
             kind = str(head.grad_dtype).removeprefix("torch.float8_").removesuffix("fn")  # e5m2 / e4m3
             if head.takes_fp8_grad:
-                run.say(f"float8: the output head takes its gradient from the loss in FP8 ({kind}, written in one pass)")
+                run.say(f"float8: the loss writes the logits' gradient in FP8 ({kind}) for the output head's "
+                        f"{' and '.join(head.fp8_backward)} GEMM{'s' * (len(head.fp8_backward) > 1)}, in its one pass")
             if bf16 := [g for g in GEMMS if g not in head.fp8_gemms]:
                 run.say(f"float8: the output head's {', '.join(bf16)} GEMM{'s' * (len(bf16) > 1)} in bf16")
         if note := float8.head_note(swapped, getattr(model, float8.HEAD, None)):
