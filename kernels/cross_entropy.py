@@ -19,9 +19,9 @@ value-dependent shape: capturable in a CUDA graph.
 
 The backward for an FP8 output head (``cross_entropy(..., fp8_grad=...)``): |softmax − one-hot| <= 1, so
 |grad| <= |grad_loss| / n_valid, a bound known before any value is computed. With the power-of-two scale of
-that bound one pass over tiles of the logits writes the gradient in each form the head reads: in FP8 row by
-row (``rows``: the input gradient's GEMM), in FP8 transposed (``cols``: the weight gradient's), in the logits'
-dtype (``plain``: for a GEMM the head keeps in bf16). No amax pass, no cast, no transpose pass.
+that bound the backward's one pass writes the gradient in each form the head reads: in FP8 row by row
+(``rows``: the input gradient's GEMM), in the logits' dtype (``plain``: for a GEMM the head keeps in bf16), and
+a byte transpose of the FP8 rows (``cols``: the weight gradient's GEMM). No amax pass, no cast.
 
 A label outside [0, V) other than ignore_index: on CPU tensors this raises IndexError as
 F.cross_entropy does (the check is free there). On CUDA nothing is read on the host (the step is
@@ -34,7 +34,7 @@ from typing import NamedTuple
 
 import torch
 
-from .fp8 import FP8_GRAD, Q_MAX, pow2_scale
+from .fp8 import FP8_GRAD, Q_MAX, pow2_scale, transpose_copy_
 from .moe_rows import _acc_dtype, _use_triton, triton
 
 if triton is not None:
@@ -68,62 +68,38 @@ if triton is not None:
         tl.store(loss_ptr + row, tl.where(valid, loss, 0.0))
 
     @triton.jit
-    def _cross_entropy_bwd_kernel(x_ptr, labels_ptr, lse_ptr, grad_loss_ptr, n_valid_ptr, grad_ptr, stride_row,
-                                  grad_stride_row, V, ignore_index, BLOCK_V: tl.constexpr):
-        """One row of the gradient, in grad's dtype."""
+    def _cross_entropy_bwd_kernel(x_ptr, labels_ptr, lse_ptr, grad_loss_ptr, n_valid_ptr, g_ptr, q_ptr, s_ptr,
+                                  stride_row, g_stride_row, V, ignore_index, Q_MAX: tl.constexpr, PLAIN: tl.constexpr,
+                                  QUANT: tl.constexpr, BLOCK_V: tl.constexpr):
+        """One row of the gradient: in g's dtype (PLAIN), and (QUANT) over s, the power-of-two scale of the bound
+        |grad_loss| / n_valid, clamped to ±Q_MAX in q's FP8 dtype (q [N, V] contiguous; row 0 stores s)."""
         row = tl.program_id(0)
         x_row = x_ptr + row.to(tl.int64) * stride_row
-        g_row = grad_ptr + row.to(tl.int64) * grad_stride_row
+        g_row = g_ptr + row.to(tl.int64) * g_stride_row
+        q_row = q_ptr + row.to(tl.int64) * V
         label = tl.load(labels_ptr + row).to(tl.int64)
         valid = label != ignore_index
         in_range = (label >= 0) & (label < V)
         lse = tl.load(lse_ptr + row)
         scale = tl.load(grad_loss_ptr).to(tl.float32) / tl.load(n_valid_ptr).to(tl.float32)
+        s = 1.0
+        if QUANT:
+            s = _pow2_scale_to(tl.abs(scale), Q_MAX)  # |grad| <= |scale|: softmax minus one-hot is within [-1, 1]
+            if row == 0:
+                tl.store(s_ptr, s)
         scale = tl.where(in_range, scale, float("nan"))
         n_read = tl.where(valid, V, 0)  # ignored rows are not read
         for start in range(0, V, BLOCK_V):
             offs = start + tl.arange(0, BLOCK_V)
             mask = offs < V
             x = tl.load(x_row + offs, mask=offs < n_read, other=0.0).to(tl.float32)
-            g = (tl.exp(x - lse) - tl.where(offs == label, 1.0, 0.0)) * scale
-            g = tl.where(valid, g, 0.0)
-            tl.store(g_row + offs, g.to(grad_ptr.dtype.element_ty), mask=mask)
-
-    @triton.jit
-    def _cross_entropy_bwd_fp8_kernel(x_ptr, labels_ptr, lse_ptr, grad_loss_ptr, n_valid_ptr, g_ptr, q_ptr, qt_ptr,
-                                      s_ptr, stride_row, N, V, ignore_index, Q_MAX: tl.constexpr, PLAIN: tl.constexpr,
-                                      ROWS: tl.constexpr, COLS: tl.constexpr, BLOCK_N: tl.constexpr,
-                                      BLOCK_V: tl.constexpr):
-        """One [BLOCK_N, BLOCK_V] tile of the gradient: over s, the power-of-two scale of the bound
-        |grad_loss| / n_valid, clamped to ±Q_MAX in FP8 as rows (q [N, V], ROWS) and transposed (qt [V, N],
-        COLS); unscaled in g's dtype (g [N, V], PLAIN). Program (0, 0) stores s."""
-        rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-        cols = tl.program_id(1) * BLOCK_V + tl.arange(0, BLOCK_V)
-        row_ok, col_ok = rows < N, cols < V
-        label = tl.load(labels_ptr + rows, mask=row_ok, other=ignore_index).to(tl.int64)
-        valid = (label != ignore_index) & row_ok
-        in_range = (label >= 0) & (label < V)
-        lse = tl.load(lse_ptr + rows, mask=valid, other=0.0)
-        scale = tl.load(grad_loss_ptr).to(tl.float32) / tl.load(n_valid_ptr).to(tl.float32)
-        s = _pow2_scale_to(tl.abs(scale), Q_MAX)  # |grad| <= |scale|: softmax minus one-hot is within [-1, 1]
-        if (tl.program_id(0) == 0) & (tl.program_id(1) == 0):
-            tl.store(s_ptr, s)
-        scale_N = tl.where(in_range, scale, float("nan"))
-        ok = row_ok[:, None] & col_ok[None, :]
-        x = tl.load(x_ptr + rows[:, None].to(tl.int64) * stride_row + cols[None, :], mask=valid[:, None] & ok,
-                    other=0.0).to(tl.float32)  # ignored rows are not read
-        t = tl.exp(x - lse[:, None]) - tl.where(cols[None, :] == label[:, None], 1.0, 0.0)
-        at = rows[:, None].to(tl.int64) * V + cols[None, :]
-        if PLAIN:
-            g = tl.where(valid[:, None], t * scale_N[:, None], 0.0)
-            tl.store(g_ptr + at, g.to(g_ptr.dtype.element_ty), mask=ok)
-        q = tl.where(valid[:, None], t * (scale_N / s)[:, None], 0.0)
-        q = tl.where(q > Q_MAX, Q_MAX, tl.where(q < -Q_MAX, -Q_MAX, q))  # exp's rounding can pass the bound by an ulp
-        if ROWS:
-            tl.store(q_ptr + at, q.to(q_ptr.dtype.element_ty), mask=ok)
-        if COLS:
-            at_t = cols[:, None].to(tl.int64) * N + rows[None, :]
-            tl.store(qt_ptr + at_t, tl.trans(q).to(qt_ptr.dtype.element_ty), mask=col_ok[:, None] & row_ok[None, :])
+            t = tl.exp(x - lse) - tl.where(offs == label, 1.0, 0.0)
+            if PLAIN:
+                tl.store(g_row + offs, tl.where(valid, t * scale, 0.0).to(g_ptr.dtype.element_ty), mask=mask)
+            if QUANT:  # exp's rounding can pass the bound by an ulp; nan stays nan
+                q = tl.where(valid, t * (scale / s), 0.0)
+                q = tl.where(q > Q_MAX, Q_MAX, tl.where(q < -Q_MAX, -Q_MAX, q))
+                tl.store(q_row + offs, q.to(q_ptr.dtype.element_ty), mask=mask)
 
 _MAX_BLOCK_V = 4096
 
@@ -152,8 +128,9 @@ def cross_entropy_bwd(logits_NV, labels_N, lse_N, grad_loss, n_valid, ignore_ind
     grad_NV = torch.empty_like(logits_NV, memory_format=torch.contiguous_format)
     if N:
         block, warps = _launch_args(V)
-        _cross_entropy_bwd_kernel[(N,)](logits_NV, labels_N, lse_N, grad_loss, n_valid, grad_NV, logits_NV.stride(0),
-                                        grad_NV.stride(0), V, ignore_index, BLOCK_V=block, num_warps=warps)
+        _cross_entropy_bwd_kernel[(N,)](logits_NV, labels_N, lse_N, grad_loss, n_valid, grad_NV, grad_NV, grad_NV,
+                                        logits_NV.stride(0), grad_NV.stride(0), V, ignore_index, Q_MAX=0.0, PLAIN=True,
+                                        QUANT=False, BLOCK_V=block, num_warps=warps)
     return grad_NV
 
 
@@ -214,24 +191,26 @@ def cross_entropy_bwd_fp8(logits_NV, labels_N, lse_N, grad_loss, n_valid, ignore
     """The gradient in FP8 ``dtype`` (e5m2 or e4m3) with one scale s = 2^ceil(log2(|grad_loss| / n_valid / max)),
     in the forms asked for: ``rows`` q_NV, ``cols`` q_VN (the same bytes transposed), ``plain`` g_NV in the logits'
     dtype (unscaled, as ``cross_entropy_bwd`` writes it). |softmax − one-hot| <= 1 bounds the gradient, so the scale
-    is known before a value is computed: one pass over [64, 128] tiles reads 2 bytes a logit and writes 1 per FP8
-    form (2 for the plain one). grad ≈ q · s."""
+    is known before a value is computed: the backward kernel writes q_NV (1 byte a logit) beside or instead of g_NV
+    (2) in its one pass over the logits (reading 2), then ``transpose_copy_`` writes q_VN from it (reads 1, writes 1;
+    a tiled pass writing q_VN itself measured slower on H200). grad ≈ q · s."""
     if not _use_triton(logits_NV, labels_N):
         return cross_entropy_bwd_fp8_torch(logits_NV, labels_N, lse_N, grad_loss, n_valid, ignore_index, dtype, rows,
                                            cols, plain)
     N, V = logits_NV.shape
     new = lambda *shape, dt=dtype: torch.empty(*shape, dtype=dt, device=logits_NV.device)
-    g_NV, q_NV, q_VN = new(N, V, dt=logits_NV.dtype) if plain else None, new(N, V) if rows else None, \
+    g_NV, q_NV, q_VN = new(N, V, dt=logits_NV.dtype) if plain else None, new(N, V) if rows or cols else None, \
         new(V, N) if cols else None
     s = torch.ones((), dtype=torch.float32, device=logits_NV.device)
-    if N and (plain or rows or cols):
-        some = next(t for t in (g_NV, q_NV, q_VN) if t is not None)  # a pointer for the forms not written
-        BN, BV = 64, 128
-        _cross_entropy_bwd_fp8_kernel[(triton.cdiv(N, BN), triton.cdiv(V, BV))](
-            logits_NV, labels_N, lse_N, grad_loss, n_valid, some if g_NV is None else g_NV,
-            some if q_NV is None else q_NV, some if q_VN is None else q_VN, s, logits_NV.stride(0), N, V, ignore_index,
-            Q_MAX=Q_MAX[dtype], PLAIN=plain, ROWS=rows, COLS=cols, BLOCK_N=BN, BLOCK_V=BV, num_warps=8)
-    return Fp8Grad(g_NV, q_NV, q_VN, s)
+    if N and (plain or q_NV is not None):
+        block, warps = _launch_args(V)
+        q_ptr = q_NV if q_NV is not None else new(1)  # a pointer of the FP8 dtype either way
+        _cross_entropy_bwd_kernel[(N,)](logits_NV, labels_N, lse_N, grad_loss, n_valid, q_ptr if g_NV is None else g_NV,
+                                        q_ptr, s, logits_NV.stride(0), V, V, ignore_index, Q_MAX=Q_MAX[dtype],
+                                        PLAIN=plain, QUANT=q_NV is not None, BLOCK_V=block, num_warps=warps)
+        if cols:
+            transpose_copy_(q_NV[None], q_VN[None])
+    return Fp8Grad(g_NV, q_NV if rows else None, q_VN, s)
 
 
 class _CrossEntropy(torch.autograd.Function):
