@@ -88,6 +88,8 @@ def test_sync_free_steps_and_graph_equals_eager(case, tmp_path):
         said = [line for line in out.splitlines() if "float8: " in line and "linear layers in FP8" in line]
         assert said and said[0].endswith("kept: router gates, router.gate"), out[-3000:]  # the head converted
         assert "float8: the output head's grad_input GEMM in bf16" in out, out[-3000:]  # Fp8Head's default
+        assert ("float8: the loss writes the logits' gradient in FP8 (e5m2) for the output head's grad_weight GEMM"
+                in out), out[-3000:]
     if "fp8" in case:  # rowwise dense layers: the experts' weights scaled per output channel, cast each pass
         per = "channel" if "rowwise" in case else "expert"
         assert f"fp8 experts: weight scales per {per}; weight copies written by the optimizer step in" in out, \
