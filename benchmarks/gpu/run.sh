@@ -365,10 +365,11 @@ import json
 m = {n: [r['loss'] for r in map(json.loads, open('$OUT/f8_eval_%s.jsonl' % n)) if 'loss' in r] for n in ('head_fp8', 'head_bf16', 'bf16')}
 b = sum(m['head_bf16']) / len(m['head_bf16'])
 print('; '.join('%s %.4f (%+.2f%% vs the head in bf16, %d batches)' % (n, sum(v) / len(v), 100 * (sum(v) / len(v) / b - 1), len(v)) for n, v in m.items()))" ;;
-      o)  # one GPU: the FP8 output head's tests, then its head + loss against bf16's and torchao's (v2lite_1b's shape)
-          # -> fp8_head_1x<GPU>.md
+      o)  # one GPU: the FP8 output head's tests, the loss's backward in the forms the head reads, then head + loss
+          # against bf16's and torchao's (v2lite_1b's shape) -> cross_entropy_fp8_1x<GPU>.md, fp8_head_1x<GPU>.md
         export CUDA_VISIBLE_DEVICES=${CUDA_VISIBLE_DEVICES:-0}
         python3 -m pytest tests/test_fp8_head.py tests/test_cross_entropy.py -p no:warnings -rfEs 2>&1 | tail -4
+        python3 benchmarks/cross_entropy_fp8.py --out "$OUT" 2>&1 | noise | tail -9
         python3 benchmarks/fp8_head.py --out "$OUT" 2>&1 | noise | tail -9 ;;
       p)  # one GPU, v2lite_1b compiled + graphed: bf16 and FP8 profiled -> step_breakdown_v2lite_1b_gpu_fp8_vs_bf16_1x<GPU>.md
           # (RECIPE=rowwise made that file), ..._fp8_vs_bf16_<RECIPE>_1x<GPU>.md for another RECIPE; HEAD=1 profiles
