@@ -29,6 +29,7 @@ NAME = re.compile(r"^(?P<stem>[a-z0-9][A-Za-z0-9_.]*?)_(?P<machine>(?P<gpus>\d+)
 # benchmark -> what writes its files: a script, or the GPU suite whose logs its table was written from
 BENCHMARKS = {
     "copy_engine": "benchmarks/copy_engine.py",
+    "fp8_operand_layout": "benchmarks/fp8_operand_layout.py",
     "cross_entropy_fp8": "benchmarks/cross_entropy_fp8.py",
     "dispatch": "benchmarks/dispatch.py",
     "dispatch_hosts": "benchmarks/dispatch_hosts.py",
