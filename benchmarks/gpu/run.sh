@@ -253,8 +253,9 @@ print('largest step difference over steps 1-20: %.2e at step %d' % max(rel[:20])
         python3 benchmarks/loss_match.py "$OUT/f8_loss_bf16$s.jsonl" "$OUT/$name.jsonl" --floor \
           "$OUT/f8_loss_bf16_compile$s.jsonl" --plot "$OUT/$name.png" --names "bf16,$name,bf16 compiled" | tail -2 ;;
       s)  # two GPUs: PART=l (VARIANT, NAME as there) at two seeds at once, GPU i running the i-th of SEEDS (default
-          # "0 1"); each FP8 run also against bf16 compiled (both compiled) -> seed<SEED>.txt, <NAME>_s<SEED>.png, and
-          # the runs' logs and metrics in loss_runs.tgz (what comes back of $OUT is a few files)
+          # "0 1"); each FP8 run also against bf16 compiled (both compiled), then all seeds by loss_seeds.py ->
+          # seed<SEED>.txt, <NAME>_s<SEED>.png, and the runs' logs and metrics in loss_runs.tgz (what comes back of
+          # $OUT is a few files)
         i=0
         for seed in ${SEEDS:-0 1}; do
           (export CUDA_VISIBLE_DEVICES=$i PET_MASTER_PORT=$((29511 + 11 * i)); SEED=$seed PART=l bash "$0" fp8_step \
@@ -267,6 +268,7 @@ print('largest step difference over steps 1-20: %.2e at step %d' % max(rel[:20])
           python3 benchmarks/loss_match.py "$OUT/f8_loss_bf16_compile_s$seed.jsonl" \
             "$OUT/${NAME:-f8_loss_fp8_head}_s$seed.jsonl" | tail -1
         done
+        python3 benchmarks/loss_seeds.py "$OUT" --other "${NAME:-f8_loss_fp8_head}" --seeds ${SEEDS:-0 1}
         (cd "$OUT" && tar czf loss_runs.tgz ./*.jsonl ./*.log && rm -f ./*.jsonl ./*.log) ;;
       c)  # two GPUs: v2lite_6b_2gpu at EP=2 (with torchtitan's float8, compiled), the fp8 wire at EP=2 (padded, bf16
           # vs fp8 rows), then across 2 emulated hosts. HEAD=1: a third variant, the output head in FP8 too (label
