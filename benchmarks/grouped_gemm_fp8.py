@@ -23,6 +23,8 @@ dim] per expert; ``wgrad_down``: dyᵀ h, [dim, hidden] per expert), whose contr
     bf16_torch      torch._grouped_mm, 2-D x 2-D with the row offsets (what both precisions run today)
     fp8_torch       torch._scaled_grouped_mm, 2-D x 2-D: both operands e4m3, one scale per expert and column,
                     cast and transposed by torchao's per-group column kernel (its time is ``quant_ms``)
+    fp8_triton_blocks_<T>  kernels/fp8_wgrad.py: both operands e4m3 and transposed with one scale per 128 rows of a
+                    column (``quant_blocks_t``, its time is ``quant_ms``), each block's product scaled into fp32, tile T
     fp8_plain / bf16_plain  one GEMM over all rows (K = rows): the rate without the expert boundaries
 
 Each expert's row count is rounded down to a multiple of 16 there (torch's 2-D x 2-D FP8 grouped GEMM needs it).
@@ -46,9 +48,12 @@ import torch
 from benchmarks.common import environment, graphed, markdown_table, routing_ids, time_ms, write_results
 from kernels.fp8 import FP8, quant_blocks, quant_rows
 from kernels.fp8_gemm import CONFIGS, grouped_mm_fp8
+from kernels.fp8_wgrad import CONFIGS as WGRAD_TILES
+from kernels.fp8_wgrad import grouped_wgrad_fp8, quant_blocks_t
 
 BLOCK = 128  # DeepGEMM's scaling block and, on Hopper, its row alignment per expert
 TRITON_CONFIGS = [name for name in CONFIGS if not name.startswith("tiny")]
+WGRAD_CONFIGS = [name for name in WGRAD_TILES if name != "tiny"]
 
 
 def main() -> None:
@@ -58,13 +63,14 @@ def main() -> None:
     p.add_argument("--top_k", type=int, default=6, help="experts per token: rows / top_k tokens are routed")
     p.add_argument("--routing", nargs="+", default=["uniform", "skewed"], choices=["uniform", "skewed"])
     p.add_argument("--wgrad", action="store_true", help="the weight-gradient GEMMs too")
+    p.add_argument("--wgrad-only", action="store_true", help="only the weight-gradient GEMMs")
     p.add_argument("--out", default=None)
     args = p.parse_args()
     if not torch.cuda.is_available() or torch.cuda.get_device_capability() < (9, 0):
         raise SystemExit("grouped_gemm_fp8: needs a Hopper (compute capability 9.0+) GPU")
     dg, why = deepgemm()
     rows = [row for shape in args.shapes for routing in args.routing
-            for row in measure(*shape, args.top_k, routing, dg, args.wgrad)]
+            for row in measure(*shape, args.top_k, routing, dg, args.wgrad or args.wgrad_only, args.wgrad_only)]
     cols = ["experts", "hidden", "dim", "rows", "routing", "gemm", "N", "K", "variant", "ms", "tflops",
             "vs_fp8_plain", "vs_bf16_torch", "vs_fp8_torch", "pad_rows", "quant_ms", "with_quant_ms", "sf_layout_ms",
             "rel_err"]
@@ -72,7 +78,7 @@ def main() -> None:
     if dg is None:
         table += f"\n\nNo DeepGEMM rows: {why}."
     print(table)
-    name = "grouped_gemm_fp8_wgrad" if args.wgrad else "grouped_gemm_fp8"
+    name = "grouped_gemm_fp8_wgrad" if args.wgrad or args.wgrad_only else "grouped_gemm_fp8"
     write_results(name, {**environment(), "deepgemm": getattr(dg, "__version__", None)}, rows, table, args.out)
 
 
@@ -113,13 +119,16 @@ assert (d.float() - ref).norm() / ref.norm() < 0.01
 """
 
 
-def measure(E: int, H: int, D: int, R: int, top_k: int, routing: str, dg, wgrad: bool = False) -> list[dict]:
-    """Every variant of the four grouped GEMMs (six with ``wgrad``) at one shape and routing."""
+def measure(E: int, H: int, D: int, R: int, top_k: int, routing: str, dg, wgrad: bool = False,
+            wgrad_only: bool = False) -> list[dict]:
+    """Every variant of the four grouped GEMMs (six with ``wgrad``, the two alone with ``wgrad_only``) at one shape
+    and routing."""
     gen = torch.Generator(device="cuda").manual_seed(0)
     ids = routing_ids(R // top_k, E, top_k, routing, gen, "cuda")
     counts_E = torch.bincount(ids.flatten(), minlength=E).int()
     rows = []
-    for gemm, N, K in (("fwd_gate_up", 2 * H, D), ("fwd_down", D, H), ("dgrad_down", H, D), ("dgrad_gate_up", D, 2 * H)):
+    for gemm, N, K in () if wgrad_only else (("fwd_gate_up", 2 * H, D), ("fwd_down", D, H), ("dgrad_down", H, D),
+                                              ("dgrad_gate_up", D, 2 * H)):
         base = dict(experts=E, hidden=H, dim=D, rows=int(counts_E.sum()), routing=routing, gemm=gemm, N=N, K=K)
         rows += [{**base, **r} for r in _gemm_variants(counts_E, N, K, dg)]
     if wgrad:
@@ -227,6 +236,13 @@ def _wgrad_variants(counts_E: torch.Tensor, P: int, Q: int) -> list[dict]:
                                                           out_dtype=torch.bfloat16, use_fast_accum=True), 0.08,
             quant_ms=time_ms(graphed(quant), warmup=5, iters=30))
         out[-1]["with_quant_ms"] = out[-1]["ms"] + out[-1]["quant_ms"]
+    at, sa = quant_blocks_t(a_MP)  # e4m3 transposed, one scale per 128 rows of a column (kernels/fp8_wgrad.py)
+    bt, sb = quant_blocks_t(b_MQ)
+    quant_t_ms = time_ms(graphed(lambda: (quant_blocks_t(a_MP), quant_blocks_t(b_MQ))), warmup=5, iters=30)
+    for config in WGRAD_CONFIGS:
+        row(f"fp8_triton_blocks_{config}", lambda config=config: grouped_wgrad_fp8(at, sa, bt, sb, offs_E, config=config),
+            0.08, quant_ms=quant_t_ms)
+        out[-1]["with_quant_ms"] = out[-1]["ms"] + quant_t_ms
     aq_all, as_all = quant_rows(a_MP.t().contiguous())  # [P, M]: one GEMM over all rows, rowwise scales
     bq_all, bs_all = quant_rows(b_MQ.t().contiguous())
     plain8 = time_ms(graphed(lambda: torch._scaled_mm(aq_all, bq_all.t(), scale_a=as_all[:, None],

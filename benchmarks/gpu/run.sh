@@ -574,6 +574,7 @@ print('; '.join('%s %.4f (%+.2f%% vs the head in bf16, %d batches)' % (n, sum(v)
       64x768x2048x98304 --out "$OUT" 2>&1 | grep -E "^\| (bf16|fp32)" ;;
 
   grouped_fp8)  # -> grouped_gemm_fp8_1x<GPU>.md: the experts' grouped GEMMs, bf16 and FP8, torch's beside DeepGEMM's
+    # (WGRAD=1: the weight gradients' too, grouped_gemm_fp8_wgrad_1x<GPU>.md; WGRAD_ONLY=1: only those)
     # (built once per machine from .deepgemm/src by build_deepgemm.sh; its kernels compile on first use, ~minutes)
     build=${DEEPGEMM_BUILD:-build/deepgemm}; [[ $build = /* ]] || build=$PWD/$build
     export PYTHONPATH="$build/lib:$PYTHONPATH"
@@ -582,7 +583,7 @@ print('; '.join('%s %.4f (%+.2f%% vs the head in bf16, %d batches)' % (n, sum(v)
     # DeepGEMM's kernels run with the system's libstdc++ loaded first: without it each stops in the std::regex of its
     # JIT's include scanner (SIGSEGV) on this image
     LD_PRELOAD=$(g++ -print-file-name=libstdc++.so.6) timeout ${TMO:-420} python3 benchmarks/grouped_gemm_fp8.py \
-      --shapes ${SHAPES:-64x768x2048x98304} ${WGRAD:+--wgrad} --out "$OUT" 2>&1 \
+      --shapes ${SHAPES:-64x768x2048x98304} ${WGRAD:+--wgrad} ${WGRAD_ONLY:+--wgrad-only} --out "$OUT" 2>&1 \
       | tee "$OUT/grouped_gemm_fp8.log" | grep -E "^\| |rror|grouped_gemm_fp8" ;;
 
   fill_profile)  # -> step_breakdown_v2lite_6b_2gpu_<LABEL>_graph_<GRAPH>_2x<GPU>.md: the compiled step at EP=2 on the
