@@ -43,3 +43,14 @@ def test_echo_takes_true_false_auto_and_a_bare_flag():
         load_config(base + ["--moe_echo.echo", "true"])
     with pytest.raises(UserError, match="--moe_echo.overlap_chunks needs a value"):
         load_config(ep2 + ["--moe_echo.overlap_chunks"])
+
+
+def test_fp8_weight_gradients_need_fp8_experts():
+    from components.errors import UserError
+
+    base = ["--job.config_file", os.path.join(ROOT, "train_configs", "debug_cpu.toml")]
+    with pytest.raises(UserError, match="expert_wgrad_precision = 'fp8' needs expert_precision = 'fp8'") as err:
+        load_config(base + ["--moe_echo.expert_wgrad_precision", "fp8"])
+    assert "\n" not in str(err.value)
+    cfg = load_config(base + ["--moe_echo.expert_wgrad_precision", "fp8", "--moe_echo.expert_precision", "fp8"])
+    assert cfg.moe_echo.expert_wgrad_precision == "fp8"

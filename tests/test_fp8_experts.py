@@ -131,6 +131,29 @@ def test_fp8_experts_track_fp64_experts(case):
     assert dws[0].dtype == ws[0].dtype  # gradients in the weights' dtype (fp32 masters)
 
 
+@pytest.mark.parametrize("case", sorted(COUNTS))
+def test_fp8_weight_gradients_track_fp64_and_leave_the_rest_as_it_was(case):
+    """``wgrad_fp8``: the weight gradients from the FP8 weight-gradient GEMMs within 12% (norm) of fp64's, an expert
+    without rows exactly zero; the output and the input gradient bit for bit those of the bf16 weight gradients'
+    run (only the weight-gradient GEMMs change); padding rows past the experts' not read."""
+    x, ws, counts, gy = _experts_case(COUNTS[case])
+    used = int(counts.sum())
+    y8, dx8, dws8 = _run(lambda *a: fp8_grouped_swiglu(*a, wgrad_fp8=True), x, ws, counts, gy)
+    y, dx, dws = _run(fp8_grouped_swiglu, x, ws, counts, gy)
+    _, _, dws64 = _run(_looped_swiglu, x.double(), [w.double() for w in ws], counts, gy.double())
+    assert torch.equal(y8, y) and torch.equal(dx8, dx)
+    for e in range(len(counts)):
+        for d8, d, d64 in zip(dws8, dws, dws64):
+            if counts[e]:
+                assert _rel(d8[e], d64[e]) < 0.12 and not torch.equal(d8[e], d[e])  # FP8: not the bf16 GEMMs' sums
+            else:
+                assert (d8[e] == 0).all()
+    x2 = x.clone()
+    x2[used:] = 1e4  # padding rows (unspecified in the step's fixed-capacity buffers)
+    assert all(torch.equal(a, b) for a, b in zip(_run(lambda *a: fp8_grouped_swiglu(*a, wgrad_fp8=True), x2, ws,
+                                                      counts, gy)[2], dws8))
+
+
 def test_fp8_needs_a_hopper_gpu_one_line_error():
     with pytest.raises(UserError) as e:
         check_fp8_supported(torch.device("cpu"))
@@ -142,7 +165,9 @@ def test_fp8_layer_config_reaches_the_experts():
     args = MoEArgs(num_experts=8, num_shared_experts=0, top_k=2, score_func="softmax", route_norm=False,
                    score_before_experts=False)
     layer = MoELayer(args, 32, 16, MoEEchoConfig(expert_precision="fp8"))
-    assert layer.experts.precision == "fp8"
+    assert layer.experts.precision == "fp8" and layer.experts.wgrad_precision == "bf16"
+    layer = MoELayer(args, 32, 16, MoEEchoConfig(expert_precision="fp8", expert_wgrad_precision="fp8"))
+    assert layer.experts.wgrad_precision == "fp8"
 
 
 # --- GPU: the Triton kernels and torch._scaled_grouped_mm ----------------------------------------
@@ -200,14 +225,15 @@ def test_triton_quantisers_equal_torch_reference():
 
 @pytest.mark.gpu
 @hopper
-@pytest.mark.parametrize("channels", [False, True], ids=["per_expert", "per_channel"])
+@pytest.mark.parametrize("channels, wgrad_fp8", [(False, False), (True, False), (False, True)],
+                         ids=["per_expert", "per_channel", "fp8_weight_gradients"])
 @pytest.mark.parametrize("case", sorted(COUNTS))
-def test_fp8_experts_gpu_equal_the_emulated_path(case, channels):
-    """Triton quantisers + torch._scaled_grouped_mm == the CPU path's quantisation + fp32 GEMMs, up to
-    bf16 rounding of the GEMM outputs (the FP8 error itself, ~5%, is far larger); weights scaled per expert or
-    per output channel."""
+def test_fp8_experts_gpu_equal_the_emulated_path(case, channels, wgrad_fp8):
+    """Triton quantisers + the Triton FP8 GEMMs == the CPU path's quantisation + fp32 GEMMs, up to bf16 rounding
+    of the GEMM outputs (the FP8 error itself, ~5%, is far larger); weights scaled per expert or per output
+    channel; the weight gradients in bf16 or in FP8 (kernels/fp8_wgrad.py)."""
     x, ws, counts, gy = _experts_case([c * 16 + 3 for c in COUNTS[case]], D=256, H=128)  # unaligned groups
-    fn = lambda *a: fp8_grouped_swiglu(*a, channels=channels)
+    fn = lambda *a: fp8_grouped_swiglu(*a, channels=channels, wgrad_fp8=wgrad_fp8)
     cpu = _run(fn, x, ws, counts, gy)
     gpu = _run(fn, x.cuda(), [w.cuda() for w in ws], counts.cuda(), gy.cuda())
     used = int(counts.sum())

@@ -45,6 +45,12 @@ class MoEEchoConfig:
     on H200: the rowwise v2lite_1b step with ``channel`` runs at 0.92× its speed with ``expert``
     (docs/performance.md, FP8)."""
 
+    expert_wgrad_precision: Literal["bf16", "fp8"] = "bf16"
+    """The FP8 routed experts' weight-gradient GEMMs. ``fp8``: each operand (x, h, dy, da, db) cast in e4m3,
+    transposed, expert by expert on whole 128-row blocks with one power-of-two scale per block of a column, then
+    contracted by one Triton kernel (kernels/fp8_wgrad.py); needs ``expert_precision = "fp8"``. Not yet measured
+    in the step; ``bf16`` (the default) runs them in bf16 on the bf16 operands."""
+
     dispatch_precision: Literal["bf16", "fp8"] = "bf16"
     """How token rows cross GPUs (and hosts) toward the experts. ``fp8``: in e4m3 with a power-of-two fp32 scale
     per 128 columns (D + D/32 bytes a row instead of 2·D; ``nvlink`` pads rows to 64 bytes), read back in bf16

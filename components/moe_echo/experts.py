@@ -159,11 +159,12 @@ class GroupedExperts(nn.Module):
     """E SwiGLU experts held as three stacked weights (see the module docstring for the layout)."""
 
     def __init__(self, dim: int, hidden_dim: int, num_experts: int, precision: str = "bf16", gemm: str = "torch",
-                 fp8_scaling: str = "expert"):
+                 fp8_scaling: str = "expert", wgrad_precision: str = "bf16"):
         super().__init__()
         self.num_experts = num_experts
         self.precision = precision  # "bf16" | "fp8": the GEMMs' precision (weights keep their dtype)
         self.fp8_scaling = fp8_scaling  # "expert" | "channel": FP8 weight scales per expert or per output channel
+        self.wgrad_precision = wgrad_precision  # "bf16" | "fp8": the FP8 experts' weight-gradient GEMMs
         self.gemm = gemm  # "torch" | "quack": the kernels of the bf16 GEMMs on CUDA
         self.w1 = nn.Parameter(torch.empty(num_experts, hidden_dim, dim))
         self.w2 = nn.Parameter(torch.empty(num_experts, dim, hidden_dim))
@@ -218,7 +219,8 @@ class GroupedExperts(nn.Module):
         if self.precision == "fp8":  # ECHO's extended weights (clones appended) are cast per call
             copies = self.fp8_copies if extend is None else None
             return fp8_grouped_swiglu(x_ND, *weights, counts_e, self._fp8_scale_hint(weights[0]), copies=copies,
-                                      channels=self.fp8_scaling == "channel", rows=fp8_rows)
+                                      channels=self.fp8_scaling == "channel", rows=fp8_rows,
+                                      wgrad_fp8=self.wgrad_precision == "fp8")
         if self.gemm == "quack" and x_ND.is_cuda:
             return quack_grouped_swiglu(x_ND, *weights, counts_e)
         return grouped_swiglu(x_ND, *weights, counts_e)

@@ -7,10 +7,12 @@ GEMMs (``kernels.fp8_gemm.grouped_mm_fp8``, one persistent Triton kernel over ev
 fp32 accumulation, bf16 out; 1.05–1.59x ``torch._scaled_grouped_mm`` per GEMM at the experts' shapes on H200):
     forward         [a | b] = x @ [w1; w3]ᵀ  (one GEMM, N = 2H),   y = h @ w2ᵀ
     input gradient  dh = dy @ w2,   dx = [da | db] @ [w1; w3]      (one GEMM, reduction over 2H)
-The three weight-gradient GEMMs stay in bf16 (``torch._grouped_mm`` on the bf16 x, h, dy, da, db): in
+The three weight-gradient GEMMs stay in bf16 by default (``torch._grouped_mm`` on the bf16 x, h, dy, da, db): in
 FP8 (2d×2d ``torch._scaled_grouped_mm``, groups 16-aligned along the reduction) they measure 1.24× / 0.97×
 the bf16 ones at ``moe_layer.py``'s two shapes on H200, before the transposed, group-scaled FP8 copies of
 x, h, dy and [da | db] they read are written — which cost more than that saves (docs/performance.md, FP8 experts).
+``wgrad_fp8`` (``[moe_echo] expert_wgrad_precision = "fp8"``) runs them in FP8 through kernels/fp8_wgrad.py instead:
+each operand cast transposed, expert by expert on whole 128-row blocks, one scale per block of a column.
 
 Scaling (dequantisation multipliers, powers of two, computed on the device): activations and
 output gradients one scale per row; weights one scale per expert (w1 and w3 share it), so the
@@ -36,6 +38,7 @@ import torch
 
 from components.errors import UserError
 from kernels.fp8_gemm import grouped_mm_fp8
+from kernels.fp8_wgrad import grouped_wgrad_fp8, quant_expert_blocks_t
 from kernels.moe_rows import triton
 from kernels.fp8 import (FP8, Fp8Copy, cast_experts_scaled, cast_experts_t, pow2_scale, quant_rows, recast_moved_,
                          swiglu_quant, swiglu_quant_bwd, transpose_copy_)
@@ -82,6 +85,20 @@ def grouped_wgrad(a_MP, b_MQ, offs):
     ends = offs.tolist()
     return torch.stack([a_MP[i0:i1].float().t() @ b_MQ[i0:i1].float()
                         for i0, i1 in zip([0] + ends[:-1], ends)]).to(torch.bfloat16)
+
+
+def bf16_wgrads(x_ND, h_MH, dy_ND, da_MH, db_MH, offs_E):
+    """(dw1 [E, H, D], dw2 [E, D, H], dw3 [E, H, D]): the three weight gradients in bf16 (``grouped_wgrad``)."""
+    return grouped_wgrad(da_MH, x_ND, offs_E), grouped_wgrad(dy_ND, h_MH, offs_E), grouped_wgrad(db_MH, x_ND, offs_E)
+
+
+def fp8_wgrads(x_ND, h_MH, dy_ND, da_MH, db_MH, offs_E):
+    """``bf16_wgrads`` in FP8 (kernels/fp8_wgrad.py): each operand cast transposed, expert by expert on whole
+    128-row blocks with a scale per block of a column, in a pass of its own over the bf16 rows here (the kernels
+    that produce the rows could write it as they do their FP8 rows); rows past the experts' are not read."""
+    x_t, h_t, dy_t, da_t, db_t = (quant_expert_blocks_t(t, offs_E) for t in (x_ND, h_MH, dy_ND, da_MH, db_MH))
+    return (grouped_wgrad_fp8(*da_t[:2], *x_t), grouped_wgrad_fp8(*dy_t[:2], *h_t),
+            grouped_wgrad_fp8(*db_t[:2], *x_t))
 
 
 def _per_column(s_E: torch.Tensor, n: int) -> torch.Tensor:
@@ -180,11 +197,11 @@ class Fp8WeightCopies:
 
 class _Fp8GroupedSwiGLU(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x_ND, w1_EHD, w2_EDH, w3_EHD, counts_E, hint_2E, copies, channels, rows):
+    def forward(ctx, x_ND, w1_EHD, w2_EDH, w3_EHD, counts_E, hint_2E, copies, channels, rows, wgrad_fp8):
         E, H, D = w1_EHD.shape
         offs_E = torch.cumsum(counts_E, 0, dtype=torch.int32)
         used = offs_E[-1:]
-        ctx.copies, ctx.channels, ctx.rows = copies, channels, rows
+        ctx.copies, ctx.channels, ctx.rows, ctx.wgrad_fp8 = copies, channels, rows, wgrad_fp8
         # [w1; w3] and w2 as stored: K-major for x @ ·ᵀ
         w13_q = torch.empty(E, 2 * H, D, dtype=FP8, device=x_ND.device) if copies is None else copies.plain13_E2HD
         w2_q = torch.empty(E, D, H, dtype=FP8, device=x_ND.device) if copies is None else copies.plain2_EDH
@@ -231,22 +248,22 @@ class _Fp8GroupedSwiGLU(torch.autograd.Function):
         dh_MH = scaled_grouped_mm(dy_q, w2t_q.transpose(-2, -1), dy_s, s2_N, offs_E)
         da_MH, db_MH, dab_q, dab_s = swiglu_quant_bwd(dh_MH, ab_MJ, used)
         dx_ND = scaled_grouped_mm(dab_q, w13t_q.transpose(-2, -1), dab_s, s13_N, offs_E)
-        dw1 = grouped_wgrad(da_MH, x_ND, offs_E)
-        dw3 = grouped_wgrad(db_MH, x_ND, offs_E)
-        dw2 = grouped_wgrad(dy_ND, h_MH, offs_E)
+        wgrads = fp8_wgrads if ctx.wgrad_fp8 else bf16_wgrads
+        dw1, dw2, dw3 = wgrads(x_ND, h_MH, dy_ND, da_MH, db_MH, offs_E)
         grads = dx_ND.to(x_ND.dtype), dw1.to(w1_EHD.dtype), dw2.to(w2_EDH.dtype), dw3.to(w3_EHD.dtype)
-        return *grads, None, None, None, None, None
+        return *grads, None, None, None, None, None, None
 
 
 def fp8_grouped_swiglu(x_ND, w1_EHD, w2_EDH, w3_EHD, counts_E, scale_hint_2E=None,
-                       copies: Fp8WeightCopies | None = None, channels: bool = False, rows: Fp8Rows | None = None):
+                       copies: Fp8WeightCopies | None = None, channels: bool = False, rows: Fp8Rows | None = None,
+                       wgrad_fp8: bool = False):
     """SwiGLU experts with FP8 GEMMs (see the module docstring); x_ND bf16, D and H multiples of 16.
     ``scale_hint_2E``: fp32 [2, E] on the device, the weight scales ([w1; w3], w2) of the previous call,
     updated in place — kept by the caller across steps it saves the weights' amax pass (zeros: no guess).
     ``copies``: the weights' FP8 copies, current (written by the optimizer): the weights themselves only
     receive the gradients. ``channels``: one weight scale per output channel instead of per expert (no copies).
     ``rows``: x_ND and y_ND's gradient already quantised as ``quant_rows`` would (by the dispatcher that moved
-    them); whichever is missing is quantised here."""
+    them); whichever is missing is quantised here. ``wgrad_fp8``: the weight gradients in FP8 too (``fp8_wgrads``)."""
     E, H, D = w1_EHD.shape
     if D % ALIGN or H % ALIGN:
         raise UserError(f"FP8 experts need dim and hidden_dim divisible by {ALIGN}; got dim={D}, hidden_dim={H}")
@@ -260,4 +277,4 @@ def fp8_grouped_swiglu(x_ND, w1_EHD, w2_EDH, w3_EHD, counts_E, scale_hint_2E=Non
     if rows is not None and (x_ND.dtype != torch.bfloat16 or not x_ND.is_contiguous()):
         rows.take_x()  # quantised from other values than the GEMM's bf16 rows
     return _Fp8GroupedSwiGLU.apply(x_ND.to(torch.bfloat16).contiguous(), w1_EHD, w2_EDH, w3_EHD, counts_E,
-                                   scale_hint_2E, copies, channels, rows)
+                                   scale_hint_2E, copies, channels, rows, wgrad_fp8)

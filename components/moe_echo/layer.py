@@ -102,7 +102,7 @@ class MoELayer(nn.Module):
             moe_args.gate_bias,
         )
         self.experts = GroupedExperts(dim, hidden_dim, E, cfg.expert_precision, cfg.experts_gemm,
-                                      cfg.expert_fp8_scaling)
+                                      cfg.expert_fp8_scaling, cfg.expert_wgrad_precision)
         self.shared_experts = (
             SwiGLU(dim, hidden_dim * moe_args.num_shared_experts) if moe_args.num_shared_experts > 0 else None
         )
