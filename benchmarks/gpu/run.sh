@@ -293,10 +293,11 @@ print('largest step difference over steps 1-20: %.2e at step %d' % max(rel[:20])
           2>&1 | noise | tail -12 ;;
       d)  # one GPU, v2lite_1b compiled + graphed: which part of FP8 pays (dense only, experts only, both; tensorwise and
           # rowwise, whose experts scale their weights per channel; both_rowwise_expert_scales: per expert instead;
-          # both_tensorwise_head: the output head in FP8 too, filter_fqns naming only what is always kept)
+          # both_tensorwise_head: the output head in FP8 too, filter_fqns naming only what is always kept;
+          # both_tensorwise_wgrad8: the experts' weight gradients in FP8 too)
         D8="--model.converters float8 --moe_echo.expert_precision bf16 --quantize.linear.float8.recipe_name"
         # PICK="NAME ..." runs only those variants (label fp8_head: PICK="both_tensorwise both_tensorwise_head")
-        one_gpu_variants ${LABEL:-fp8_parts} "bf16=;experts=--moe_echo.expert_precision fp8;dense_rowwise=$D8 rowwise;dense_tensorwise=$D8 tensorwise;both_rowwise=$F8 --quantize.linear.float8.recipe_name rowwise;both_rowwise_expert_scales=$F8 --quantize.linear.float8.recipe_name rowwise --moe_echo.expert_fp8_scaling expert;both_tensorwise=$F8 --quantize.linear.float8.recipe_name tensorwise;both_tensorwise_head=$F8 --quantize.linear.float8.recipe_name tensorwise --quantize.linear.float8.filter_fqns router.gate" ;;
+        one_gpu_variants ${LABEL:-fp8_parts} "bf16=;experts=--moe_echo.expert_precision fp8;dense_rowwise=$D8 rowwise;dense_tensorwise=$D8 tensorwise;both_rowwise=$F8 --quantize.linear.float8.recipe_name rowwise;both_rowwise_expert_scales=$F8 --quantize.linear.float8.recipe_name rowwise --moe_echo.expert_fp8_scaling expert;both_tensorwise=$F8 --quantize.linear.float8.recipe_name tensorwise;both_tensorwise_head=$F8 --quantize.linear.float8.recipe_name tensorwise --quantize.linear.float8.filter_fqns router.gate;both_tensorwise_wgrad8=$F8 --quantize.linear.float8.recipe_name tensorwise --moe_echo.expert_wgrad_precision fp8" ;;
       f)  # one GPU, v2lite_1b compiled + graphed: which dense layers pay in FP8 (filter_fqns; auto_filter_small_kn:
           # torchao's size thresholds, torchtitan's flag), the experts in FP8 throughout
         K="--quantize.linear.float8.filter_fqns"
