@@ -272,11 +272,12 @@ print('largest step difference over steps 1-20: %.2e at step %d' % max(rel[:20])
         (cd "$OUT" && tar czf loss_runs.tgz ./*.jsonl ./*.log && rm -f ./*.jsonl ./*.log) ;;
       c)  # two GPUs: v2lite_6b_2gpu at EP=2 (with torchtitan's float8, compiled), the fp8 wire at EP=2 (padded, bf16
           # vs fp8 rows), then across 2 emulated hosts. HEAD=1: a third variant, the output head in FP8 too (label
-          # ..._head); BASE=1: FP8 here vs FP8 on build/base.tgz's tree (as PART=h; HEAD=1 puts both heads in FP8),
+          # ..._head); WGRAD=1: another, the experts' weight gradients in FP8 too; BASE=1: FP8 here vs FP8 on
+          # build/base.tgz's tree (as PART=h; HEAD=1 puts both heads in FP8),
           # no torchtitan run; REPEATS=N: our runs N times in turn; WIRE=0: the step only; LABEL= names the rows
         label=$([ "${RECIPE:-tensorwise}" = rowwise ] && echo fp8_step || echo fp8_${RECIPE:-tensorwise})${HEAD:+_head}
         H8=${HEAD:+ --quantize.linear.float8.filter_fqns router.gate}
-        V="bf16=;fp8=$F8${HEAD:+;fp8_head=$F8$H8}"
+        V="bf16=;fp8=$F8${HEAD:+;fp8_head=$F8$H8}${WGRAD:+;fp8_wgrad8=$F8 --moe_echo.expert_wgrad_precision fp8}"
         if [ -n "${BASE:-}" ]; then
           [ -d /tmp/base/recipes ] || { echo "fp8_step PART=c BASE=1: no build/base.tgz to compare with"; exit 1; }
           V="bf16=;fp8_base=@/tmp/base $F8$H8;fp8=$F8$H8"; label=${label}_base; fi
