@@ -23,10 +23,9 @@ dim] per expert; ``wgrad_down``: dyᵀ h, [dim, hidden] per expert), whose contr
     bf16_torch      torch._grouped_mm, 2-D x 2-D with the row offsets (what both precisions run today)
     fp8_torch       torch._scaled_grouped_mm, 2-D x 2-D: both operands e4m3, one scale per expert and column,
                     cast and transposed by torchao's per-group column kernel (its time is ``quant_ms``)
-    fp8_triton_<S>_<T>  kernels/fp8_wgrad.py: both operands e4m3 and transposed, each expert's rows on whole
-                    128-row blocks (``quant_expert_blocks_t``, its time is ``quant_ms``), scales S: ``block`` (one
-                    per block of a column, each block's product scaled into fp32) or ``expert`` (one per expert and
-                    column, an amax pass first, scaled in the epilogue); tile T
+    fp8_triton_<T>  kernels/fp8_wgrad.py: both operands e4m3 and transposed, each expert's rows on whole 128-row
+                    blocks at one scale per expert, copied from the e4m3 rows with row scales that the experts' other
+                    GEMMs read (``requant_expert_t``, its time is ``quant_ms``); tile T
     fp8_plain / bf16_plain  one GEMM over all rows (K = rows): the rate without the expert boundaries
 
 Each expert's row count is rounded down to a multiple of 16 there (torch's 2-D x 2-D FP8 grouped GEMM needs it).
@@ -51,8 +50,7 @@ from benchmarks.common import environment, graphed, markdown_table, routing_ids,
 from kernels.fp8 import FP8, quant_blocks, quant_rows
 from kernels.fp8_gemm import CONFIGS, grouped_mm_fp8
 from kernels.fp8_wgrad import CONFIGS as WGRAD_TILES
-from kernels.fp8_wgrad import SCALES as WGRAD_SCALES
-from kernels.fp8_wgrad import grouped_wgrad_fp8, quant_expert_blocks_t
+from kernels.fp8_wgrad import grouped_wgrad_fp8, requant_expert_t
 
 BLOCK = 128  # DeepGEMM's scaling block and, on Hopper, its row alignment per expert
 TRITON_CONFIGS = [name for name in CONFIGS if not name.startswith("tiny")]
@@ -239,16 +237,17 @@ def _wgrad_variants(counts_E: torch.Tensor, P: int, Q: int) -> list[dict]:
                                                           out_dtype=torch.bfloat16, use_fast_accum=True), 0.08,
             quant_ms=time_ms(graphed(quant), warmup=5, iters=30))
         out[-1]["with_quant_ms"] = out[-1]["ms"] + out[-1]["quant_ms"]
-    for scales in WGRAD_SCALES:  # e4m3 transposed, each expert on whole 128-row blocks (kernels/fp8_wgrad.py)
-        quant = lambda scales=scales: (quant_expert_blocks_t(a_MP, offs_E, scales),
-                                       quant_expert_blocks_t(b_MQ, offs_E, scales))
-        (at, sa, aoffs_E), (bt, sb, _) = quant()
-        quant_t_ms = time_ms(graphed(quant), warmup=5, iters=30)
-        for config in WGRAD_CONFIGS:
-            row(f"fp8_triton_{scales}_{config}",
-                lambda c=config, s=scales, q=(at, sa, bt, sb, aoffs_E): grouped_wgrad_fp8(*q, s, config=c), 0.08,
-                quant_ms=quant_t_ms)
-            out[-1]["with_quant_ms"] = out[-1]["ms"] + quant_t_ms
+    rows_a, rows_b = quant_rows(a_MP), quant_rows(b_MQ)  # the e4m3 rows the experts' other GEMMs read
+
+    def requant():  # transposed onto whole 128-row blocks per expert, one scale per expert (kernels/fp8_wgrad.py)
+        return requant_expert_t(*rows_a, offs_E), requant_expert_t(*rows_b, offs_E)
+
+    (at, sa, aoffs_E), (bt, sb, _) = requant()
+    requant_ms = time_ms(graphed(requant), warmup=5, iters=30)
+    for config in WGRAD_CONFIGS:
+        row(f"fp8_triton_{config}", lambda c=config: grouped_wgrad_fp8(at, sa, bt, sb, aoffs_E, config=c), 0.08,
+            quant_ms=requant_ms)
+        out[-1]["with_quant_ms"] = out[-1]["ms"] + requant_ms
     aq_all, as_all = quant_rows(a_MP.t().contiguous())  # [P, M]: one GEMM over all rows, rowwise scales
     bq_all, bs_all = quant_rows(b_MQ.t().contiguous())
     plain8 = time_ms(graphed(lambda: torch._scaled_mm(aq_all, bq_all.t(), scale_a=as_all[:, None],

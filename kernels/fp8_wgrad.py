@@ -1,56 +1,78 @@
-"""The experts' weight gradients in FP8 (Hopper): operands transposed in e4m3, each expert's rows starting on a
+"""The experts' weight gradients in FP8 (Hopper): the operands transposed in e4m3, each expert's rows starting on a
 128-row block, and the GEMM that contracts each expert's rows.
 
-    quant_expert_blocks_t(x_RC, offs_E, scales="block") -> (q_CA e4m3, s, aoffs_E int32)
-        x's rows, expert by expert (offs_E: cumulative row counts), transposed, each expert's rows starting at a
-        multiple of 128 (A = capacity(R, E): R + E · 127, rounded up to 128, a fixed size) and padded with zero
-        rows to the next multiple; aoffs_E the aligned cumulative row ends. Power-of-two scales (|x| / s <= 448):
-        "block", s [A / 128, C], one per column of each 128-row block, found by the pass that casts the block
-        (each program reads 128 of an expert's rows × a block of columns, takes their column amax, writes the tile
-        transposed); "expert", s [E, C], one per column of each expert's rows: an amax pass (atomic max), then
-        the cast pass.
-    grouped_wgrad_fp8(at_PA, sa, bt_QA, sb, aoffs_E, scales="block") -> dw_EPQ (bf16)
-        dw[e] = Σ over expert e's rows of a[r]ᵀ b[r], a and b dequantised: the weight gradient [da | db]ᵀ x or
-        dyᵀ h of every expert. "block": each block's product times its two scales is added to an fp32
-        accumulator (the MMA restarts every 128 rows); "expert": the MMA accumulates over all of the expert's rows
-        and the epilogue scales.
+    expert_scales(q_RC, s_R, offs_E) -> s_E
+        one power-of-two scale per expert for rows already in e4m3 with a power-of-two scale each (x ≈ q · s, as
+        ``quant_rows`` writes them; offs_E: the experts' cumulative row counts): the largest of its nonzero rows'
+        scales, 0 for an expert without a nonzero row. A zero row's scale (1) is not counted: a gradient row that
+        is zero (an ignored token) would otherwise push a whole expert's small values under e4m3's range.
+    requant_expert_t(q_RC, s_R, offs_E) -> (qt_CA e4m3, s_E, aoffs_E int32)
+        the rows expert by expert, transposed, each expert's rows starting at a multiple of 128 (A =
+        capacity(R, E): R + E · 127 rounded up to 128, a fixed size) and padded with zeros to the next, at the
+        expert's scale: q · s_r / s_e, a power-of-two shift, exact unless it lands under e4m3's normal range.
+        aoffs_E: the aligned cumulative row ends.
+    grouped_wgrad_fp8(at_PA, sa_E, bt_QA, sb_E, aoffs_E) -> dw_EPQ
+        dw[e] = Σ over expert e's rows of a[r]ᵀ b[r] · sa[e] · sb[e]: the weight gradient [da | db]ᵀ x or dyᵀ h
+        of every expert; the MMA accumulates over the expert's rows, the epilogue scales.
 
 Why this layout: Hopper's FP8 MMA reads both operands along the reduction dimension, here the token rows, which
 every producer writes row by row (a Triton GEMM handed row-major e4m3 operands runs at 0.08-0.15x its K-major
-rate: benchmarks/fp8_operand_layout.py). Block scales are what a kernel producing 128 rows at a time can compute on
-its own, so a producer could write these operands in the pass that makes the rows; per-expert scales keep the
-GEMM's MMA running but need every row's amax first. With each expert's rows on whole blocks the GEMM's loads need
-no mask along the rows (masked, they ran ~8x slower). An expert without rows gets zeros. No host read
-(capturable).
+rate: benchmarks/fp8_operand_layout.py). The experts already hold every operand in e4m3 rows with their scales
+(their forward and input-gradient GEMMs read them), so the transposed copy is made from those 1-byte rows, not
+from bf16. One scale per expert keeps the MMA running through the expert's rows (a scale per 128-row block, the
+products scaled into fp32 block by block, ran at 0.65-0.8x bf16's grouped GEMM). With each expert's rows on whole
+blocks the GEMM's loads need no mask along the rows (masked, they ran ~8x slower). An expert without rows gets
+zeros. No host read (capturable).
 
-Triton on CUDA for both; the GEMM also under TRITON_INTERPRET=1 (its input is FP8 already); torch elsewhere (the
-reference).
+Triton on CUDA; the GEMM also under TRITON_INTERPRET=1 (its input is FP8 already); torch elsewhere (the reference).
 """
 
 import torch
 
-from .fp8 import FP8, _on_kernels, pow2_scale
+from .fp8 import FP8, _on_kernels
 from .moe_rows import _use_triton, triton
 
-BLOCK = 128  # rows per scale block, the GEMM's reduction step
+BLOCK = 128  # the aligned layout's row block, the GEMM's reduction step
 CONFIGS = {  # the GEMM's (BLOCK_P, BLOCK_Q, num_stages, num_warps)
-    "128x128": (128, 128, 4, 8),
     "128x256": (128, 256, 3, 8),
+    "128x128": (128, 128, 4, 8),
     "tiny": (16, 16, 1, 4),  # for the CPU interpreter
 }
-DEFAULT = "128x128"
+DEFAULT = "128x256"  # 1.0-1.23x the 128x128 tile at the experts' shapes on H200 (grouped_gemm_fp8.py --wgrad-only)
 
 if triton is not None:
     import triton.language as tl
 
-    from .moe_rows import _pow2_scale
+    @triton.jit
+    def _expert_of(r, offs_ptr, E, E_POW2: tl.constexpr):
+        """The expert of each row in r (E past the last expert's rows)."""
+        ends = tl.load(offs_ptr + tl.arange(0, E_POW2), mask=tl.arange(0, E_POW2) < E, other=2**31 - 1)
+        return tl.sum((ends[None, :] <= r[:, None]).to(tl.int32), 1)
 
     @triton.jit
-    def _quant_expert_t_kernel(x_ptr, q_ptr, s_ptr, offs_ptr, E, C, A, stride_x, MODE: tl.constexpr,
-                               E_POW2: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
-        """One aligned 128-row block of an expert's rows × BLOCK_C columns. MODE 0: its own scale per column
-        (s [A / 128, C]) and the block in e4m3; 1: the column amax folded into the expert's (s [E, C], atomic max);
-        2: the block in e4m3 with the expert's column scales s [E, C]."""
+    def _expert_scale_kernel(q_ptr, s_ptr, se_ptr, offs_ptr, E, C, stride_q, E_POW2: tl.constexpr,
+                             BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+        """BLOCK_R rows: each nonzero row's scale folded into its expert's (atomic max). Only rows of scale 1 are
+        read (the scale a zero row gets)."""
+        r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+        e = _expert_of(r, offs_ptr, E, E_POW2)
+        ok = e < E
+        s = tl.load(s_ptr + r, mask=ok, other=0.0)
+        maybe_zero = ok & (s == 1.0)
+        amax = tl.zeros((BLOCK_R,), dtype=tl.float32)
+        for c0 in range(0, C, BLOCK_C):
+            c = c0 + tl.arange(0, BLOCK_C)
+            q = tl.load(q_ptr + r[:, None].to(tl.int64) * stride_q + c[None, :],
+                        mask=maybe_zero[:, None] & (c < C)[None, :], other=0.0).to(tl.float32)
+            amax = tl.maximum(amax, tl.max(tl.abs(q), 1))
+        s = tl.where(maybe_zero & (amax == 0), 0.0, s)
+        tl.atomic_max(se_ptr + e, s, mask=ok)
+
+    @triton.jit
+    def _requant_t_kernel(q_ptr, s_ptr, se_ptr, out_ptr, offs_ptr, E, C, A, stride_q, E_POW2: tl.constexpr,
+                          BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+        """One aligned 128-row block of an expert's rows × BLOCK_C columns, rescaled to the expert's scale and
+        written transposed (zeros past the expert's rows)."""
         rb = tl.program_id(0)
         ar = tl.arange(0, E_POW2)
         real = ar < E
@@ -66,24 +88,19 @@ if triton is not None:
             r = src0 + tl.arange(0, BLOCK_R)
             c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
             col_ok = c < C
-            x = tl.load(x_ptr + r[:, None].to(tl.int64) * stride_x + c[None, :],
+            x = tl.load(q_ptr + r[:, None].to(tl.int64) * stride_q + c[None, :],
                         mask=(r < end)[:, None] & col_ok[None, :], other=0.0).to(tl.float32)
-            if MODE == 1:
-                tl.atomic_max(s_ptr + e * C + c, tl.max(tl.abs(x), 0), mask=col_ok)
-            else:
-                if MODE == 0:
-                    s = _pow2_scale(tl.max(tl.abs(x), 0))
-                    tl.store(s_ptr + rb * C + c, s, mask=col_ok)
-                else:
-                    s = tl.load(s_ptr + e * C + c, mask=col_ok, other=1.0)
-                q = (x / s[None, :]).to(tl.float8e4nv).to(tl.uint8, bitcast=True)  # q: the e4m3 copy's bytes
-                rows = rb * BLOCK_R + tl.arange(0, BLOCK_R)
-                tl.store(q_ptr + c[:, None].to(tl.int64) * A + rows[None, :], tl.trans(q), mask=col_ok[:, None])
+            s_e = tl.load(se_ptr + e)
+            s_r = tl.load(s_ptr + r, mask=r < end, other=0.0)
+            shift = tl.where(s_r <= s_e, s_r / tl.where(s_e > 0, s_e, 1.0), 0.0)  # s_r > s_e: a zero row's
+            q = (x * shift[:, None]).to(tl.float8e4nv).to(tl.uint8, bitcast=True)  # q: the e4m3 copy's bytes
+            rows = rb * BLOCK_R + tl.arange(0, BLOCK_R)
+            tl.store(out_ptr + c[:, None].to(tl.int64) * A + rows[None, :], tl.trans(q), mask=col_ok[:, None])
 
     @triton.jit
     def _wgrad_fp8_kernel(at_ptr, sa_ptr, bt_ptr, sb_ptr, out_ptr, offs_ptr, P, Q, stride_a, stride_b, tiles_q,
-                          tiles_pq, PER_BLOCK: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_Q: tl.constexpr,
-                          BLOCK_R: tl.constexpr, NUM_STAGES: tl.constexpr):
+                          tiles_pq, BLOCK_P: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_R: tl.constexpr,
+                          NUM_STAGES: tl.constexpr):
         pid = tl.program_id(0)
         e = pid // tiles_pq
         t = pid % tiles_pq
@@ -98,15 +115,8 @@ if triton is not None:
             k = kb * BLOCK_R + kr  # all the expert's rows (or zero padding): no mask along them
             a = tl.load(at_ptr + p[:, None].to(tl.int64) * stride_a + k[None, :], mask=p_ok[:, None], other=0.0)
             b = tl.load(bt_ptr + k[:, None] + q[None, :].to(tl.int64) * stride_b, mask=q_ok[None, :], other=0.0)
-            if PER_BLOCK:  # each block's product times its two scales, summed in fp32
-                s_a = tl.load(sa_ptr + kb * P + p, mask=p_ok, other=0.0)
-                s_b = tl.load(sb_ptr + kb * Q + q, mask=q_ok, other=0.0)
-                acc += tl.dot(a, b) * s_a[:, None] * s_b[None, :]  # b: [rows, Q], contiguous along the rows
-            else:  # one scale per expert and column: the MMA accumulates, the epilogue scales
-                acc = tl.dot(a, b, acc)
-        if not PER_BLOCK:
-            acc = acc * tl.load(sa_ptr + e * P + p, mask=p_ok, other=0.0)[:, None] \
-                * tl.load(sb_ptr + e * Q + q, mask=q_ok, other=0.0)[None, :]
+            acc = tl.dot(a, b, acc)  # b: [rows, Q], contiguous along the rows
+        acc = acc * (tl.load(sa_ptr + e) * tl.load(sb_ptr + e))
         out = out_ptr + e.to(tl.int64) * P * Q + p[:, None].to(tl.int64) * Q + q[None, :]
         tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=p_ok[:, None] & q_ok[None, :])
 
@@ -122,101 +132,94 @@ def aligned_offsets(offs_E: torch.Tensor) -> torch.Tensor:
     return (torch.cumsum((counts + BLOCK - 1) // BLOCK, 0) * BLOCK).to(torch.int32)
 
 
-SCALES = ("block", "expert")  # one scale per 128-row block of a column, or per expert and column
+def _ranges(offs_E: torch.Tensor) -> list[tuple[int, int]]:
+    """(start, end) of each expert's rows (host read: the torch references')."""
+    ends = offs_E.tolist()
+    return list(zip([0] + ends[:-1], ends))
 
 
-def _expert_rows(aoffs_E: torch.Tensor, A: int) -> torch.Tensor:
-    """The expert of each aligned row, -1 past the last (host read: the torch reference's)."""
-    e_A = torch.full((A,), -1, dtype=torch.long)
-    for e, (a0, a1) in enumerate(zip([0] + aoffs_E.tolist()[:-1], aoffs_E.tolist())):
-        e_A[a0:a1] = e
-    return e_A
+def expert_scales_torch(q_RC: torch.Tensor, s_R: torch.Tensor, offs_E: torch.Tensor) -> torch.Tensor:
+    nonzero = (s_R != 1) | (q_RC.float() != 0).any(1)
+    return torch.stack([s_R[r0:r1][nonzero[r0:r1]].max() if nonzero[r0:r1].any() else s_R.new_zeros(())
+                        for r0, r1 in _ranges(offs_E)]) if offs_E.numel() else s_R.new_zeros(0)
 
 
-def quant_expert_blocks_t_torch(x_RC: torch.Tensor, offs_E: torch.Tensor, scales: str = "block"):
-    R, C = x_RC.shape
+def expert_scales(q_RC: torch.Tensor, s_R: torch.Tensor, offs_E: torch.Tensor) -> torch.Tensor:
+    """s_E fp32: each expert's scale (module docstring); rows past offs_E[-1] are not read."""
+    if not _on_kernels(q_RC):
+        return expert_scales_torch(q_RC, s_R, offs_E)
+    R, C = q_RC.shape
+    E = offs_E.numel()
+    s_E = torch.zeros(E, dtype=torch.float32, device=q_RC.device)
+    if R and E:
+        _expert_scale_kernel[(triton.cdiv(R, 64),)](q_RC, s_R, s_E, offs_E, E, C, q_RC.stride(0),
+                                                    E_POW2=triton.next_power_of_2(E), BLOCK_R=64, BLOCK_C=128,
+                                                    num_warps=4)
+    return s_E
+
+
+def requant_expert_t_torch(q_RC: torch.Tensor, s_R: torch.Tensor, offs_E: torch.Tensor):
+    R, C = q_RC.shape
     E = offs_E.numel()
     A = capacity(R, E)
-    x = x_RC.new_zeros(A, C, dtype=torch.float32)
+    s_E = expert_scales_torch(q_RC, s_R, offs_E)
     aoffs = aligned_offsets(offs_E)
-    for r0, r1, a0 in zip([0] + offs_E.tolist()[:-1], offs_E.tolist(), [0] + aoffs.tolist()[:-1]):
-        x[a0:a0 + r1 - r0] = x_RC[r0:r1].float()
-    if scales == "block":
-        s = pow2_scale(x.view(A // BLOCK, BLOCK, C).abs().amax(1))
-        s_AC = s.repeat_interleave(BLOCK, 0)
-    else:
-        e_A = _expert_rows(aoffs, A)
-        ends = aoffs.tolist()
-        s = pow2_scale(torch.stack([x[a0:a1].abs().amax(0) if a1 > a0 else x.new_zeros(C)
-                                    for a0, a1 in zip([0] + ends[:-1], ends)]))
-        s_AC = torch.where((e_A >= 0)[:, None], s[e_A.clamp(min=0)], 1.0)
-    q = (x / s_AC).to(FP8)
-    return q.t().contiguous(), s, aoffs
+    x = torch.zeros(A, C, dtype=torch.float32)
+    for e, ((r0, r1), a0) in enumerate(zip(_ranges(offs_E), [0] + aoffs.tolist()[:-1])):
+        s_r = s_R[r0:r1]
+        shift = torch.where(s_r <= s_E[e], s_r / s_E[e].clamp(min=1e-38), 0.0)  # a larger s_r: a zero row's
+        x[a0:a0 + r1 - r0] = q_RC[r0:r1].float() * shift[:, None]
+    return x.to(FP8).t().contiguous(), s_E, aoffs
 
 
-def quant_expert_blocks_t(x_RC: torch.Tensor, offs_E: torch.Tensor, scales: str = "block"):
-    """(q_CA, s, aoffs_E): x's rows expert by expert, transposed in e4m3, each expert on whole 128-row blocks,
-    with one power-of-two scale per block of a column (``scales="block"``, s [A / 128, C]: one pass) or per
-    expert and column (``"expert"``, s [E, C]: an amax pass, then the cast pass). Blocks past the last expert's
-    are left unwritten (no GEMM reads them)."""
-    if scales not in SCALES:
-        raise ValueError(f"quant_expert_blocks_t: scales {scales!r} is not one of {SCALES}")
-    if not _on_kernels(x_RC):
-        return quant_expert_blocks_t_torch(x_RC, offs_E, scales)
-    R, C = x_RC.shape
+def requant_expert_t(q_RC: torch.Tensor, s_R: torch.Tensor, offs_E: torch.Tensor, block_c: int = 128,
+                     warps: int = 4):
+    """(qt_CA, s_E, aoffs_E): e4m3 rows q_RC [R, C] with their scales s_R, expert by expert, transposed onto whole
+    128-row blocks at one scale per expert (module docstring). Blocks past the last expert's are left unwritten
+    (no GEMM reads them)."""
+    if not _on_kernels(q_RC):
+        return requant_expert_t_torch(q_RC, s_R, offs_E)
+    R, C = q_RC.shape
     E = offs_E.numel()
     A = capacity(R, E)
-    q_CA = torch.empty(C, A, dtype=FP8, device=x_RC.device)
-    s = torch.empty(A // BLOCK, C, dtype=torch.float32, device=x_RC.device) if scales == "block" else \
-        torch.zeros(E, C, dtype=torch.float32, device=x_RC.device)
+    q_RC = q_RC if q_RC.stride(1) == 1 else q_RC.contiguous()
+    s_E = expert_scales(q_RC, s_R, offs_E)
+    qt_CA = torch.empty(C, A, dtype=FP8, device=q_RC.device)
     if A and C:
-        x_RC = x_RC if x_RC.stride(1) == 1 else x_RC.contiguous()
-        BLOCK_C = 64
-
-        def launch(mode: int, s_: torch.Tensor) -> None:
-            _quant_expert_t_kernel[(A // BLOCK, triton.cdiv(C, BLOCK_C))](
-                x_RC, q_CA.view(torch.uint8), s_, offs_E, E, C, A, x_RC.stride(0), MODE=mode,
-                E_POW2=triton.next_power_of_2(E), BLOCK_R=BLOCK, BLOCK_C=BLOCK_C, num_warps=4)
-
-        if scales == "block":
-            launch(0, s)
-        else:
-            launch(1, s)  # s holds the experts' column amax, then their scales
-            s = pow2_scale(s)
-            launch(2, s)
-    return q_CA, s, aligned_offsets(offs_E)
+        _requant_t_kernel[(A // BLOCK, triton.cdiv(C, block_c))](
+            q_RC, s_R, s_E, qt_CA.view(torch.uint8), offs_E, E, C, A, q_RC.stride(0),
+            E_POW2=triton.next_power_of_2(E), BLOCK_R=BLOCK, BLOCK_C=block_c, num_warps=warps)
+    return qt_CA, s_E, aligned_offsets(offs_E)
 
 
-def dequant_t(q_XA: torch.Tensor, s: torch.Tensor, aoffs_E: torch.Tensor, scales: str = "block") -> torch.Tensor:
-    """fp32 [X, A]: q times its scale (exact); rows past the experts' zero (torch reference)."""
-    A = q_XA.shape[1]
-    e_A = _expert_rows(aoffs_E, A)
-    s_AX = s.repeat_interleave(BLOCK, 0)[:A] if scales == "block" else s[e_A.clamp(min=0)]
-    return torch.where((e_A >= 0)[None, :], q_XA.float() * s_AX.t(), 0.0)
+def dequant_t(q_XA: torch.Tensor, s_E: torch.Tensor, aoffs_E: torch.Tensor) -> torch.Tensor:
+    """fp32 [X, A]: q times its expert's scale (exact); rows past the experts' zero (torch reference)."""
+    s_A = torch.zeros(q_XA.shape[1])
+    for e, (a0, a1) in enumerate(_ranges(aoffs_E)):
+        s_A[a0:a1] = s_E[e]
+    return q_XA.float() * s_A[None, :]
 
 
-def grouped_wgrad_fp8_torch(at_PA, sa, bt_QA, sb, aoffs_E, scales="block", out_dtype=torch.bfloat16):
-    a_PA, b_QA = dequant_t(at_PA, sa, aoffs_E, scales), dequant_t(bt_QA, sb, aoffs_E, scales)
-    ends = [0] + aoffs_E.tolist()
-    return torch.stack([a_PA[:, r0:r1] @ b_QA[:, r0:r1].t() for r0, r1 in zip(ends[:-1], ends[1:])]).to(out_dtype)
+def grouped_wgrad_fp8_torch(at_PA, sa_E, bt_QA, sb_E, aoffs_E, out_dtype=torch.bfloat16):
+    a_PA, b_QA = dequant_t(at_PA, sa_E, aoffs_E), dequant_t(bt_QA, sb_E, aoffs_E)
+    return torch.stack([a_PA[:, r0:r1] @ b_QA[:, r0:r1].t() for r0, r1 in _ranges(aoffs_E)]).to(out_dtype)
 
 
-def grouped_wgrad_fp8(at_PA: torch.Tensor, sa: torch.Tensor, bt_QA: torch.Tensor, sb: torch.Tensor,
-                      aoffs_E: torch.Tensor, scales: str = "block", out_dtype: torch.dtype = torch.bfloat16,
+def grouped_wgrad_fp8(at_PA: torch.Tensor, sa_E: torch.Tensor, bt_QA: torch.Tensor, sb_E: torch.Tensor,
+                      aoffs_E: torch.Tensor, out_dtype: torch.dtype = torch.bfloat16,
                       config: str = DEFAULT) -> torch.Tensor:
-    """dw_EPQ = per expert Σ over its rows of a[r]ᵀ b[r] (module docstring). at, bt: e4m3 [P, A] and [Q, A] with
-    unit stride along the rows, and their scales (``scales``: "block", [A / 128, P] and [A / 128, Q]; "expert",
-    [E, P] and [E, Q]), as ``quant_expert_blocks_t`` writes them; aoffs_E: the aligned cumulative row ends
-    (multiples of 128); ``config``: a tile of ``CONFIGS``."""
+    """dw_EPQ = per expert Σ over its rows of a[r]ᵀ b[r] · sa[e] · sb[e] (module docstring). at, bt: e4m3 [P, A]
+    and [Q, A] with unit stride along the rows, and their experts' scales, as ``requant_expert_t`` writes them;
+    aoffs_E: the aligned cumulative row ends (multiples of 128); ``config``: a tile of ``CONFIGS``."""
     P, Q, E = at_PA.shape[0], bt_QA.shape[0], aoffs_E.numel()
     if not _use_triton(at_PA, aoffs_E) or at_PA.stride(1) != 1 or bt_QA.stride(1) != 1:
-        return grouped_wgrad_fp8_torch(at_PA, sa, bt_QA, sb, aoffs_E, scales, out_dtype)
+        return grouped_wgrad_fp8_torch(at_PA, sa_E, bt_QA, sb_E, aoffs_E, out_dtype)
     out = torch.empty(E, P, Q, dtype=out_dtype, device=at_PA.device)
     BP, BQ, stages, warps = CONFIGS[config]
     tiles_q = triton.cdiv(Q, BQ)
     tiles_pq = triton.cdiv(P, BP) * tiles_q
     if E and P and Q:
-        _wgrad_fp8_kernel[(E * tiles_pq,)](at_PA, sa, bt_QA, sb, out, aoffs_E, P, Q, at_PA.stride(0), bt_QA.stride(0),
-                                           tiles_q, tiles_pq, PER_BLOCK=scales == "block", BLOCK_P=BP, BLOCK_Q=BQ,
-                                           BLOCK_R=BLOCK, NUM_STAGES=stages, num_warps=warps)
+        _wgrad_fp8_kernel[(E * tiles_pq,)](at_PA, sa_E, bt_QA, sb_E, out, aoffs_E, P, Q, at_PA.stride(0),
+                                           bt_QA.stride(0), tiles_q, tiles_pq, BLOCK_P=BP, BLOCK_Q=BQ, BLOCK_R=BLOCK,
+                                           NUM_STAGES=stages, num_warps=warps)
     return out

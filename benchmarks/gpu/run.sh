@@ -272,19 +272,22 @@ print('largest step difference over steps 1-20: %.2e at step %d' % max(rel[:20])
         (cd "$OUT" && tar czf loss_runs.tgz ./*.jsonl ./*.log && rm -f ./*.jsonl ./*.log) ;;
       c)  # two GPUs: v2lite_6b_2gpu at EP=2 (with torchtitan's float8, compiled), the fp8 wire at EP=2 (padded, bf16
           # vs fp8 rows), then across 2 emulated hosts. HEAD=1: a third variant, the output head in FP8 too (label
-          # ..._head); WGRAD=1: another, the experts' weight gradients in FP8 too; BASE=1: FP8 here vs FP8 on
+          # ..._head); WGRAD=1: another, the experts' weight gradients in FP8 too (with HEAD=1: bf16, the FP8 head,
+          # the FP8 head + FP8 weight gradients); TITAN=0: no torchtitan run; BASE=1: FP8 here vs FP8 on
           # build/base.tgz's tree (as PART=h; HEAD=1 puts both heads in FP8),
           # no torchtitan run; REPEATS=N: our runs N times in turn; WIRE=0: the step only; LABEL= names the rows
         label=$([ "${RECIPE:-tensorwise}" = rowwise ] && echo fp8_step || echo fp8_${RECIPE:-tensorwise})${HEAD:+_head}
         H8=${HEAD:+ --quantize.linear.float8.filter_fqns router.gate}
         V="bf16=;fp8=$F8${HEAD:+;fp8_head=$F8$H8}${WGRAD:+;fp8_wgrad8=$F8 --moe_echo.expert_wgrad_precision fp8}"
+        [ -n "${HEAD:-}" ] && [ -n "${WGRAD:-}" ] &&  # both: the FP8 head without and with the FP8 weight gradients
+          V="bf16=;fp8_head=$F8$H8;fp8_head_wgrad8=$F8$H8 --moe_echo.expert_wgrad_precision fp8"
         if [ -n "${BASE:-}" ]; then
           [ -d /tmp/base/recipes ] || { echo "fp8_step PART=c BASE=1: no build/base.tgz to compare with"; exit 1; }
           V="bf16=;fp8_base=@/tmp/base $F8$H8;fp8=$F8$H8"; label=${label}_base; fi
         python3 benchmarks/e2e.py --configs v2lite_6b_2gpu --nproc 2 --runs ours_compile_graph --steps 20 \
           --repeats ${REPEATS:-1} --label ${LABEL:-$label} --variants "$V" \
           --out "$OUT" 2>&1 | noise | grep -E "^\| v2lite" | tail -4
-        [ -z "${BASE:-}" ] && python3 benchmarks/e2e.py --configs v2lite_6b_2gpu --nproc 2 --runs torchtitan_compile \
+        [ -z "${BASE:-}" ] && [ "${TITAN:-1}" = 1 ] && python3 benchmarks/e2e.py --configs v2lite_6b_2gpu --nproc 2 --runs torchtitan_compile \
           --steps 20 --label titan_fp8 --titan "$T8" --out "$OUT" 2>&1 | noise | grep -E "^\| v2lite" | tail -1
         [ "${WIRE:-1}" = 0 ] && exit 0
         python3 benchmarks/e2e.py --configs v2lite_1b_gpu --nproc 2 --runs ours_graph --steps 20 --label fp8_wire \
@@ -295,10 +298,10 @@ print('largest step difference over steps 1-20: %.2e at step %d' % max(rel[:20])
       d)  # one GPU, v2lite_1b compiled + graphed: which part of FP8 pays (dense only, experts only, both; tensorwise and
           # rowwise, whose experts scale their weights per channel; both_rowwise_expert_scales: per expert instead;
           # both_tensorwise_head: the output head in FP8 too, filter_fqns naming only what is always kept;
-          # both_tensorwise_wgrad8: the experts' weight gradients in FP8 too)
+          # both_tensorwise_wgrad8: the experts' weight gradients in FP8 too; both_tensorwise_head_wgrad8: both)
         D8="--model.converters float8 --moe_echo.expert_precision bf16 --quantize.linear.float8.recipe_name"
         # PICK="NAME ..." runs only those variants (label fp8_head: PICK="both_tensorwise both_tensorwise_head")
-        one_gpu_variants ${LABEL:-fp8_parts} "bf16=;experts=--moe_echo.expert_precision fp8;dense_rowwise=$D8 rowwise;dense_tensorwise=$D8 tensorwise;both_rowwise=$F8 --quantize.linear.float8.recipe_name rowwise;both_rowwise_expert_scales=$F8 --quantize.linear.float8.recipe_name rowwise --moe_echo.expert_fp8_scaling expert;both_tensorwise=$F8 --quantize.linear.float8.recipe_name tensorwise;both_tensorwise_head=$F8 --quantize.linear.float8.recipe_name tensorwise --quantize.linear.float8.filter_fqns router.gate;both_tensorwise_wgrad8=$F8 --quantize.linear.float8.recipe_name tensorwise --moe_echo.expert_wgrad_precision fp8" ;;
+        one_gpu_variants ${LABEL:-fp8_parts} "bf16=;experts=--moe_echo.expert_precision fp8;dense_rowwise=$D8 rowwise;dense_tensorwise=$D8 tensorwise;both_rowwise=$F8 --quantize.linear.float8.recipe_name rowwise;both_rowwise_expert_scales=$F8 --quantize.linear.float8.recipe_name rowwise --moe_echo.expert_fp8_scaling expert;both_tensorwise=$F8 --quantize.linear.float8.recipe_name tensorwise;both_tensorwise_head=$F8 --quantize.linear.float8.recipe_name tensorwise --quantize.linear.float8.filter_fqns router.gate;both_tensorwise_wgrad8=$F8 --quantize.linear.float8.recipe_name tensorwise --moe_echo.expert_wgrad_precision fp8;both_tensorwise_head_wgrad8=$F8 --quantize.linear.float8.recipe_name tensorwise --quantize.linear.float8.filter_fqns router.gate --moe_echo.expert_wgrad_precision fp8" ;;
       f)  # one GPU, v2lite_1b compiled + graphed: which dense layers pay in FP8 (filter_fqns; auto_filter_small_kn:
           # torchao's size thresholds, torchtitan's flag), the experts in FP8 throughout
         K="--quantize.linear.float8.filter_fqns"

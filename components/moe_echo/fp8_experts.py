@@ -11,8 +11,9 @@ The three weight-gradient GEMMs stay in bf16 by default (``torch._grouped_mm`` o
 FP8 (2d×2d ``torch._scaled_grouped_mm``, groups 16-aligned along the reduction) they measure 1.24× / 0.97×
 the bf16 ones at ``moe_layer.py``'s two shapes on H200, before the transposed, group-scaled FP8 copies of
 x, h, dy and [da | db] they read are written — which cost more than that saves (docs/performance.md, FP8 experts).
-``wgrad_fp8`` (``[moe_echo] expert_wgrad_precision = "fp8"``) runs them in FP8 through kernels/fp8_wgrad.py instead:
-each operand cast transposed, expert by expert on whole 128-row blocks, one scale per block of a column.
+``wgrad_fp8`` (``[moe_echo] expert_wgrad_precision = "fp8"``) runs them in FP8 through kernels/fp8_wgrad.py instead,
+from the e4m3 rows the other GEMMs read (x, h, dy, [da | db]), each copied transposed onto whole 128-row blocks per
+expert at one scale per expert; the forward then keeps x and h in e4m3 for the backward, not in bf16.
 
 Scaling (dequantisation multipliers, powers of two, computed on the device): activations and
 output gradients one scale per row; weights one scale per expert (w1 and w3 share it), so the
@@ -38,7 +39,7 @@ import torch
 
 from components.errors import UserError
 from kernels.fp8_gemm import grouped_mm_fp8
-from kernels.fp8_wgrad import grouped_wgrad_fp8, quant_expert_blocks_t
+from kernels.fp8_wgrad import grouped_wgrad_fp8, requant_expert_t
 from kernels.moe_rows import triton
 from kernels.fp8 import (FP8, Fp8Copy, cast_experts_scaled, cast_experts_t, pow2_scale, quant_rows, recast_moved_,
                          swiglu_quant, swiglu_quant_bwd, transpose_copy_)
@@ -92,13 +93,15 @@ def bf16_wgrads(x_ND, h_MH, dy_ND, da_MH, db_MH, offs_E):
     return grouped_wgrad(da_MH, x_ND, offs_E), grouped_wgrad(dy_ND, h_MH, offs_E), grouped_wgrad(db_MH, x_ND, offs_E)
 
 
-def fp8_wgrads(x_ND, h_MH, dy_ND, da_MH, db_MH, offs_E):
-    """``bf16_wgrads`` in FP8 (kernels/fp8_wgrad.py): each operand cast transposed, expert by expert on whole
-    128-row blocks with a scale per block of a column, in a pass of its own over the bf16 rows here (the kernels
-    that produce the rows could write it as they do their FP8 rows); rows past the experts' are not read."""
-    x_t, h_t, dy_t, da_t, db_t = (quant_expert_blocks_t(t, offs_E) for t in (x_ND, h_MH, dy_ND, da_MH, db_MH))
-    return (grouped_wgrad_fp8(*da_t[:2], *x_t), grouped_wgrad_fp8(*dy_t[:2], *h_t),
-            grouped_wgrad_fp8(*db_t[:2], *x_t))
+def fp8_wgrads(x_fp8, h_fp8, dy_fp8, dab_fp8, offs_E, out_dtype):
+    """``bf16_wgrads`` in FP8 (kernels/fp8_wgrad.py) from the e4m3 rows (q, s) of x, h, dy and [da | db]: each
+    copied transposed at one scale per expert, then one grouped GEMM per weight, written in ``out_dtype``."""
+    (x_t, sx, aoffs), (h_t, sh, _), (dy_t, sdy, _), (dab_t, sab, _) = (
+        requant_expert_t(q, s, offs_E) for q, s in (x_fp8, h_fp8, dy_fp8, dab_fp8))
+    H = h_t.shape[0]
+    return (grouped_wgrad_fp8(dab_t[:H], sab, x_t, sx, aoffs, out_dtype),
+            grouped_wgrad_fp8(dy_t, sdy, h_t, sh, aoffs, out_dtype),
+            grouped_wgrad_fp8(dab_t[H:], sab, x_t, sx, aoffs, out_dtype))
 
 
 def _per_column(s_E: torch.Tensor, n: int) -> torch.Tensor:
@@ -220,12 +223,14 @@ class _Fp8GroupedSwiGLU(torch.autograd.Function):
         ab_MJ = scaled_grouped_mm(x_q, w13_q.transpose(-2, -1), x_s, s13_N, offs_E)
         h_MH, h_q, h_s = swiglu_quant(ab_MJ, used)
         y_ND = scaled_grouped_mm(h_q, w2_q.transpose(-2, -1), h_s, s2_N, offs_E)
-        ctx.save_for_backward(x_ND, w1_EHD, w2_EDH, w3_EHD, ab_MJ, h_MH, offs_E, s13_E, s2_E)
+        ctx.x_dtype = x_ND.dtype
+        kept = (x_q, x_s, h_q, h_s) if wgrad_fp8 else (x_ND, h_MH)  # what the weight gradients read
+        ctx.save_for_backward(w1_EHD, w2_EDH, w3_EHD, ab_MJ, offs_E, s13_E, s2_E, *kept)
         return y_ND
 
     @staticmethod
     def backward(ctx, dy_ND):
-        x_ND, w1_EHD, w2_EDH, w3_EHD, ab_MJ, h_MH, offs_E, s13_E, s2_E = ctx.saved_tensors
+        w1_EHD, w2_EDH, w3_EHD, ab_MJ, offs_E, s13_E, s2_E, *kept = ctx.saved_tensors
         E, H, D = w1_EHD.shape
         used = offs_E[-1:]
         dy_ND = dy_ND.to(torch.bfloat16).contiguous()
@@ -248,9 +253,12 @@ class _Fp8GroupedSwiGLU(torch.autograd.Function):
         dh_MH = scaled_grouped_mm(dy_q, w2t_q.transpose(-2, -1), dy_s, s2_N, offs_E)
         da_MH, db_MH, dab_q, dab_s = swiglu_quant_bwd(dh_MH, ab_MJ, used)
         dx_ND = scaled_grouped_mm(dab_q, w13t_q.transpose(-2, -1), dab_s, s13_N, offs_E)
-        wgrads = fp8_wgrads if ctx.wgrad_fp8 else bf16_wgrads
-        dw1, dw2, dw3 = wgrads(x_ND, h_MH, dy_ND, da_MH, db_MH, offs_E)
-        grads = dx_ND.to(x_ND.dtype), dw1.to(w1_EHD.dtype), dw2.to(w2_EDH.dtype), dw3.to(w3_EHD.dtype)
+        if ctx.wgrad_fp8:
+            x_q, x_s, h_q, h_s = kept
+            dw1, dw2, dw3 = fp8_wgrads((x_q, x_s), (h_q, h_s), (dy_q, dy_s), (dab_q, dab_s), offs_E, w1_EHD.dtype)
+        else:
+            dw1, dw2, dw3 = bf16_wgrads(*kept[:2], dy_ND, da_MH, db_MH, offs_E)
+        grads = dx_ND.to(ctx.x_dtype), dw1.to(w1_EHD.dtype), dw2.to(w2_EDH.dtype), dw3.to(w3_EHD.dtype)
         return *grads, None, None, None, None, None, None
 
 
