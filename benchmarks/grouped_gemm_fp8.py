@@ -79,7 +79,7 @@ def main() -> None:
     if dg is None:
         table += f"\n\nNo DeepGEMM rows: {why}."
     print(table)
-    name = "grouped_gemm_fp8_wgrad" if args.wgrad or args.wgrad_only else "grouped_gemm_fp8"
+    name = "grouped_wgrad_fp8" if args.wgrad_only else "grouped_gemm_fp8_wgrad" if args.wgrad else "grouped_gemm_fp8"
     write_results(name, {**environment(), "deepgemm": getattr(dg, "__version__", None)}, rows, table, args.out)
 
 

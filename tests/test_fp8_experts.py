@@ -165,9 +165,10 @@ def test_fp8_layer_config_reaches_the_experts():
     args = MoEArgs(num_experts=8, num_shared_experts=0, top_k=2, score_func="softmax", route_norm=False,
                    score_before_experts=False)
     layer = MoELayer(args, 32, 16, MoEEchoConfig(expert_precision="fp8"))
-    assert layer.experts.precision == "fp8" and layer.experts.wgrad_precision == "bf16"
-    layer = MoELayer(args, 32, 16, MoEEchoConfig(expert_precision="fp8", expert_wgrad_precision="fp8"))
-    assert layer.experts.wgrad_precision == "fp8"
+    assert layer.experts.precision == "fp8" and layer.experts.wgrad_precision == "fp8"  # "auto": the experts'
+    layer = MoELayer(args, 32, 16, MoEEchoConfig(expert_precision="fp8", expert_wgrad_precision="bf16"))
+    assert layer.experts.wgrad_precision == "bf16"
+    assert MoELayer(args, 32, 16, MoEEchoConfig()).experts.wgrad_precision == "bf16"
 
 
 # --- GPU: the Triton kernels and torch._scaled_grouped_mm ----------------------------------------

@@ -579,7 +579,8 @@ print('; '.join('%s %.4f (%+.2f%% vs the head in bf16, %d batches)' % (n, sum(v)
       64x768x2048x98304 --out "$OUT" 2>&1 | grep -E "^\| (bf16|fp32)" ;;
 
   grouped_fp8)  # -> grouped_gemm_fp8_1x<GPU>.md: the experts' grouped GEMMs, bf16 and FP8, torch's beside DeepGEMM's
-    # (WGRAD=1: the weight gradients' too, grouped_gemm_fp8_wgrad_1x<GPU>.md; WGRAD_ONLY=1: only those)
+    # (WGRAD=1: the weight gradients' too, grouped_gemm_fp8_wgrad_1x<GPU>.md; WGRAD_ONLY=1: only those,
+    # grouped_wgrad_fp8_1x<GPU>.md)
     # (built once per machine from .deepgemm/src by build_deepgemm.sh; its kernels compile on first use, ~minutes)
     build=${DEEPGEMM_BUILD:-build/deepgemm}; [[ $build = /* ]] || build=$PWD/$build
     export PYTHONPATH="$build/lib:$PYTHONPATH"

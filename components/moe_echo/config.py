@@ -45,11 +45,13 @@ class MoEEchoConfig:
     on H200: the rowwise v2lite_1b step with ``channel`` runs at 0.92× its speed with ``expert``
     (docs/performance.md, FP8)."""
 
-    expert_wgrad_precision: Literal["bf16", "fp8"] = "bf16"
-    """The FP8 routed experts' weight-gradient GEMMs. ``fp8``: each operand (x, h, dy, da, db) cast in e4m3,
-    transposed, expert by expert on whole 128-row blocks with one power-of-two scale per block of a column, then
-    contracted by one Triton kernel (kernels/fp8_wgrad.py); needs ``expert_precision = "fp8"``. Not yet measured
-    in the step; ``bf16`` (the default) runs them in bf16 on the bf16 operands."""
+    expert_wgrad_precision: Literal["auto", "bf16", "fp8"] = "auto"
+    """The FP8 routed experts' weight-gradient GEMMs. ``fp8``: from the e4m3 rows their other GEMMs read (x, h, dy,
+    [da | db]), each copied transposed, expert by expert onto whole 128-row blocks at one power-of-two scale per
+    expert, then contracted by one Triton kernel (kernels/fp8_wgrad.py); needs ``expert_precision = "fp8"``.
+    ``bf16``: in bf16 on the bf16 operands. ``auto`` (the default): ``expert_precision``'s. Measured on H200,
+    compiled and graphed: 1.035× the FP8 step at EP=2 (v2lite_6b_2gpu), 1.004-1.023× on one GPU (v2lite_1b), the
+    loss within bf16's drift over 500 steps (docs/performance.md, FP8)."""
 
     dispatch_precision: Literal["bf16", "fp8"] = "bf16"
     """How token rows cross GPUs (and hosts) toward the experts. ``fp8``: in e4m3 with a power-of-two fp32 scale

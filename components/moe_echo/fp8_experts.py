@@ -95,13 +95,15 @@ def bf16_wgrads(x_ND, h_MH, dy_ND, da_MH, db_MH, offs_E):
 
 def fp8_wgrads(x_fp8, h_fp8, dy_fp8, dab_fp8, offs_E, out_dtype):
     """``bf16_wgrads`` in FP8 (kernels/fp8_wgrad.py) from the e4m3 rows (q, s) of x, h, dy and [da | db]: each
-    copied transposed at one scale per expert, then one grouped GEMM per weight, written in ``out_dtype``."""
-    (x_t, sx, aoffs), (h_t, sh, _), (dy_t, sdy, _), (dab_t, sab, _) = (
-        requant_expert_t(q, s, offs_E) for q, s in (x_fp8, h_fp8, dy_fp8, dab_fp8))
-    H = h_t.shape[0]
-    return (grouped_wgrad_fp8(dab_t[:H], sab, x_t, sx, aoffs, out_dtype),
-            grouped_wgrad_fp8(dy_t, sdy, h_t, sh, aoffs, out_dtype),
-            grouped_wgrad_fp8(dab_t[H:], sab, x_t, sx, aoffs, out_dtype))
+    copied transposed at one scale per expert, then one grouped GEMM per weight, written in ``out_dtype``; the
+    copies of one pair of operands are freed before the next pair's are made."""
+    (x_t, sx, aoffs), (dab_t, sab, _) = (requant_expert_t(q, s, offs_E) for q, s in (x_fp8, dab_fp8))
+    H = dab_t.shape[0] // 2
+    dw1 = grouped_wgrad_fp8(dab_t[:H], sab, x_t, sx, aoffs, out_dtype)
+    dw3 = grouped_wgrad_fp8(dab_t[H:], sab, x_t, sx, aoffs, out_dtype)
+    del x_t, dab_t
+    (dy_t, sdy, _), (h_t, sh, _) = (requant_expert_t(q, s, offs_E) for q, s in (dy_fp8, h_fp8))
+    return dw1, grouped_wgrad_fp8(dy_t, sdy, h_t, sh, aoffs, out_dtype), dw3
 
 
 def _per_column(s_E: torch.Tensor, n: int) -> torch.Tensor:
