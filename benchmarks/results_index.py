@@ -50,6 +50,7 @@ BENCHMARKS = {
     "gpu_tests": "benchmarks/gpu/run.sh graph",
     "grouped_gemm_fp8": "benchmarks/grouped_gemm_fp8.py",
     "grouped_gemm_fp8_wgrad": "benchmarks/grouped_gemm_fp8.py --wgrad",
+    "grouped_wgrad_fp8": "benchmarks/grouped_gemm_fp8.py --wgrad-only",
     "moe_layer": "benchmarks/moe_layer.py",
     "nonfinite_guard": "benchmarks/gpu/run.sh guard",
     "nvlink_bound": "benchmarks/nvlink_bound.py",

@@ -7,13 +7,11 @@ GEMMs (``kernels.fp8_gemm.grouped_mm_fp8``, one persistent Triton kernel over ev
 fp32 accumulation, bf16 out; 1.05–1.59x ``torch._scaled_grouped_mm`` per GEMM at the experts' shapes on H200):
     forward         [a | b] = x @ [w1; w3]ᵀ  (one GEMM, N = 2H),   y = h @ w2ᵀ
     input gradient  dh = dy @ w2,   dx = [da | db] @ [w1; w3]      (one GEMM, reduction over 2H)
-The three weight-gradient GEMMs stay in bf16 by default (``torch._grouped_mm`` on the bf16 x, h, dy, da, db): in
-FP8 (2d×2d ``torch._scaled_grouped_mm``, groups 16-aligned along the reduction) they measure 1.24× / 0.97×
-the bf16 ones at ``moe_layer.py``'s two shapes on H200, before the transposed, group-scaled FP8 copies of
-x, h, dy and [da | db] they read are written — which cost more than that saves (docs/performance.md, FP8 experts).
-``wgrad_fp8`` (``[moe_echo] expert_wgrad_precision = "fp8"``) runs them in FP8 through kernels/fp8_wgrad.py instead,
-from the e4m3 rows the other GEMMs read (x, h, dy, [da | db]), each copied transposed onto whole 128-row blocks per
-expert at one scale per expert; the forward then keeps x and h in e4m3 for the backward, not in bf16.
+The three weight-gradient GEMMs: with ``wgrad_fp8`` (``[moe_echo] expert_wgrad_precision``, FP8 by default with
+FP8 experts) in FP8 through kernels/fp8_wgrad.py, from the e4m3 rows the other GEMMs read (x, h, dy, [da | db]),
+each copied transposed onto whole 128-row blocks per expert at one scale per expert, the gradients written in the
+weights' dtype; the forward then keeps x and h in e4m3 for the backward, not in bf16 (1.035× the FP8 step at EP=2,
+docs/performance.md, FP8). Without it in bf16 (``torch._grouped_mm`` on the bf16 x, h, dy, da, db).
 
 Scaling (dequantisation multipliers, powers of two, computed on the device): activations and
 output gradients one scale per row; weights one scale per expert (w1 and w3 share it), so the
