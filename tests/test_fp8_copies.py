@@ -16,6 +16,7 @@ from components.train.master_adamw import AdamWWithCopies, MasterAdamW, refresh_
 from kernels.adamw import adamw_master_, adamw_master_reference_
 from kernels.fp8 import expert_scales_torch, write_copy_reference_
 from cuda_graphs import warm_up_and_capture
+from conftest import hopper
 
 HP = dict(lr=0.02, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)  # a large lr: the scales move between steps
 E, H, D = 4, 16, 32
@@ -173,10 +174,6 @@ def test_only_fp8_layers_without_echo_get_copies():
     assert weight_copies(bf16) == {} and len(weight_copies(fp8)) == 3
     with pytest.raises(ValueError, match="expert_precision"):
         bf16.experts.enable_fp8_copies()
-
-
-hopper = pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() < (9, 0),
-                            reason="needs a Hopper (sm90+) GPU")
 
 
 @pytest.mark.gpu

@@ -14,6 +14,7 @@ from components.moe_echo.layer import MoELayer
 from kernels import fp8
 from kernels.fp8 import FP8, FP8_MAX, pow2_scale, quant_rows_torch
 from cuda_graphs import warm_up_and_capture
+from conftest import hopper
 
 # adversarial and random row counts per expert (N rows in all; N > sum leaves fixed-capacity padding)
 COUNTS = {
@@ -172,9 +173,6 @@ def test_fp8_layer_config_reaches_the_experts():
 
 
 # --- GPU: the Triton kernels and torch._scaled_grouped_mm ----------------------------------------
-
-hopper = pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() < (9, 0),
-                            reason="needs a Hopper (sm90+) GPU")
 
 
 @pytest.mark.gpu

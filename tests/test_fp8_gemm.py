@@ -6,6 +6,7 @@ not a multiple of the tile, and rows past the routed ones left untouched. On CPU
 import pytest
 import torch
 
+from conftest import hopper
 from test_kernels import needs_cpu_interpreter, run_in_interpreter
 
 CASES = {  # row counts per expert
@@ -68,10 +69,6 @@ print("FP8-GEMM-OK")
 @needs_cpu_interpreter
 def test_grouped_fp8_gemm_in_interpreter():
     run_in_interpreter(_SCRIPT, "FP8-GEMM-OK")
-
-
-hopper = pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() < (9, 0),
-                            reason="needs a Hopper (sm90+) GPU")
 
 
 @pytest.mark.gpu

@@ -13,6 +13,7 @@ from components.train.loss import lm_loss
 from kernels import cross_entropy as ce
 from kernels.fp8 import FP8, FP8_GRAD, Q_MAX, cast_both, pow2_scale
 from cuda_graphs import warm_up_and_capture
+from conftest import hopper
 
 
 def _rel(a, b):
@@ -264,9 +265,6 @@ def test_recipe_swaps_a_tensorwise_head_and_compile_leaves_it_eager():
 
 
 # --- GPU (Hopper): the kernels, the head against torchao's, a CUDA graph ------------------------------------
-
-hopper = pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() < (9, 0),
-                            reason="needs a Hopper (sm90+) GPU")
 
 
 @pytest.mark.gpu

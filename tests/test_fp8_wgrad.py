@@ -10,6 +10,7 @@ import torch
 from kernels import fp8_wgrad as fw
 from kernels.fp8 import FP8, quant_rows, quant_rows_torch
 from test_kernels import needs_cpu_interpreter, run_in_interpreter
+from conftest import hopper
 
 CASES = {  # row counts per expert
     "random": [37, 5, 200, 64, 1, 90],
@@ -131,10 +132,6 @@ fw._requant_t_kernel[(A // 128, 2)](q, s, s_E, torch.empty(70, A, dtype=torch.ui
 @needs_cpu_interpreter
 def test_kernels_in_interpreter():
     run_in_interpreter(_SCRIPT, "FP8-WGRAD-OK")
-
-
-hopper = pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() < (9, 0),
-                            reason="needs a Hopper (sm90+) GPU")
 
 
 @pytest.mark.gpu
