@@ -374,7 +374,7 @@ def validate(cfg) -> None:
     _require(e.grow_capacity_after >= 0, "[moe_echo] grow_capacity_after", e.grow_capacity_after, ">= 0 (0: never)")
     if e.expert_wgrad_precision == "fp8" and e.expert_precision != "fp8":
         raise UserError(f"[moe_echo] expert_wgrad_precision = 'fp8' needs expert_precision = 'fp8' (got "
-                        f"{e.expert_precision!r}); set both, or expert_wgrad_precision = 'bf16'")
+                        f"{e.expert_precision!r}); set both, or leave expert_wgrad_precision at 'auto'")
     ep = p.expert_parallel_degree
     if e.dispatcher == "local" and ep != 1:
         raise UserError(f"[moe_echo] dispatcher = 'local' needs [parallelism] expert_parallel_degree = 1 (got {ep}); "
