@@ -85,18 +85,20 @@ def expert_scales_torch(*ws):
     return pow2_scale(amax_E)
 
 
-def swiglu_quant_torch(ab_MJ):
+def swiglu_quant_torch(ab_MJ, bf16=True):
     a, b = ab_MJ.float().chunk(2, dim=1)
     h = F.silu(a) * b
     q, s = quant_rows_torch(h)
-    return h.to(torch.bfloat16), q, s
+    return h.to(torch.bfloat16) if bf16 else None, q, s
 
 
-def swiglu_quant_bwd_torch(dh_MH, ab_MJ):
+def swiglu_quant_bwd_torch(dh_MH, ab_MJ, bf16=True):
     a, b = ab_MJ.float().chunk(2, dim=1)
     g, sig = dh_MH.float(), torch.sigmoid(a)
     da, db = g * b * sig * (1 + a * (1 - sig)), g * a * sig
     q, s = quant_rows_torch(torch.cat([da, db], 1))
+    if not bf16:
+        return None, None, q, s
     return da.to(torch.bfloat16), db.to(torch.bfloat16), q, s
 
 
@@ -213,7 +215,8 @@ if triton is not None:
                  mask=(i[:, None] < I) & (p[None, :] < P))
 
     @triton.jit
-    def _swiglu_quant_kernel(ab_ptr, h_ptr, q_ptr, s_ptr, n_valid_ptr, H, HAS_N: tl.constexpr, BLOCK_H: tl.constexpr):
+    def _swiglu_quant_kernel(ab_ptr, h_ptr, q_ptr, s_ptr, n_valid_ptr, H, HAS_N: tl.constexpr, BF16: tl.constexpr,
+                             BLOCK_H: tl.constexpr):
         m = tl.program_id(0).to(tl.int64)
         if _valid(m, n_valid_ptr, HAS_N):
             c = tl.arange(0, BLOCK_H)
@@ -222,13 +225,14 @@ if triton is not None:
             b = tl.load(ab_ptr + m * 2 * H + H + c, mask=mask, other=0.0).to(tl.float32)
             h = silu_mul(a, b)
             s = _pow2_scale(tl.max(tl.abs(h), axis=0))
-            tl.store(h_ptr + m * H + c, h.to(h_ptr.dtype.element_ty), mask=mask)
+            if BF16:
+                tl.store(h_ptr + m * H + c, h.to(h_ptr.dtype.element_ty), mask=mask)
             tl.store(q_ptr + m * H + c, tl.clamp(h / s, -448.0, 448.0).to(q_ptr.dtype.element_ty), mask=mask)
             tl.store(s_ptr + m, s)
 
     @triton.jit
     def _swiglu_quant_bwd_kernel(dh_ptr, ab_ptr, da_ptr, db_ptr, q_ptr, s_ptr, n_valid_ptr, H, HAS_N: tl.constexpr,
-                                 BLOCK_H: tl.constexpr):
+                                 BF16: tl.constexpr, BLOCK_H: tl.constexpr):
         m = tl.program_id(0).to(tl.int64)
         if _valid(m, n_valid_ptr, HAS_N):
             c = tl.arange(0, BLOCK_H)
@@ -238,8 +242,9 @@ if triton is not None:
             b = tl.load(ab_ptr + m * 2 * H + H + c, mask=mask, other=0.0).to(tl.float32)
             da, db = silu_mul_grads(g, a, b)
             s = _pow2_scale(tl.maximum(tl.max(tl.abs(da), axis=0), tl.max(tl.abs(db), axis=0)))
-            tl.store(da_ptr + m * H + c, da.to(da_ptr.dtype.element_ty), mask=mask)
-            tl.store(db_ptr + m * H + c, db.to(db_ptr.dtype.element_ty), mask=mask)
+            if BF16:
+                tl.store(da_ptr + m * H + c, da.to(da_ptr.dtype.element_ty), mask=mask)
+                tl.store(db_ptr + m * H + c, db.to(db_ptr.dtype.element_ty), mask=mask)
             tl.store(q_ptr + m * 2 * H + c, tl.clamp(da / s, -448.0, 448.0).to(q_ptr.dtype.element_ty), mask=mask)
             tl.store(q_ptr + m * 2 * H + H + c, tl.clamp(db / s, -448.0, 448.0).to(q_ptr.dtype.element_ty),
                      mask=mask)
@@ -435,32 +440,36 @@ def transpose_copy_(plain_EPI: torch.Tensor, out_EIP: torch.Tensor) -> None:
                                                                  P, I, BLOCK_P=B, BLOCK_I=B, num_warps=8)
 
 
-def swiglu_quant(ab_MJ: torch.Tensor, n_valid: torch.Tensor | None = None):
+def swiglu_quant(ab_MJ: torch.Tensor, n_valid: torch.Tensor | None = None, bf16: bool = True):
+    """(h_MH bf16, or None with ``bf16=False``; h's e4m3 rows q_MH and their scales s_M)."""
     if not _on_kernels(ab_MJ):
-        return swiglu_quant_torch(ab_MJ)
+        return swiglu_quant_torch(ab_MJ, bf16)
     ab_MJ = ab_MJ.contiguous()
     M, H = ab_MJ.shape[0], ab_MJ.shape[1] // 2
-    h = torch.empty(M, H, dtype=torch.bfloat16, device=ab_MJ.device)
+    h = torch.empty(M, H, dtype=torch.bfloat16, device=ab_MJ.device) if bf16 else None
     q = torch.empty(M, H, dtype=FP8, device=ab_MJ.device)
     s = torch.empty(M, dtype=torch.float32, device=ab_MJ.device)
     if M:
         B = triton.next_power_of_2(H)
-        _swiglu_quant_kernel[(M,)](ab_MJ, h, q, s, n_valid if n_valid is not None else s, H,
-                                   HAS_N=n_valid is not None, BLOCK_H=B, num_warps=_row_warps(B))
+        _swiglu_quant_kernel[(M,)](ab_MJ, h if bf16 else q, q, s, n_valid if n_valid is not None else s, H,
+                                   HAS_N=n_valid is not None, BF16=bf16, BLOCK_H=B, num_warps=_row_warps(B))
     return h, q, s
 
 
-def swiglu_quant_bwd(dh_MH: torch.Tensor, ab_MJ: torch.Tensor, n_valid: torch.Tensor | None = None):
+def swiglu_quant_bwd(dh_MH: torch.Tensor, ab_MJ: torch.Tensor, n_valid: torch.Tensor | None = None,
+                     bf16: bool = True):
+    """(da_MH, db_MH bf16, or None, None with ``bf16=False``; [da | db]'s e4m3 rows q_M2H and their scales s_M)."""
     if not _on_kernels(ab_MJ):
-        return swiglu_quant_bwd_torch(dh_MH, ab_MJ)
+        return swiglu_quant_bwd_torch(dh_MH, ab_MJ, bf16)
     dh_MH, ab_MJ = dh_MH.contiguous(), ab_MJ.contiguous()
     M, H = dh_MH.shape
-    da = torch.empty(M, H, dtype=torch.bfloat16, device=ab_MJ.device)
-    db = torch.empty_like(da)
+    da = torch.empty(M, H, dtype=torch.bfloat16, device=ab_MJ.device) if bf16 else None
+    db = torch.empty_like(da) if bf16 else None
     q = torch.empty(M, 2 * H, dtype=FP8, device=ab_MJ.device)
     s = torch.empty(M, dtype=torch.float32, device=ab_MJ.device)
     if M:
         B = triton.next_power_of_2(H)
-        _swiglu_quant_bwd_kernel[(M,)](dh_MH, ab_MJ, da, db, q, s, n_valid if n_valid is not None else s, H,
-                                       HAS_N=n_valid is not None, BLOCK_H=B, num_warps=_row_warps(B))
+        _swiglu_quant_bwd_kernel[(M,)](dh_MH, ab_MJ, da if bf16 else q, db if bf16 else q, q, s,
+                                       n_valid if n_valid is not None else s, H, HAS_N=n_valid is not None,
+                                       BF16=bf16, BLOCK_H=B, num_warps=_row_warps(B))
     return da, db, q, s

@@ -95,6 +95,11 @@ def test_swiglu_quant_matches_fp64_and_shares_one_scale_over_da_db():
     assert q2.shape == (M, 2 * H) and (amax / s2 <= FP8_MAX * (1 + 1e-6)).all()  # one scale fits both halves
     assert (amax[amax > 0] / (s2[amax > 0] / 2) > FP8_MAX * (1 - 1e-6)).all()  # and is the smallest that does
     assert _within_e4m3(q2.double() * s2.double()[:, None], both, s2.double()[:, None])
+    none_h, q_, s_ = fp8.swiglu_quant(ab, bf16=False)  # the FP8 rows alone: the same rows, no bf16 copy
+    none_a, none_b, q2_, s2_ = fp8.swiglu_quant_bwd(dh, ab, bf16=False)
+    assert none_h is none_a is none_b is None
+    assert all(torch.equal(x.view(torch.uint8) if x.dtype == FP8 else x, y.view(torch.uint8) if y.dtype == FP8 else y)
+               for x, y in ((q_, q), (s_, s), (q2_, q2), (s2_, s2)))
 
 
 def _experts_case(counts, D=48, H=32, extra=5, seed=0, device="cpu"):
@@ -220,6 +225,13 @@ def test_triton_quantisers_equal_torch_reference():
     dar, dbr, qr, sr = fp8.swiglu_quant_bwd_torch(dh, ab)
     assert _rel(da[:250].cpu(), dar[:250]) < 1e-2 and _rel(db[:250].cpu(), dbr[:250]) < 1e-2
     assert _rel(q[:250].cpu().float() * s[:250].cpu()[:, None], qr[:250].float() * sr[:250, None]) < 0.05
+    # the FP8 rows alone (no bf16 copies written): the same bytes and scales
+    h8, q8, s8 = fp8.swiglu_quant(ab.cuda(), bf16=False)
+    hq, hs = fp8.swiglu_quant(ab.cuda())[1:]
+    none_a, none_b, dq8, ds8 = fp8.swiglu_quant_bwd(dh.cuda(), ab.cuda(), n_valid, bf16=False)
+    assert h8 is none_a is none_b is None
+    assert torch.equal(q8.view(torch.uint8), hq.view(torch.uint8)) and torch.equal(s8, hs)
+    assert torch.equal(dq8[:250].view(torch.uint8), q[:250].view(torch.uint8)) and torch.equal(ds8[:250], s[:250])
 
 
 @pytest.mark.gpu

@@ -15,8 +15,9 @@ FP8 = fp8.FP8
 fp8.gather_quant_rows(torch.randn(5, 300).bfloat16(), torch.tensor([4, 0, 0, 2]))
 for n_valid in (None, torch.tensor([3], dtype=torch.int32)):
     fp8.quant_rows(torch.randn(5, 300).bfloat16(), n_valid)
-    fp8.swiglu_quant(torch.randn(5, 2 * 96).bfloat16(), n_valid)
-    fp8.swiglu_quant_bwd(torch.randn(5, 96).bfloat16(), torch.randn(5, 2 * 96).bfloat16(), n_valid)
+    for bf16 in (True, False):  # with the bf16 copies, and the FP8 rows alone
+        fp8.swiglu_quant(torch.randn(5, 2 * 96).bfloat16(), n_valid, bf16)
+        fp8.swiglu_quant_bwd(torch.randn(5, 96).bfloat16(), torch.randn(5, 2 * 96).bfloat16(), n_valid, bf16)
 w1, w3 = torch.randn(4, 96, 64), torch.randn(4, 96, 64)
 fp8.cast_experts_scaled((w1, w3), torch.empty(4, 192, 64, dtype=FP8), torch.ones(4))
 fp8.cast_experts_t(w1, torch.ones(4), torch.empty(4, 64, 192, dtype=FP8), 96)

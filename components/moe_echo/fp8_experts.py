@@ -221,7 +221,7 @@ class _Fp8GroupedSwiGLU(torch.autograd.Function):
         x_fp8 = rows.take_x() if rows is not None else None
         x_q, x_s = x_fp8 if x_fp8 is not None else quant_rows(x_ND, used)
         ab_MJ = scaled_grouped_mm(x_q, w13_q.transpose(-2, -1), x_s, s13_N, offs_E)
-        h_MH, h_q, h_s = swiglu_quant(ab_MJ, used)
+        h_MH, h_q, h_s = swiglu_quant(ab_MJ, used, bf16=not wgrad_fp8)  # bf16 h: only bf16 weight gradients read it
         y_ND = scaled_grouped_mm(h_q, w2_q.transpose(-2, -1), h_s, s2_N, offs_E)
         ctx.x_dtype = x_ND.dtype
         kept = (x_q, x_s, h_q, h_s) if wgrad_fp8 else (x_ND, h_MH)  # what the weight gradients read
@@ -251,7 +251,7 @@ class _Fp8GroupedSwiGLU(torch.autograd.Function):
                 cast_experts_t(w3_EHD, s13_E, w13t_q, H)
             s2_N, s13_N = _per_column(s2_E, H), _per_column(s13_E, D)
         dh_MH = scaled_grouped_mm(dy_q, w2t_q.transpose(-2, -1), dy_s, s2_N, offs_E)
-        da_MH, db_MH, dab_q, dab_s = swiglu_quant_bwd(dh_MH, ab_MJ, used)
+        da_MH, db_MH, dab_q, dab_s = swiglu_quant_bwd(dh_MH, ab_MJ, used, bf16=not ctx.wgrad_fp8)
         dx_ND = scaled_grouped_mm(dab_q, w13t_q.transpose(-2, -1), dab_s, s13_N, offs_E)
         if ctx.wgrad_fp8:
             x_q, x_s, h_q, h_s = kept
