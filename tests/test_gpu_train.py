@@ -94,6 +94,7 @@ def test_sync_free_steps_and_graph_equals_eager(case, tmp_path):
         per = "channel" if "rowwise" in case else "expert"
         assert f"fp8 experts: weight scales per {per}; weight copies written by the optimizer step in" in out, \
             out[-3000:]
+        assert "; weight gradients in fp8" in out, out[-3000:]  # expert_wgrad_precision = "auto" with FP8 experts
     assert len(eager) == len(graphed) == STEPS
     for s, (a, b) in enumerate(zip(eager, graphed), 1):
         assert abs(a - b) <= 2e-3 * abs(a), f"step {s}: eager loss {a} vs graphed {b}"
