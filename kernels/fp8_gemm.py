@@ -37,18 +37,14 @@ DEFAULT = "128x256f"  # the fastest at the experts' shapes on H200 (benchmarks/g
 if triton is not None:
     import triton.language as tl
 
+    from .expert_tiles import expert_ranges, find_expert, pick
+
     @triton.jit
     def _grouped_fp8_kernel(a_desc, b_desc, c_ptr, sa_ptr, sb_ptr, offs_ptr, E, N, K,
                             E_POW2: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                             BLOCK_K: tl.constexpr, NUM_PROGRAMS: tl.constexpr, NUM_STAGES: tl.constexpr,
                             FLATTEN: tl.constexpr):
-        ar = tl.arange(0, E_POW2)
-        real = ar < E
-        ends = tl.load(offs_ptr + ar, mask=real, other=0).to(tl.int32)
-        last = tl.max(ends, 0)
-        starts = tl.load(offs_ptr + ar - 1, mask=(ar >= 1) & real, other=0).to(tl.int32)
-        ends = tl.where(real, ends, last)  # lanes past E: empty experts after the last
-        starts = tl.where(real, starts, last)
+        ar, starts, ends = expert_ranges(offs_ptr, E, E_POW2)  # lanes past E: empty experts after the last
         counts = ends - starts
         n_blocks = tl.cdiv(N, BLOCK_N)
         tiles = tl.cdiv(counts, BLOCK_M) * n_blocks
@@ -57,11 +53,9 @@ if triton is not None:
         rows_m = tl.arange(0, BLOCK_M)
         cols_n = tl.arange(0, BLOCK_N)
         for tile in tl.range(tl.program_id(0), total, NUM_PROGRAMS, flatten=FLATTEN):
-            e = tl.sum((cum <= tile).to(tl.int32), 0)
-            here = ar == e
-            first = tl.sum(tl.where(here, cum - tiles, 0), 0)
-            row0 = tl.sum(tl.where(here, starts, 0), 0)
-            row_end = tl.sum(tl.where(here, ends, 0), 0)
+            e, first = find_expert(tile, cum, tiles, ar)
+            row0 = pick(starts, ar, e)
+            row_end = pick(ends, ar, e)
             local = tile - first
             pm = local // n_blocks
             pn = local % n_blocks

@@ -43,11 +43,7 @@ DEFAULT = "128x256"  # 1.0-1.23x the 128x128 tile at the experts' shapes on H200
 if triton is not None:
     import triton.language as tl
 
-    @triton.jit
-    def _expert_of(r, offs_ptr, E, E_POW2: tl.constexpr):
-        """The expert of each row in r (E past the last expert's rows)."""
-        ends = tl.load(offs_ptr + tl.arange(0, E_POW2), mask=tl.arange(0, E_POW2) < E, other=2**31 - 1)
-        return tl.sum((ends[None, :] <= r[:, None]).to(tl.int32), 1)
+    from .expert_tiles import expert_ranges, find_expert, pick
 
     @triton.jit
     def _expert_scale_kernel(q_ptr, s_ptr, se_ptr, offs_ptr, E, C, stride_q, E_POW2: tl.constexpr,
@@ -55,7 +51,8 @@ if triton is not None:
         """BLOCK_R rows: each nonzero row's scale folded into its expert's (atomic max). Only rows of scale 1 are
         read (the scale a zero row gets)."""
         r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
-        e = _expert_of(r, offs_ptr, E, E_POW2)
+        ends = expert_ranges(offs_ptr, E, E_POW2)[2]
+        e = tl.sum((ends[None, :] <= r[:, None]).to(tl.int32), 1)  # the expert of each row (>= E: past the last)
         ok = e < E
         s = tl.load(s_ptr + r, mask=ok, other=0.0)
         maybe_zero = ok & (s == 1.0)
@@ -74,17 +71,13 @@ if triton is not None:
         """One aligned 128-row block of an expert's rows × BLOCK_C columns, rescaled to the expert's scale and
         written transposed (zeros past the expert's rows)."""
         rb = tl.program_id(0)
-        ar = tl.arange(0, E_POW2)
-        real = ar < E
-        ends = tl.load(offs_ptr + ar, mask=real, other=0).to(tl.int32)
-        starts = tl.load(offs_ptr + ar - 1, mask=(ar >= 1) & real, other=0).to(tl.int32)
-        blocks = tl.where(real, tl.cdiv(ends - starts, BLOCK_R), 0)
+        ar, starts, ends = expert_ranges(offs_ptr, E, E_POW2)
+        blocks = tl.cdiv(ends - starts, BLOCK_R)
         cum = tl.cumsum(blocks, 0)
         if rb < tl.sum(blocks, 0):
-            e = tl.sum((cum <= rb).to(tl.int32), 0)
-            here = ar == e
-            src0 = tl.sum(tl.where(here, starts, 0), 0) + (rb - tl.sum(tl.where(here, cum - blocks, 0), 0)) * BLOCK_R
-            end = tl.sum(tl.where(here, ends, 0), 0)
+            e, first = find_expert(rb, cum, blocks, ar)
+            src0 = pick(starts, ar, e) + (rb - first) * BLOCK_R
+            end = pick(ends, ar, e)
             r = src0 + tl.arange(0, BLOCK_R)
             c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
             col_ok = c < C
@@ -212,8 +205,9 @@ def grouped_wgrad_fp8(at_PA: torch.Tensor, sa_E: torch.Tensor, bt_QA: torch.Tens
     and [Q, A] with unit stride along the rows, and their experts' scales, as ``requant_expert_t`` writes them;
     aoffs_E: the aligned cumulative row ends (multiples of 128); ``config``: a tile of ``CONFIGS``."""
     P, Q, E = at_PA.shape[0], bt_QA.shape[0], aoffs_E.numel()
-    if not _use_triton(at_PA, aoffs_E) or at_PA.stride(1) != 1 or bt_QA.stride(1) != 1:
+    if not _use_triton(at_PA, aoffs_E):
         return grouped_wgrad_fp8_torch(at_PA, sa_E, bt_QA, sb_E, aoffs_E, out_dtype)
+    at_PA, bt_QA = (t if t.stride(1) == 1 else t.contiguous() for t in (at_PA, bt_QA))  # the kernel's row stride 1
     out = torch.empty(E, P, Q, dtype=out_dtype, device=at_PA.device)
     BP, BQ, stages, warps = CONFIGS[config]
     tiles_q = triton.cdiv(Q, BQ)
