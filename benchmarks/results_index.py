@@ -45,6 +45,7 @@ BENCHMARKS = {
     "fp8_bound": "benchmarks/fp8_bound.py",
     "fp8_experts": "benchmarks/gpu/run.sh fp8",
     "fp8_head": "benchmarks/fp8_head.py",
+    "fp8_requant": "benchmarks/fp8_requant.py",
     "gate_up_gemm": "benchmarks/gate_up_gemm.py",
     "gather_gemm": "benchmarks/gather_gemm.py",
     "gpu_tests": "benchmarks/gpu/run.sh graph",

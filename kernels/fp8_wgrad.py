@@ -39,6 +39,17 @@ CONFIGS = {  # the GEMM's (BLOCK_P, BLOCK_Q, num_stages, num_warps)
     "tiny": (16, 16, 1, 4),  # for the CPU interpreter
 }
 DEFAULT = "128x256"  # 1.0-1.23x the 128x128 tile at the experts' shapes on H200 (grouped_gemm_fp8.py --wgrad-only)
+REQUANT_TILES = {  # the requantiser's (BLOCK_C, ROW_BLOCKS, COL_TILES, num_warps): a program's row blocks and columns
+    "c128": (128, 1, 1, 4),
+    "c128_w8": (128, 1, 1, 8),
+    "c64": (64, 1, 1, 4),
+    "c256_w8": (256, 1, 1, 8),
+    "c128_r4": (128, 4, 1, 4),
+    "c128_r4_w8": (128, 4, 1, 8),
+    "c128_t4": (128, 1, 4, 4),
+    "c256_r2_w8": (256, 2, 1, 8),
+}
+REQUANT_DEFAULT = "c128"
 
 if triton is not None:
     import triton.language as tl
@@ -67,28 +78,33 @@ if triton is not None:
 
     @triton.jit
     def _requant_t_kernel(q_ptr, s_ptr, se_ptr, out_ptr, offs_ptr, E, C, A, stride_q, E_POW2: tl.constexpr,
-                          BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
-        """One aligned 128-row block of an expert's rows × BLOCK_C columns, rescaled to the expert's scale and
-        written transposed (zeros past the expert's rows)."""
-        rb = tl.program_id(0)
+                          BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, ROW_BLOCKS: tl.constexpr,
+                          COL_TILES: tl.constexpr):
+        """ROW_BLOCKS aligned 128-row blocks × COL_TILES · BLOCK_C columns: each block's rows (of one expert)
+        rescaled to the expert's scale and written transposed (zeros past the expert's rows). The experts' ranges
+        are read once per program."""
         ar, starts, ends = expert_ranges(offs_ptr, E, E_POW2)
         blocks = tl.cdiv(ends - starts, BLOCK_R)
         cum = tl.cumsum(blocks, 0)
-        if rb < tl.sum(blocks, 0):
-            e, first = find_expert(rb, cum, blocks, ar)
-            src0 = pick(starts, ar, e) + (rb - first) * BLOCK_R
-            end = pick(ends, ar, e)
-            r = src0 + tl.arange(0, BLOCK_R)
-            c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
-            col_ok = c < C
-            x = tl.load(q_ptr + r[:, None].to(tl.int64) * stride_q + c[None, :],
-                        mask=(r < end)[:, None] & col_ok[None, :], other=0.0).to(tl.float32)
-            s_e = tl.load(se_ptr + e)
-            s_r = tl.load(s_ptr + r, mask=r < end, other=0.0)
-            shift = tl.where(s_r <= s_e, s_r / tl.where(s_e > 0, s_e, 1.0), 0.0)  # s_r > s_e: a zero row's
-            q = (x * shift[:, None]).to(tl.float8e4nv).to(tl.uint8, bitcast=True)  # q: the e4m3 copy's bytes
-            rows = rb * BLOCK_R + tl.arange(0, BLOCK_R)
-            tl.store(out_ptr + c[:, None].to(tl.int64) * A + rows[None, :], tl.trans(q), mask=col_ok[:, None])
+        used = tl.sum(blocks, 0)
+        for j in range(ROW_BLOCKS):
+            rb = tl.program_id(0) * ROW_BLOCKS + j
+            if rb < used:
+                e, first = find_expert(rb, cum, blocks, ar)
+                src0 = pick(starts, ar, e) + (rb - first) * BLOCK_R
+                end = pick(ends, ar, e)
+                r = src0 + tl.arange(0, BLOCK_R)
+                s_e = tl.load(se_ptr + e)
+                s_r = tl.load(s_ptr + r, mask=r < end, other=0.0)
+                shift = tl.where(s_r <= s_e, s_r / tl.where(s_e > 0, s_e, 1.0), 0.0)  # s_r > s_e: a zero row's
+                rows = rb * BLOCK_R + tl.arange(0, BLOCK_R)
+                for t in range(COL_TILES):
+                    c = (tl.program_id(1) * COL_TILES + t) * BLOCK_C + tl.arange(0, BLOCK_C)
+                    col_ok = c < C
+                    x = tl.load(q_ptr + r[:, None].to(tl.int64) * stride_q + c[None, :],
+                                mask=(r < end)[:, None] & col_ok[None, :], other=0.0).to(tl.float32)
+                    q = (x * shift[:, None]).to(tl.float8e4nv).to(tl.uint8, bitcast=True)  # the e4m3 copy's bytes
+                    tl.store(out_ptr + c[:, None].to(tl.int64) * A + rows[None, :], tl.trans(q), mask=col_ok[:, None])
 
     @triton.jit
     def _wgrad_fp8_kernel(at_ptr, sa_ptr, bt_ptr, sb_ptr, out_ptr, offs_ptr, P, Q, stride_a, stride_b, tiles_q,
@@ -165,11 +181,10 @@ def requant_expert_t_torch(q_RC: torch.Tensor, s_R: torch.Tensor, offs_E: torch.
     return x.to(FP8).t().contiguous(), s_E, aoffs
 
 
-def requant_expert_t(q_RC: torch.Tensor, s_R: torch.Tensor, offs_E: torch.Tensor, block_c: int = 128,
-                     warps: int = 4):
+def requant_expert_t(q_RC: torch.Tensor, s_R: torch.Tensor, offs_E: torch.Tensor, tile: str = REQUANT_DEFAULT):
     """(qt_CA, s_E, aoffs_E): e4m3 rows q_RC [R, C] with their scales s_R, expert by expert, transposed onto whole
     128-row blocks at one scale per expert (module docstring). Blocks past the last expert's are left unwritten
-    (no GEMM reads them)."""
+    (no GEMM reads them). tile: a name in REQUANT_TILES."""
     if not _on_kernels(q_RC):
         return requant_expert_t_torch(q_RC, s_R, offs_E)
     R, C = q_RC.shape
@@ -179,9 +194,11 @@ def requant_expert_t(q_RC: torch.Tensor, s_R: torch.Tensor, offs_E: torch.Tensor
     s_E = expert_scales(q_RC, s_R, offs_E)
     qt_CA = torch.empty(C, A, dtype=FP8, device=q_RC.device)
     if A and C:
-        _requant_t_kernel[(A // BLOCK, triton.cdiv(C, block_c))](
-            q_RC, s_R, s_E, qt_CA.view(torch.uint8), offs_E, E, C, A, q_RC.stride(0),
-            E_POW2=triton.next_power_of_2(E), BLOCK_R=BLOCK, BLOCK_C=block_c, num_warps=warps)
+        block_c, row_blocks, col_tiles, warps = REQUANT_TILES[tile]
+        grid = (triton.cdiv(A // BLOCK, row_blocks), triton.cdiv(C, block_c * col_tiles))
+        _requant_t_kernel[grid](q_RC, s_R, s_E, qt_CA.view(torch.uint8), offs_E, E, C, A, q_RC.stride(0),
+                                E_POW2=triton.next_power_of_2(E), BLOCK_R=BLOCK, BLOCK_C=block_c,
+                                ROW_BLOCKS=row_blocks, COL_TILES=col_tiles, num_warps=warps)
     return qt_CA, s_E, aligned_offsets(offs_E)
 
 

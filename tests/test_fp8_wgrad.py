@@ -124,8 +124,19 @@ q, s = quant_rows_torch(torch.randn(300, 70))
 offs = torch.tensor([100, 250, 300], dtype=torch.int32)
 A, s_E = fw.capacity(300, 3), torch.zeros(3)
 fw._expert_scale_kernel[(5,)](q, s, s_E, offs, 3, 70, 70, E_POW2=4, BLOCK_R=64, BLOCK_C=128, num_warps=4)
-fw._requant_t_kernel[(A // 128, 2)](q, s, s_E, torch.empty(70, A, dtype=torch.uint8), offs, 3, 70, A, 70, E_POW2=4,
-                                    BLOCK_R=128, BLOCK_C=64, num_warps=4)
+outs = []
+for row_blocks, col_tiles in ((1, 1), (2, 2), (4, 1)):  # one tile a program; programs looping over blocks, tiles
+    out = torch.zeros(70, A, dtype=torch.uint8)
+    fw._requant_t_kernel[(-(-A // (128 * row_blocks)), -(-70 // (32 * col_tiles)))](
+        q, s, s_E, out, offs, 3, 70, A, 70, E_POW2=4, BLOCK_R=128, BLOCK_C=32, ROW_BLOCKS=row_blocks,
+        COL_TILES=col_tiles, num_warps=4)
+    outs.append(out)
+assert torch.equal(s_E, fw.expert_scales_torch(q, s, offs))
+assert all(torch.equal(o, outs[0]) for o in outs[1:])
+rq = fw.requant_expert_t_torch(q, s, offs)[0]  # torch's e4m3 is RNE, the interpreter's not: equal within one step
+deq = lambda b: fw.dequant_t(b.view(torch.float8_e4m3fn), s_E, fw.aligned_offsets(offs))
+assert ((deq(outs[0]) - deq(rq.view(torch.uint8))).abs() <= deq(rq.view(torch.uint8)).abs() / 8 + 2**-9 * s_E.max()).all()
+assert deq(outs[0]).count_nonzero() > 0.9 * q.float().count_nonzero()
 """
 
 
@@ -137,16 +148,17 @@ def test_kernels_in_interpreter():
 @pytest.mark.gpu
 @hopper
 @pytest.mark.parametrize("case", sorted(CASES))
-def test_requant_kernels_equal_torch(case):
+@pytest.mark.parametrize("tile", sorted(fw.REQUANT_TILES))
+def test_requant_kernels_equal_torch(case, tile):
     """Every scale and every byte the GEMM reads (the experts' blocks), the kernels against the torch path, from the
-    Triton row quantiser's rows (zero rows among them)."""
+    Triton row quantiser's rows (zero rows among them), at every requantiser tile."""
     counts = [c * 97 for c in CASES[case]]
     R = sum(counts) + 5
     x = (torch.randn(R, 2048, device="cuda") * torch.logspace(-4, 4, R, device="cuda")[:, None]).bfloat16()
     x[::5] = 0
     offs = torch.cumsum(torch.tensor(counts, device="cuda"), 0).int()
     q, s = quant_rows(x)
-    qt, s_E, aoffs = fw.requant_expert_t(q, s, offs)
+    qt, s_E, aoffs = fw.requant_expert_t(q, s, offs, tile)
     rq, rs, raoffs = fw.requant_expert_t_torch(q.cpu(), s.cpu(), offs.cpu())
     used = int(aoffs[-1])
     assert torch.equal(aoffs.cpu(), raoffs) and torch.equal(s_E.cpu(), rs)

@@ -54,6 +54,8 @@
 #                    torch's, kernels/fp8_gemm.py's tile configurations and DeepGEMM's 1x128 / 128x128 block-scaled
 #                    GEMM (built from .deepgemm/src by build_deepgemm.sh; kept in build/deepgemm; DEEPGEMM=0: none);
 #                    -> grouped_gemm_fp8_1x<GPU>.md; WGRAD=1: the weight-gradient GEMMs too (_wgrad_1x<GPU>.md)
+#   fp8_requant 1    the FP8 weight gradients' transposed e4m3 operands, every requantiser tile, against a copy of
+#                    the same bytes (SHAPES=EXPERTSxCOLUMNSxROWS ...) -> fp8_requant_1x<GPU>.md
 #   fill_profile 2   the compiled v2lite_6b_2gpu step profiled at EP=2, graphed (GRAPH=false: eager), one profile per
 #                    variant side by side (VARIANTS="echo=--moe_echo.echo true;off=--moe_echo.echo false", ARGS for all, LABEL;
 #                    DETAIL="echo collectives": those categories' largest kernels by op)
@@ -591,6 +593,11 @@ print('; '.join('%s %.4f (%+.2f%% vs the head in bf16, %d batches)' % (n, sum(v)
     LD_PRELOAD=$(g++ -print-file-name=libstdc++.so.6) timeout ${TMO:-420} python3 benchmarks/grouped_gemm_fp8.py \
       --shapes ${SHAPES:-64x768x2048x98304} ${WGRAD:+--wgrad} ${WGRAD_ONLY:+--wgrad-only} --out "$OUT" 2>&1 \
       | tee "$OUT/grouped_gemm_fp8.log" | grep -E "^\| |rror|grouped_gemm_fp8" ;;
+
+  fp8_requant)  # -> fp8_requant_1x<GPU>.md: the FP8 weight gradients' transposed operands per requantiser tile,
+    # against a copy of the same bytes (the ceiling) and plain transposes
+    timeout ${TMO:-300} python3 benchmarks/fp8_requant.py ${SHAPES:+--shapes $SHAPES} --out "$OUT" 2>&1 \
+      | tee "$OUT/fp8_requant.log" | grep -E "^\| |rror|fp8_requant" ;;
 
   fill_profile)  # -> step_breakdown_v2lite_6b_2gpu_<LABEL>_graph_<GRAPH>_2x<GPU>.md: the compiled step at EP=2 on the
     # config that fills two GPUs (12 steps, 2 profiled: early routing, still imbalanced), graphed unless GRAPH=false
