@@ -50,6 +50,7 @@ REQUANT_TILES = {  # the requantiser's (BLOCK_C, ROW_BLOCKS, COL_TILES, num_warp
     "c256_r2_w8": (256, 2, 1, 8),
 }
 REQUANT_DEFAULT = "c128"
+SCALE_SPLIT = 8  # programs an expert for its scale: a hot expert's rows spread over several
 
 if triton is not None:
     import triton.language as tl
@@ -57,24 +58,30 @@ if triton is not None:
     from .expert_tiles import expert_ranges, find_expert, pick
 
     @triton.jit
-    def _expert_scale_kernel(q_ptr, s_ptr, se_ptr, offs_ptr, E, C, stride_q, E_POW2: tl.constexpr,
+    def _expert_scale_kernel(q_ptr, s_ptr, se_ptr, offs_ptr, C, stride_q, SPLIT: tl.constexpr,
                              BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
-        """BLOCK_R rows: each nonzero row's scale folded into its expert's (atomic max). Only rows of scale 1 are
-        read (the scale a zero row gets)."""
-        r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
-        ends = expert_ranges(offs_ptr, E, E_POW2)[2]
-        e = tl.sum((ends[None, :] <= r[:, None]).to(tl.int32), 1)  # the expert of each row (>= E: past the last)
-        ok = e < E
-        s = tl.load(s_ptr + r, mask=ok, other=0.0)
-        maybe_zero = ok & (s == 1.0)
-        amax = tl.zeros((BLOCK_R,), dtype=tl.float32)
-        for c0 in range(0, C, BLOCK_C):
-            c = c0 + tl.arange(0, BLOCK_C)
-            q = tl.load(q_ptr + r[:, None].to(tl.int64) * stride_q + c[None, :],
-                        mask=maybe_zero[:, None] & (c < C)[None, :], other=0.0).to(tl.float32)
-            amax = tl.maximum(amax, tl.max(tl.abs(q), 1))
-        s = tl.where(maybe_zero & (amax == 0), 0.0, s)
-        tl.atomic_max(se_ptr + e, s, mask=ok)
+        """Expert program_id(0)'s largest nonzero-row scale over every SPLIT-th BLOCK_R rows from program_id(1)
+        on, folded into se (atomic max; SPLIT programs an expert). A row's data is read only where its scale is
+        1 (the scale a zero row gets), to tell a zero row from one whose scale is 1."""
+        e = tl.program_id(0)
+        r0 = tl.load(offs_ptr + e - 1, mask=e > 0, other=0).to(tl.int32)
+        r1 = tl.load(offs_ptr + e).to(tl.int32)
+        best = tl.zeros((BLOCK_R,), dtype=tl.float32)
+        for start in range(r0 + tl.program_id(1) * BLOCK_R, r1, SPLIT * BLOCK_R):
+            r = start + tl.arange(0, BLOCK_R)
+            ok = r < r1
+            s = tl.load(s_ptr + r, mask=ok, other=0.0)
+            maybe_zero = ok & (s == 1.0)
+            if tl.sum(maybe_zero.to(tl.int32), 0) > 0:
+                amax = tl.zeros((BLOCK_R,), dtype=tl.float32)
+                for c0 in range(0, C, BLOCK_C):
+                    c = c0 + tl.arange(0, BLOCK_C)
+                    q = tl.load(q_ptr + r[:, None].to(tl.int64) * stride_q + c[None, :],
+                                mask=maybe_zero[:, None] & (c < C)[None, :], other=0.0).to(tl.float32)
+                    amax = tl.maximum(amax, tl.max(tl.abs(q), 1))
+                s = tl.where(maybe_zero & (amax == 0), 0.0, s)
+            best = tl.maximum(best, s)
+        tl.atomic_max(se_ptr + e, tl.max(best, 0))
 
     @triton.jit
     def _requant_t_kernel(q_ptr, s_ptr, se_ptr, out_ptr, offs_ptr, E, C, A, stride_q, E_POW2: tl.constexpr,
@@ -161,9 +168,8 @@ def expert_scales(q_RC: torch.Tensor, s_R: torch.Tensor, offs_E: torch.Tensor) -
     E = offs_E.numel()
     s_E = torch.zeros(E, dtype=torch.float32, device=q_RC.device)
     if R and E:
-        _expert_scale_kernel[(triton.cdiv(R, 64),)](q_RC, s_R, s_E, offs_E, E, C, q_RC.stride(0),
-                                                    E_POW2=triton.next_power_of_2(E), BLOCK_R=64, BLOCK_C=128,
-                                                    num_warps=4)
+        _expert_scale_kernel[(E, SCALE_SPLIT)](q_RC, s_R, s_E, offs_E, C, q_RC.stride(0), SPLIT=SCALE_SPLIT,
+                                               BLOCK_R=256, BLOCK_C=64, num_warps=8)
     return s_E
 
 

@@ -120,10 +120,16 @@ for name, counts in CASES.items():
     assert not got[[e for e, c in enumerate(counts) if c == 0]].any(), name
 print("FP8-WGRAD-OK")
 # the scale and requantiser kernels, recorded and compiled for sm_90 (their results are checked on a GPU)
-q, s = quant_rows_torch(torch.randn(300, 70))
+x = torch.randn(300, 70)
+x[7] = 0  # a zero row (scale 1)
+x[120] *= 300 / x[120].abs().max()  # a nonzero row of scale 1: expert 1's largest
+x[250:] = 0  # expert 2: zero rows only
+x[95] *= 16  # expert 0's largest, in its last block
+q, s = quant_rows_torch(x)
+assert s[7] == 1 and s[120] == 1 and (s[8:120] < 1).all()
 offs = torch.tensor([100, 250, 300], dtype=torch.int32)
 A, s_E = fw.capacity(300, 3), torch.zeros(3)
-fw._expert_scale_kernel[(5,)](q, s, s_E, offs, 3, 70, 70, E_POW2=4, BLOCK_R=64, BLOCK_C=128, num_warps=4)
+fw._expert_scale_kernel[(3, 2)](q, s, s_E, offs, 70, 70, SPLIT=2, BLOCK_R=32, BLOCK_C=16, num_warps=4)
 outs = []
 for row_blocks, col_tiles in ((1, 1), (2, 2), (4, 1)):  # one tile a program; programs looping over blocks, tiles
     out = torch.zeros(70, A, dtype=torch.uint8)
@@ -131,7 +137,7 @@ for row_blocks, col_tiles in ((1, 1), (2, 2), (4, 1)):  # one tile a program; pr
         q, s, s_E, out, offs, 3, 70, A, 70, E_POW2=4, BLOCK_R=128, BLOCK_C=32, ROW_BLOCKS=row_blocks,
         COL_TILES=col_tiles, num_warps=4)
     outs.append(out)
-assert torch.equal(s_E, fw.expert_scales_torch(q, s, offs))
+assert torch.equal(s_E, fw.expert_scales_torch(q, s, offs)) and s_E[1] == 1 and s_E[2] == 0 and s_E[0] == s[95]
 assert all(torch.equal(o, outs[0]) for o in outs[1:])
 rq = fw.requant_expert_t_torch(q, s, offs)[0]  # torch's e4m3 is RNE, the interpreter's not: equal within one step
 deq = lambda b: fw.dequant_t(b.view(torch.float8_e4m3fn), s_E, fw.aligned_offsets(offs))
