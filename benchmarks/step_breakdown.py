@@ -80,7 +80,7 @@ KERNEL_RULES = [  # kernel names that say it all (no launching op found, e.g. Tr
     ("loss", re.compile(r"cross_entropy|nll_loss", re.I)),
     # CUTLASS 3 grouped GEMMs (torch._grouped_mm's kernels) are "pointer-array" kernels over a
     # GroupProblemShape; launched from a backward without a recorded op they were counted as dense
-    ("routed experts", re.compile(r"grouped|swiglu|PtrArray|GroupProblemShape|quack", re.I)),
+    ("routed experts", re.compile(r"grouped|swiglu|PtrArray|GroupProblemShape|quack|_wgrad_fp8", re.I)),
     ("attention", re.compile(r"flash|fmha|attention", re.I)),
     ("dense GEMMs", re.compile(r"gemm|sm90_xmma|cutlass|nvjet", re.I)),
     ("fp8 scaling", re.compile(r"float8|fp8|e4m3|amax|quant", re.I)),  # torchao's (inductor's) and ours
