@@ -50,7 +50,6 @@ REQUANT_TILES = {  # the requantiser's (BLOCK_C, ROW_BLOCKS, COL_TILES, num_warp
     "c256_r2_w8": (256, 2, 1, 8),
 }
 REQUANT_DEFAULT = "c128"
-SCALE_SPLIT = 8  # programs an expert for its scale: a hot expert's rows spread over several
 
 if triton is not None:
     import triton.language as tl
@@ -58,30 +57,37 @@ if triton is not None:
     from .expert_tiles import expert_ranges, find_expert, pick
 
     @triton.jit
-    def _expert_scale_kernel(q_ptr, s_ptr, se_ptr, offs_ptr, C, stride_q, SPLIT: tl.constexpr,
-                             BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
-        """Expert program_id(0)'s largest nonzero-row scale over every SPLIT-th BLOCK_R rows from program_id(1)
-        on, folded into se (atomic max; SPLIT programs an expert). A row's data is read only where its scale is
-        1 (the scale a zero row gets), to tell a zero row from one whose scale is 1."""
+    def _expert_scale_kernel(qb_ptr, s_ptr, se_ptr, aoffs_ptr, offs_ptr, E, C, stride_q, E_POW2: tl.constexpr,
+                             BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, ALIGN: tl.constexpr):
+        """Expert program_id(0)'s largest nonzero-row scale over every num_programs(1)-th BLOCK_R rows from
+        program_id(1) on, folded into se (atomic max); program (e, 0) also writes the expert's aligned row end.
+        A row's bytes (qb: e4m3 as uint8) are read only where its scale is 1 (the scale a zero row gets), to tell
+        a zero row (every byte ±0) from one whose scale is 1."""
         e = tl.program_id(0)
+        split = tl.num_programs(1)
         r0 = tl.load(offs_ptr + e - 1, mask=e > 0, other=0).to(tl.int32)
         r1 = tl.load(offs_ptr + e).to(tl.int32)
         best = tl.zeros((BLOCK_R,), dtype=tl.float32)
-        for start in range(r0 + tl.program_id(1) * BLOCK_R, r1, SPLIT * BLOCK_R):
+        for start in range(r0 + tl.program_id(1) * BLOCK_R, r1, split * BLOCK_R):
             r = start + tl.arange(0, BLOCK_R)
             ok = r < r1
             s = tl.load(s_ptr + r, mask=ok, other=0.0)
             maybe_zero = ok & (s == 1.0)
             if tl.sum(maybe_zero.to(tl.int32), 0) > 0:
-                amax = tl.zeros((BLOCK_R,), dtype=tl.float32)
+                nonzero = tl.zeros((BLOCK_R,), dtype=tl.int32)
                 for c0 in range(0, C, BLOCK_C):
                     c = c0 + tl.arange(0, BLOCK_C)
-                    q = tl.load(q_ptr + r[:, None].to(tl.int64) * stride_q + c[None, :],
-                                mask=maybe_zero[:, None] & (c < C)[None, :], other=0.0).to(tl.float32)
-                    amax = tl.maximum(amax, tl.max(tl.abs(q), 1))
-                s = tl.where(maybe_zero & (amax == 0), 0.0, s)
+                    q = tl.load(qb_ptr + r[:, None].to(tl.int64) * stride_q + c[None, :],
+                                mask=maybe_zero[:, None] & (c < C)[None, :], other=0)
+                    mag = q & tl.full((BLOCK_R, BLOCK_C), 0x7F, tl.uint8)  # the magnitude bits: 0 only for ±0
+                    nonzero = tl.maximum(nonzero, tl.max(mag, 1))
+                s = tl.where(maybe_zero & (nonzero == 0), 0.0, s)
             best = tl.maximum(best, s)
         tl.atomic_max(se_ptr + e, tl.max(best, 0))
+        if tl.program_id(1) == 0:
+            lanes, starts, ends = expert_ranges(offs_ptr, E, E_POW2)
+            blocks = tl.where(lanes <= e, tl.cdiv(ends - starts, ALIGN), 0)
+            tl.store(aoffs_ptr + e, tl.sum(blocks, 0) * ALIGN)
 
     @triton.jit
     def _requant_t_kernel(q_ptr, s_ptr, se_ptr, out_ptr, offs_ptr, E, C, A, stride_q, E_POW2: tl.constexpr,
@@ -143,7 +149,8 @@ def capacity(R: int, E: int) -> int:
 
 
 def aligned_offsets(offs_E: torch.Tensor) -> torch.Tensor:
-    """The aligned layout's cumulative row ends (int32, on the device)."""
+    """The aligned layout's cumulative row ends (int32, on the device; torch: the kernel path writes them beside
+    the scales)."""
     counts = torch.diff(offs_E, prepend=offs_E.new_zeros(1))
     return (torch.cumsum((counts + BLOCK - 1) // BLOCK, 0) * BLOCK).to(torch.int32)
 
@@ -160,17 +167,25 @@ def expert_scales_torch(q_RC: torch.Tensor, s_R: torch.Tensor, offs_E: torch.Ten
                         for r0, r1 in _ranges(offs_E)]) if offs_E.numel() else s_R.new_zeros(0)
 
 
+def _scales_and_offsets(q_RC: torch.Tensor, s_R: torch.Tensor, offs_E: torch.Tensor):
+    """(s_E fp32, aoffs_E int32) by one kernel: each expert's scale and its aligned row end."""
+    R, C = q_RC.shape
+    E = offs_E.numel()
+    s_E = torch.zeros(E, dtype=torch.float32, device=q_RC.device)
+    aoffs_E = torch.empty(E, dtype=torch.int32, device=q_RC.device)
+    if E:
+        split = max(1, min(16, 1024 // E))  # programs an expert: a hot expert's rows spread over several
+        _expert_scale_kernel[(E, split)](q_RC.view(torch.uint8), s_R, s_E, aoffs_E, offs_E, E, C, q_RC.stride(0),
+                                         E_POW2=triton.next_power_of_2(E), BLOCK_R=128, BLOCK_C=128, ALIGN=BLOCK,
+                                         num_warps=8)
+    return s_E, aoffs_E
+
+
 def expert_scales(q_RC: torch.Tensor, s_R: torch.Tensor, offs_E: torch.Tensor) -> torch.Tensor:
     """s_E fp32: each expert's scale (module docstring); rows past offs_E[-1] are not read."""
     if not _on_kernels(q_RC):
         return expert_scales_torch(q_RC, s_R, offs_E)
-    R, C = q_RC.shape
-    E = offs_E.numel()
-    s_E = torch.zeros(E, dtype=torch.float32, device=q_RC.device)
-    if R and E:
-        _expert_scale_kernel[(E, SCALE_SPLIT)](q_RC, s_R, s_E, offs_E, C, q_RC.stride(0), SPLIT=SCALE_SPLIT,
-                                               BLOCK_R=256, BLOCK_C=64, num_warps=8)
-    return s_E
+    return _scales_and_offsets(q_RC if q_RC.stride(1) == 1 else q_RC.contiguous(), s_R, offs_E)[0]
 
 
 def requant_expert_t_torch(q_RC: torch.Tensor, s_R: torch.Tensor, offs_E: torch.Tensor):
@@ -197,7 +212,7 @@ def requant_expert_t(q_RC: torch.Tensor, s_R: torch.Tensor, offs_E: torch.Tensor
     E = offs_E.numel()
     A = capacity(R, E)
     q_RC = q_RC if q_RC.stride(1) == 1 else q_RC.contiguous()
-    s_E = expert_scales(q_RC, s_R, offs_E)
+    s_E, aoffs_E = _scales_and_offsets(q_RC, s_R, offs_E)
     qt_CA = torch.empty(C, A, dtype=FP8, device=q_RC.device)
     if A and C:
         block_c, row_blocks, col_tiles, warps = REQUANT_TILES[tile]
@@ -205,7 +220,7 @@ def requant_expert_t(q_RC: torch.Tensor, s_R: torch.Tensor, offs_E: torch.Tensor
         _requant_t_kernel[grid](q_RC, s_R, s_E, qt_CA.view(torch.uint8), offs_E, E, C, A, q_RC.stride(0),
                                 E_POW2=triton.next_power_of_2(E), BLOCK_R=BLOCK, BLOCK_C=block_c,
                                 ROW_BLOCKS=row_blocks, COL_TILES=col_tiles, num_warps=warps)
-    return qt_CA, s_E, aligned_offsets(offs_E)
+    return qt_CA, s_E, aoffs_E
 
 
 def dequant_t(q_XA: torch.Tensor, s_E: torch.Tensor, aoffs_E: torch.Tensor) -> torch.Tensor:

@@ -122,14 +122,18 @@ print("FP8-WGRAD-OK")
 # the scale and requantiser kernels, recorded and compiled for sm_90 (their results are checked on a GPU)
 x = torch.randn(300, 70)
 x[7] = 0  # a zero row (scale 1)
+x[8] = -0.0  # a zero row of negative zeros (e4m3 byte 0x80)
 x[120] *= 300 / x[120].abs().max()  # a nonzero row of scale 1: expert 1's largest
 x[250:] = 0  # expert 2: zero rows only
 x[95] *= 16  # expert 0's largest, in its last block
 q, s = quant_rows_torch(x)
-assert s[7] == 1 and s[120] == 1 and (s[8:120] < 1).all()
+assert s[7] == 1 and s[8] == 1 and s[120] == 1 and (s[9:120] < 1).all()
 offs = torch.tensor([100, 250, 300], dtype=torch.int32)
 A, s_E = fw.capacity(300, 3), torch.zeros(3)
-fw._expert_scale_kernel[(3, 2)](q, s, s_E, offs, 70, 70, SPLIT=2, BLOCK_R=32, BLOCK_C=16, num_warps=4)
+aoffs = torch.zeros(3, dtype=torch.int32)
+fw._expert_scale_kernel[(3, 2)](q.view(torch.uint8), s, s_E, aoffs, offs, 3, 70, 70, E_POW2=4, BLOCK_R=32,
+                                BLOCK_C=16, ALIGN=128, num_warps=4)
+assert torch.equal(aoffs, fw.aligned_offsets(offs)) and aoffs.tolist() == [128, 384, 512]
 outs = []
 for row_blocks, col_tiles in ((1, 1), (2, 2), (4, 1)):  # one tile a program; programs looping over blocks, tiles
     out = torch.zeros(70, A, dtype=torch.uint8)
