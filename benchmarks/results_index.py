@@ -44,6 +44,7 @@ BENCHMARKS = {
     "ep_scaling_cpu": "benchmarks/ep_scaling_cpu.py",
     "fp8_bound": "benchmarks/fp8_bound.py",
     "fp8_experts": "benchmarks/gpu/run.sh fp8",
+    "fp8_ffn": "benchmarks/fp8_ffn.py",
     "fp8_head": "benchmarks/fp8_head.py",
     "fp8_requant": "benchmarks/fp8_requant.py",
     "gate_up_gemm": "benchmarks/gate_up_gemm.py",
