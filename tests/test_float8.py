@@ -203,3 +203,50 @@ def test_auto_filter_without_torchao_thresholds_is_one_line(monkeypatch):
     with pytest.raises(UserError, match=r"needs a torchao with its size thresholds") as err:
         float8.keep_rule(cfg.quantize.linear.float8)
     assert "\n" not in str(err.value)
+
+
+def test_dense_ffns_through_the_fp8_experts_kernels():
+    """``[moe_echo] dense_ffn_kernels = "experts"``: the shared experts and the dense layer's feed-forward keep
+    their linear layers (same names), run the FP8 experts' kernels (emulated off CUDA) uncompiled, within FP8's error
+    of fp64 with one row 1000x the others and a zero row, and their weights get gradients; the other dense layers go
+    to torchao as before. The key without float8 is a one-line error."""
+    from torchao.float8.float8_linear import Float8Linear
+
+    from components.moe_echo.models import build_model
+
+    cfg = load_config(["--model.converters", "float8", "--moe_echo.dense_ffn_kernels", "experts",
+                       "--moe_echo.expert_precision", "bf16"])
+    model = build_model("deepseek_v3", "tiny", cfg.moe_echo, seq_len=32, device=torch.device("cpu"), seed=0)
+    ref = copy.deepcopy(model)
+    swapped = float8.convert_float8(model, cfg)
+    ffns = float8.dense_ffns(model)
+    assert any(f.endswith("moe.shared_experts") for f in ffns) and any(f.endswith("feed_forward") for f in ffns)
+    assert not any(s.startswith(f + ".") for s in swapped for f in ffns)
+    assert any(s.endswith("attention.wo") for s in swapped)
+    assert all(type(model.get_submodule(s)) is Float8Linear for s in swapped)
+    assert [n for n, _ in model.named_parameters()] == [n for n, _ in ref.named_parameters()]
+    for fqn in ffns:
+        ffn, want_ffn = model.get_submodule(fqn), ref.get_submodule(fqn).double()
+        assert ffn.eager_only and all(type(getattr(ffn, w)) is torch.nn.Linear for w in ("w1", "w2", "w3"))
+        ffn.bfloat16()
+        x = torch.randn(2, 24, 128, generator=torch.Generator().manual_seed(1))
+        x[0, 3] *= 1000
+        x[1, 5] = 0
+        dy = torch.randn(2, 24, 128, generator=torch.Generator().manual_seed(2))
+        xb = x.bfloat16().requires_grad_()
+        y = ffn(xb)
+        y.backward(dy.bfloat16())
+        x64 = xb.detach().double().requires_grad_()
+        want = want_ffn(x64)
+        want.backward(dy.double())
+        assert y.shape == x.shape and y.dtype == torch.bfloat16 and not y[1, 5].any()
+        for got, exact in ((y, want), (xb.grad, x64.grad), *((getattr(ffn, w).weight.grad, getattr(want_ffn, w)
+                                                              .weight.grad) for w in ("w1", "w2", "w3"))):
+            for r in range(2):  # each sequence alone: the 1000x row would hide the other's error in one norm
+                g, e = (got[r], exact[r]) if got.dim() == 3 else (got, exact)
+                assert float((g.detach().double() - e).norm() / e.norm()) < 0.12, fqn
+    with pytest.raises(UserError, match=r'dense_ffn_kernels = "experts" chooses how FP8 runs the dense '
+                                        r'feed-forwards and needs \[model\] converters = \["float8"\]'):
+        load_config(["--moe_echo.dense_ffn_kernels", "experts"])
+    with pytest.raises(UserError, match=r"no emulation"):
+        float8.convert_float8(copy.deepcopy(ref), load_config([*EMULATED, "--moe_echo.dense_ffn_kernels", "experts"]))

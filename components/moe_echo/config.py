@@ -53,6 +53,14 @@ class MoEEchoConfig:
     compiled and graphed: 1.035× the FP8 step at EP=2 (v2lite_6b_2gpu), 1.004-1.023× on one GPU (v2lite_1b), the
     loss within bf16's drift over 500 steps (docs/performance.md, FP8)."""
 
+    dense_ffn_kernels: Literal["torchao", "experts"] = "torchao"
+    """With ``[model] converters = ["float8"]``: how the dense SwiGLU feed-forwards (the MoE layers' shared experts
+    and the dense layers' feed-forward) run in FP8. ``torchao``: their three linear layers as torchao's
+    Float8Linear, scaled by ``recipe_name``. ``experts``: through the routed experts' FP8 kernels as one expert that
+    every token reaches (components/moe_echo/fp8_experts.py ``fp8_dense_swiglu``): one power-of-two scale per
+    token row and per weight, the SwiGLU writing its FP8 rows, FP8 weight gradients, outside torch.compile; not
+    yet measured in the step (``benchmarks/fp8_ffn.py`` times the block alone)."""
+
     dispatch_precision: Literal["bf16", "fp8"] = "bf16"
     """How token rows cross GPUs (and hosts) toward the experts. ``fp8``: in e4m3 with a power-of-two fp32 scale
     per 128 columns (D + D/32 bytes a row instead of 2·D; ``nvlink`` pads rows to 64 bytes), read back in bf16

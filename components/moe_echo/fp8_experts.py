@@ -286,3 +286,15 @@ def fp8_grouped_swiglu(x_ND, w1_EHD, w2_EDH, w3_EHD, counts_E, scale_hint_2E=Non
         rows.take_x()  # quantised from other values than the GEMM's bf16 rows
     return _Fp8GroupedSwiGLU.apply(x_ND.to(torch.bfloat16).contiguous(), w1_EHD, w2_EDH, w3_EHD, counts_E,
                                    scale_hint_2E, copies, channels, rows, wgrad_fp8)
+
+
+def fp8_dense_swiglu(x, w1_HD, w2_DH, w3_HD, scale_hint_21):
+    """A dense SwiGLU feed-forward, w2(silu(w1 x) · w3 x), through the FP8 experts' kernels as expert 0 of one that
+    every row of x reaches: one power-of-two scale per token row and one per weight, the SwiGLU writing its FP8
+    rows, FP8 weight gradients; the weights cast in each call. x [..., D] bf16; w1, w3 [H, D], w2 [D, H] (a
+    Linear's weights, gradients flow to them); ``scale_hint_21``: fp32 [2, 1] on the device, as
+    ``fp8_grouped_swiglu``'s. Returns [..., D] bf16."""
+    x_ND = x.reshape(-1, x.shape[-1])
+    counts_E = torch.full((1,), x_ND.shape[0], dtype=torch.int64, device=x.device)
+    y_ND = fp8_grouped_swiglu(x_ND, w1_HD[None], w2_DH[None], w3_HD[None], counts_E, scale_hint_21, wgrad_fp8=True)
+    return y_ND.view(x.shape)

@@ -33,6 +33,7 @@ scales are written into the same tensors every step, so a captured step's replay
 """
 
 import dataclasses
+import types
 from collections.abc import Callable
 
 import torch
@@ -78,6 +79,10 @@ def check_float8(cfg, device: torch.device) -> None:
         where = f"{torch.cuda.get_device_name(device)} is {cap[0]}.{cap[1]}" if cap else f"this run is on {device.type}"
         raise UserError(f'[model] converters = ["float8"] needs a CUDA GPU of compute capability 8.9 or newer '
                         f"({where}); remove it, or set [quantize.linear.float8] emulate = true to test")
+    if cfg.moe_echo.dense_ffn_kernels == "experts":
+        from components.moe_echo.fp8_experts import check_fp8_supported
+
+        check_fp8_supported(device)  # the FP8 experts' kernels: Hopper or newer
 
 
 def check_keys(cfg) -> None:
@@ -90,6 +95,9 @@ def check_keys(cfg) -> None:
         raise UserError(f"[quantize.linear.float8] filter_fqns = [\"{AUTO_FILTER}\"] has size thresholds for "
                         f"recipe_name \"tensorwise\" and \"rowwise\" only, not {f8.recipe_name!r}; name the layers "
                         f"to keep in bf16 instead")
+    if cfg.moe_echo.dense_ffn_kernels == "experts" and not cfg.model.converters:
+        raise UserError('[moe_echo] dense_ffn_kernels = "experts" chooses how FP8 runs the dense feed-forwards and '
+                        'needs [model] converters = ["float8"]; set both, or leave it "torchao"')
     if f8.precompute_float8_dynamic_scale_for_fsdp and not f8.enable_fsdp_float8_all_gather:
         raise UserError("[quantize.linear.float8] precompute_float8_dynamic_scale_for_fsdp = true needs "
                         "enable_fsdp_float8_all_gather = true (the scales it computes are the all-gather's)")
@@ -164,13 +172,45 @@ def kept_names(f8) -> list[str]:
             for n in (f8.filter_fqns or DEFAULT_KEPT)]
 
 
+FFN_NAMES = ("shared_experts", "feed_forward")  # the dense SwiGLU feed-forwards (torchtitan's names)
+
+
+def dense_ffns(model: nn.Module) -> list[str]:
+    """The names of the model's dense SwiGLU feed-forwards: ``FFN_NAMES`` modules with w1, w2, w3 linear layers."""
+    return [fqn for fqn, m in model.named_modules() if fqn.split(".")[-1] in FFN_NAMES
+            and all(type(getattr(m, w, None)) is nn.Linear for w in ("w1", "w2", "w3"))]
+
+
+def _experts_ffn_forward(self, x: torch.Tensor) -> torch.Tensor:
+    """A dense feed-forward's forward through the FP8 experts' kernels (``[moe_echo] dense_ffn_kernels``)."""
+    from components.moe_echo.fp8_experts import fp8_dense_swiglu
+
+    hint = getattr(self, "_fp8_hint", None)
+    if hint is None or hint.device != x.device:
+        hint = self._fp8_hint = torch.zeros(2, 1, dtype=torch.float32, device=x.device)
+    return fp8_dense_swiglu(x, self.w1.weight, self.w2.weight, self.w3.weight, hint)
+
+
 def convert_float8(model: nn.Module, cfg, fsdp: bool = False) -> list[str]:
     """Swap the model's dense linear layers for torchao's Float8Linear in place (see ``keep_rule``); returns the
-    names of the swapped layers. ``fsdp``: FSDP will shard them (their weights may then be all-gathered in FP8)."""
+    names of the swapped layers. ``fsdp``: FSDP will shard them (their weights may then be all-gathered in FP8).
+    With ``[moe_echo] dense_ffn_kernels = "experts"`` the dense SwiGLU feed-forwards are left to the FP8 experts'
+    kernels instead (their forward replaced, left uncompiled); their names are not among those returned."""
     from torchao.float8 import convert_to_float8_training
 
     f8 = cfg.quantize.linear.float8
     keep = keep_rule(f8)
+    if cfg.moe_echo.dense_ffn_kernels == "experts":
+        if f8.emulate:
+            raise UserError('[moe_echo] dense_ffn_kernels = "experts" runs the FP8 experts\' kernels, which have no '
+                            'emulation; set [quantize.linear.float8] emulate = false, or dense_ffn_kernels = "torchao"')
+        ffns = dense_ffns(model)
+        for fqn in ffns:
+            ffn = model.get_submodule(fqn)
+            ffn.forward = types.MethodType(_experts_ffn_forward, ffn)
+            ffn.eager_only = True  # components/parallel/compile.py leaves it uncompiled
+        rule = keep
+        keep = lambda fqn, m: rule(fqn, m) or any(fqn.startswith(f + ".") for f in ffns)  # noqa: E731
     swapped = [fqn for fqn, m in model.named_modules() if not keep(fqn, m)]
     head = getattr(model, HEAD, None)
     if HEAD in swapped and (f8.recipe_name or "tensorwise") == "tensorwise" and not f8.emulate and head.bias is None:

@@ -163,6 +163,9 @@ def build_parallel_model(run: Run, tokenizer):
         run.say(f"float8: {len(swapped)} linear layers in FP8 ({f8.recipe_name or 'tensorwise'}"
                 f"{', emulated' if f8.emulate else ''}{gather}); kept: router gates, "
                 f"{', '.join(float8.kept_names(f8))}")
+        if cfg.moe_echo.dense_ffn_kernels == "experts":
+            run.say(f"float8: {len(float8.dense_ffns(model))} dense feed-forwards (shared experts, dense layers) "
+                    f"through the FP8 experts' kernels, one scale per token row")
         if isinstance(head := getattr(model, float8.HEAD, None), Fp8Head):
             kind = str(head.grad_dtype).removeprefix("torch.float8_").removesuffix("fn")  # e5m2 / e4m3
             if head.takes_fp8_grad:
