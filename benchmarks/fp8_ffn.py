@@ -10,10 +10,11 @@ runs RMSNorm, the feed-forward and the residual add, forward and backward, in a 
     bf16                nn.Linear in bf16, compiled
     torchao             torchao's Float8Linear, tensorwise (what ``[model] converters = ["float8"]`` runs), compiled
     experts             ``fp8_grouped_swiglu`` with one expert: one scale per token row, the SwiGLU writing its
-                        FP8 rows, FP8 weight copies as the optimizer writes them, FP8 weight gradients; the norm
-                        and the residual add compiled around it
+                        FP8 rows, FP8 weight copies as the optimizer writes them, FP8 weight gradients, cuBLAS's
+                        GEMMs (one expert); the norm and the residual add compiled around it
     experts_bf16_wgrad  the same, the weight gradients in bf16
-    experts_cast        the same as ``experts`` without weight copies: the weights cast in every call
+    experts_cast        the same as ``experts`` without weight copies: the weights cast in every call (what
+                        ``[moe_echo] dense_ffn_kernels = "experts"`` runs)
 
 ``rel_err`` is the largest relative error (Frobenius) of the output and the four gradients against fp64; the run
 stops where a variant is off by more than 15% (bf16: 2%). ``vs_bf16`` and ``vs_torchao``: their time over the

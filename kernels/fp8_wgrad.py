@@ -144,8 +144,9 @@ if triton is not None:
 
 
 def capacity(R: int, E: int) -> int:
-    """Rows of the aligned layout for R rows over E experts: each expert's rows padded to a multiple of 128."""
-    return -(-(R + E * (BLOCK - 1)) // BLOCK) * BLOCK
+    """Rows of the aligned layout for R rows over E experts: each expert's rows padded to a multiple of 128. The
+    padded total is a multiple of 128 of at most R + E · 127, so at most this (exactly the rows' with one expert)."""
+    return (R + E * (BLOCK - 1)) // BLOCK * BLOCK
 
 
 def aligned_offsets(offs_E: torch.Tensor) -> torch.Tensor:
@@ -246,6 +247,9 @@ def grouped_wgrad_fp8(at_PA: torch.Tensor, sa_E: torch.Tensor, bt_QA: torch.Tens
     if not _use_triton(at_PA, aoffs_E):
         return grouped_wgrad_fp8_torch(at_PA, sa_E, bt_QA, sb_E, aoffs_E, out_dtype)
     at_PA, bt_QA = (t if t.stride(1) == 1 else t.contiguous() for t in (at_PA, bt_QA))  # the kernel's row stride 1
+    if E == 1 and at_PA.is_cuda:  # one expert: one plain GEMM over all A rows (capacity(R, 1) is what it uses)
+        return torch._scaled_mm(at_PA, bt_QA.t(), scale_a=sa_E, scale_b=sb_E, out_dtype=out_dtype,
+                                use_fast_accum=True)[None]
     out = torch.empty(E, P, Q, dtype=out_dtype, device=at_PA.device)
     BP, BQ, stages, warps = CONFIGS[config]
     tiles_q = triton.cdiv(Q, BQ)

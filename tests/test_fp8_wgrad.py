@@ -18,6 +18,7 @@ CASES = {  # row counts per expert
     "empty_ends": [0, 17, 0, 0, 149, 0],
     "mid_block": [100, 56, 130, 3],  # boundaries at 100, 156, 286: inside blocks
     "one_hot": [20, 900, 20, 20],
+    "single": [512],  # one expert (a dense feed-forward's): a plain GEMM over every row
 }
 
 
@@ -52,6 +53,18 @@ def test_expert_scales_are_the_largest_nonzero_rows():
     assert s[25] == 1 and s[12] == 1
     assert got.tolist() == [float(s[:10].max()), 0.0, 0.0, float(torch.cat([s[20:25], s[26:33]]).max())]
     assert got[0] == s[3] and got[3] < 2**-10
+
+
+def test_capacity_bounds_every_routing_and_is_exact_for_one_expert():
+    g = torch.Generator().manual_seed(0)
+    for E in (1, 2, 7, 64):
+        for _ in range(50):
+            counts = torch.randint(0, 400, (E,), generator=g)
+            counts[torch.randint(0, E, (1,), generator=g)] = 0
+            R = int(counts.sum())
+            end = int(fw.aligned_offsets(torch.cumsum(counts, 0).int())[-1])
+            assert end <= fw.capacity(R, E) and fw.capacity(R, E) % 128 == 0
+            assert E > 1 or end == fw.capacity(R, E)
 
 
 def test_requant_expert_t_is_its_definition():

@@ -58,7 +58,8 @@ class MoEEchoConfig:
     and the dense layers' feed-forward) run in FP8. ``torchao``: their three linear layers as torchao's
     Float8Linear, scaled by ``recipe_name``. ``experts``: through the routed experts' FP8 kernels as one expert that
     every token reaches (components/moe_echo/fp8_experts.py ``fp8_dense_swiglu``): one power-of-two scale per
-    token row and per weight, the SwiGLU writing its FP8 rows, FP8 weight gradients, outside torch.compile; not
+    token row and per weight, the SwiGLU writing its FP8 rows, FP8 weight gradients, cuBLAS's FP8 GEMMs, outside
+    torch.compile; not
     yet measured in the step (``benchmarks/fp8_ffn.py`` times the block alone)."""
 
     dispatch_precision: Literal["bf16", "fp8"] = "bf16"
