@@ -59,8 +59,7 @@ class MoEEchoConfig:
     Float8Linear, scaled by ``recipe_name``. ``experts``: through the routed experts' FP8 kernels as one expert that
     every token reaches (components/moe_echo/fp8_experts.py ``fp8_dense_swiglu``): one power-of-two scale per
     token row and per weight, the SwiGLU writing its FP8 rows, FP8 weight gradients, cuBLAS's FP8 GEMMs, outside
-    torch.compile; not
-    yet measured in the step (``benchmarks/fp8_ffn.py`` times the block alone)."""
+    torch.compile; not yet measured in the step (``benchmarks/fp8_ffn.py`` times the block alone)."""
 
     dispatch_precision: Literal["bf16", "fp8"] = "bf16"
     """How token rows cross GPUs (and hosts) toward the experts. ``fp8``: in e4m3 with a power-of-two fp32 scale

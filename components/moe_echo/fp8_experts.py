@@ -65,8 +65,8 @@ def check_fp8_supported(device: torch.device) -> None:
 
 def scaled_grouped_mm(a_q, b_q, s_a, s_b, offs):
     """The row-grouped FP8 GEMM (``kernels.fp8_gemm``, bf16 out; one expert: ``torch._scaled_mm``) on CUDA; off
-    CUDA the same product emulated in fp32. a [M, K] (rows grouped by offs), b [E, K, N] (a transposed view of K-contiguous [E, N, K]), s_a [M],
-    s_b [E, N] -> [M, N] (rows past offs[-1]: zero on CPU, unspecified on CUDA)."""
+    CUDA the same product emulated in fp32. a [M, K] (rows grouped by offs), b [E, K, N] (a transposed view of
+    K-contiguous [E, N, K]), s_a [M], s_b [E, N] -> [M, N] (rows past offs[-1]: zero on CPU, unspecified on CUDA)."""
     if a_q.is_cuda and offs.numel() == 1:  # one expert (a dense feed-forward): cuBLAS's rowwise-scaled GEMM
         return torch._scaled_mm(a_q, b_q[0], scale_a=s_a[:, None], scale_b=s_b[0][None, :], out_dtype=torch.bfloat16,
                                 use_fast_accum=True)
@@ -295,8 +295,8 @@ def fp8_dense_swiglu(x, w1_HD, w2_DH, w3_HD, scale_hint_21):
     """A dense SwiGLU feed-forward, w2(silu(w1 x) · w3 x), through the FP8 experts' kernels as expert 0 of one that
     every row of x reaches: one power-of-two scale per token row and one per weight, the SwiGLU writing its FP8
     rows, FP8 weight gradients; the weights cast in each call; with one expert the GEMMs are cuBLAS's
-    (``torch._scaled_mm``, rowwise scales; the weight gradients tensorwise). x [..., D] bf16; w1, w3 [H, D], w2 [D, H] (a
-    Linear's weights, gradients flow to them); ``scale_hint_21``: fp32 [2, 1] on the device, as
+    (``torch._scaled_mm``, rowwise scales; the weight gradients tensorwise). x [..., D] bf16; w1, w3 [H, D],
+    w2 [D, H] (a Linear's weights, gradients flow to them); ``scale_hint_21``: fp32 [2, 1] on the device, as
     ``fp8_grouped_swiglu``'s. Returns [..., D] bf16."""
     x_ND = x.reshape(-1, x.shape[-1])
     counts_E = torch.full((1,), x_ND.shape[0], dtype=torch.int64, device=x.device)
