@@ -50,6 +50,10 @@ class FFN(nn.Module):
         return x + self.w2(F.silu(self.w1(h)) * self.w3(h))
 
 
+def _add(a, b):
+    return a + b
+
+
 class ExpertsFFN(nn.Module):
     """The same block, its feed-forward through the FP8 experts' kernels as expert 0 of one."""
 
@@ -64,8 +68,9 @@ class ExpertsFFN(nn.Module):
             self.copies = Fp8WeightCopies(E, H, D, self.w1.device)
             self.copies.write_(self.w1, self.w2, self.w3)
         self.hint_2E = torch.zeros(2, 1, device=self.w1.device)
-        self.norm_fn = torch.compile(self.norm, fullgraph=True, dynamic=False)
-        self.add = torch.compile(torch.add, fullgraph=True, dynamic=False)
+        # compiled as compile_dense compiles a norm (its forward: a built-in module itself would not be)
+        self.norm_fn = torch.compile(self.norm.forward, fullgraph=True, dynamic=False)
+        self.add = torch.compile(_add, fullgraph=True, dynamic=False)
 
     def forward(self, x):
         T = x.shape[0]
