@@ -92,10 +92,11 @@ if triton is not None:
     @triton.jit
     def _requant_t_kernel(q_ptr, s_ptr, se_ptr, out_ptr, offs_ptr, E, C, A, stride_q, E_POW2: tl.constexpr,
                           BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, ROW_BLOCKS: tl.constexpr,
-                          COL_TILES: tl.constexpr):
+                          COL_TILES: tl.constexpr, ZERO_TAIL: tl.constexpr):
         """ROW_BLOCKS aligned 128-row blocks × COL_TILES · BLOCK_C columns: each block's rows (of one expert)
         rescaled to the expert's scale and written transposed (zeros past the expert's rows). The experts' ranges
-        are read once per program."""
+        are read once per program. ZERO_TAIL: blocks past the last expert's are written as zeros (else left
+        unwritten)."""
         ar, starts, ends = expert_ranges(offs_ptr, E, E_POW2)
         blocks = tl.cdiv(ends - starts, BLOCK_R)
         cum = tl.cumsum(blocks, 0)
@@ -118,6 +119,12 @@ if triton is not None:
                                 mask=(r < end)[:, None] & col_ok[None, :], other=0.0).to(tl.float32)
                     q = (x * shift[:, None]).to(tl.float8e4nv).to(tl.uint8, bitcast=True)  # the e4m3 copy's bytes
                     tl.store(out_ptr + c[:, None].to(tl.int64) * A + rows[None, :], tl.trans(q), mask=col_ok[:, None])
+            elif ZERO_TAIL:
+                rows = rb * BLOCK_R + tl.arange(0, BLOCK_R)
+                for t in range(COL_TILES):
+                    c = (tl.program_id(1) * COL_TILES + t) * BLOCK_C + tl.arange(0, BLOCK_C)
+                    tl.store(out_ptr + c[:, None].to(tl.int64) * A + rows[None, :],
+                             tl.zeros((BLOCK_C, BLOCK_R), dtype=tl.uint8), mask=(c < C)[:, None] & (rows < A)[None, :])
 
     @triton.jit
     def _wgrad_fp8_kernel(at_ptr, sa_ptr, bt_ptr, sb_ptr, out_ptr, offs_ptr, P, Q, stride_a, stride_b, tiles_q,
@@ -206,7 +213,8 @@ def requant_expert_t_torch(q_RC: torch.Tensor, s_R: torch.Tensor, offs_E: torch.
 def requant_expert_t(q_RC: torch.Tensor, s_R: torch.Tensor, offs_E: torch.Tensor, tile: str = REQUANT_DEFAULT):
     """(qt_CA, s_E, aoffs_E): e4m3 rows q_RC [R, C] with their scales s_R, expert by expert, transposed onto whole
     128-row blocks at one scale per expert (module docstring). Blocks past the last expert's are left unwritten
-    (no GEMM reads them). tile: a name in REQUANT_TILES."""
+    (no grouped GEMM reads them), except with one expert: zeros there, as its plain GEMM reads every block.
+    tile: a name in REQUANT_TILES."""
     if not _on_kernels(q_RC):
         return requant_expert_t_torch(q_RC, s_R, offs_E)
     R, C = q_RC.shape
@@ -220,7 +228,7 @@ def requant_expert_t(q_RC: torch.Tensor, s_R: torch.Tensor, offs_E: torch.Tensor
         grid = (triton.cdiv(A // BLOCK, row_blocks), triton.cdiv(C, block_c * col_tiles))
         _requant_t_kernel[grid](q_RC, s_R, s_E, qt_CA.view(torch.uint8), offs_E, E, C, A, q_RC.stride(0),
                                 E_POW2=triton.next_power_of_2(E), BLOCK_R=BLOCK, BLOCK_C=block_c,
-                                ROW_BLOCKS=row_blocks, COL_TILES=col_tiles, num_warps=warps)
+                                ROW_BLOCKS=row_blocks, COL_TILES=col_tiles, ZERO_TAIL=E == 1, num_warps=warps)
     return qt_CA, s_E, aoffs_E
 
 
@@ -247,7 +255,7 @@ def grouped_wgrad_fp8(at_PA: torch.Tensor, sa_E: torch.Tensor, bt_QA: torch.Tens
     if not _use_triton(at_PA, aoffs_E):
         return grouped_wgrad_fp8_torch(at_PA, sa_E, bt_QA, sb_E, aoffs_E, out_dtype)
     at_PA, bt_QA = (t if t.stride(1) == 1 else t.contiguous() for t in (at_PA, bt_QA))  # the kernel's row stride 1
-    if E == 1 and at_PA.is_cuda:  # one expert: one plain GEMM over all A rows (capacity(R, 1) is what it uses)
+    if E == 1 and at_PA.is_cuda:  # one expert: one plain GEMM over all A rows (zeros past its rows, as written)
         return torch._scaled_mm(at_PA, bt_QA.t(), scale_a=sa_E, scale_b=sb_E, out_dtype=out_dtype,
                                 use_fast_accum=True)[None]
     out = torch.empty(E, P, Q, dtype=out_dtype, device=at_PA.device)

@@ -152,7 +152,7 @@ for row_blocks, col_tiles in ((1, 1), (2, 2), (4, 1)):  # one tile a program; pr
     out = torch.zeros(70, A, dtype=torch.uint8)
     fw._requant_t_kernel[(-(-A // (128 * row_blocks)), -(-70 // (32 * col_tiles)))](
         q, s, s_E, out, offs, 3, 70, A, 70, E_POW2=4, BLOCK_R=128, BLOCK_C=32, ROW_BLOCKS=row_blocks,
-        COL_TILES=col_tiles, num_warps=4)
+        COL_TILES=col_tiles, ZERO_TAIL=False, num_warps=4)
     outs.append(out)
 assert torch.equal(s_E, fw.expert_scales_torch(q, s, offs)) and s_E[1] == 1 and s_E[2] == 0 and s_E[0] == s[95]
 assert all(torch.equal(o, outs[0]) for o in outs[1:])
@@ -161,6 +161,11 @@ deq = lambda b: fw.dequant_t(b.view(torch.float8_e4m3fn), s_E, fw.aligned_offset
 got, want = deq(outs[0]), deq(rq.view(torch.uint8))
 assert ((got - want).abs() <= want.abs() / 8 + 2**-9 * s_E.max()).all()
 assert deq(outs[0]).count_nonzero() > 0.9 * q.float().count_nonzero()
+one = torch.tensor([100], dtype=torch.int32)  # one expert: its blocks as with three, zeros past them
+tail = torch.full((70, fw.capacity(300, 1)), 0x7F, dtype=torch.uint8)
+fw._requant_t_kernel[(3, 3)](q, s, s_E[:1], tail, one, 1, 70, tail.shape[1], 70, E_POW2=1, BLOCK_R=128, BLOCK_C=32,
+                            ROW_BLOCKS=1, COL_TILES=1, ZERO_TAIL=True, num_warps=4)
+assert torch.equal(tail[:, :100], outs[0][:, :100]) and not tail[:, 128:].any()
 """
 
 
@@ -187,6 +192,8 @@ def test_requant_kernels_equal_torch(case, tile):
     used = int(aoffs[-1])
     assert torch.equal(aoffs.cpu(), raoffs) and torch.equal(s_E.cpu(), rs)
     assert torch.equal(qt[:, :used].view(torch.uint8).cpu(), rq[:, :used].view(torch.uint8))
+    if len(counts) == 1:  # one expert: its plain GEMM reads every block, so those past its rows are zeros
+        assert not qt[:, used:].view(torch.uint8).any()
 
 
 @pytest.mark.gpu
