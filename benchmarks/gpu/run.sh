@@ -277,7 +277,8 @@ print('largest step difference over steps 1-20: %.2e at step %d' % max(rel[:20])
       c)  # two GPUs: v2lite_6b_2gpu at EP=2 (with torchtitan's float8, compiled), the fp8 wire at EP=2 (padded, bf16
           # vs fp8 rows), then across 2 emulated hosts. HEAD=1: a third variant, the output head in FP8 too (label
           # ..._head); WGRAD=1: another, the experts' weight gradients in FP8 too (with HEAD=1: bf16, the FP8 head,
-          # the FP8 head + FP8 weight gradients); TITAN=0: no torchtitan run; BASE=1: FP8 here vs FP8 on
+          # the FP8 head + FP8 weight gradients); FFN=1 with HEAD=1: bf16, the FP8 head, the FP8 head with the dense
+          # feed-forwards on the FP8 experts' kernels; TITAN=0: no torchtitan run; BASE=1: FP8 here vs FP8 on
           # build/base.tgz's tree (as PART=h; HEAD=1 puts both heads in FP8),
           # no torchtitan run; REPEATS=N: our runs N times in turn; WIRE=0: the step only; LABEL= names the rows
         label=$([ "${RECIPE:-tensorwise}" = rowwise ] && echo fp8_step || echo fp8_${RECIPE:-tensorwise})${HEAD:+_head}
@@ -285,6 +286,8 @@ print('largest step difference over steps 1-20: %.2e at step %d' % max(rel[:20])
         V="bf16=;fp8=$F8${HEAD:+;fp8_head=$F8$H8}${WGRAD:+;fp8_wgrad8=$F8 --moe_echo.expert_wgrad_precision fp8}"
         [ -n "${HEAD:-}" ] && [ -n "${WGRAD:-}" ] &&  # both: the FP8 head without and with the FP8 weight gradients
           V="bf16=;fp8_head=$F8$H8;fp8_head_wgrad8=$F8$H8 --moe_echo.expert_wgrad_precision fp8"
+        [ -n "${HEAD:-}" ] && [ -n "${FFN:-}" ] &&  # the FP8 head without and with the feed-forwards on the experts'
+          V="bf16=;fp8_head=$F8$H8;fp8_head_ffn_experts=$F8$H8 --moe_echo.dense_ffn_kernels experts"  # kernels
         if [ -n "${BASE:-}" ]; then
           [ -d /tmp/base/recipes ] || { echo "fp8_step PART=c BASE=1: no build/base.tgz to compare with"; exit 1; }
           V="bf16=;fp8_base=@/tmp/base $F8$H8;fp8=$F8$H8"; label=${label}_base; fi
