@@ -392,13 +392,16 @@ print('; '.join('%s %.4f (%+.2f%% vs the head in bf16, %d batches)' % (n, sum(v)
         export CUDA_VISIBLE_DEVICES=${CUDA_VISIBLE_DEVICES:-0}
         PROF="--training.steps 14 --metrics.log_freq 2 --profiling.enable_profiling true --profiling.profile_freq 12
               --profiling.profiler_warmup 8 --profiling.profiler_active 4 --training.cuda_graph true --compile.enable true"
-        TMO=200 FROM=6 recipe prof_bf16 1 $PROF | tail -1
-        TMO=200 FROM=6 recipe prof_fp8 1 $PROF $F8 | tail -1
-        [ -n "${HEAD:-}" ] && { TMO=200 FROM=6 recipe prof_fp8_head 1 $PROF $F8 --quantize.linear.float8.filter_fqns router.gate \
-          | tail -1; }
-        python3 benchmarks/step_breakdown.py $(for n in bf16 fp8 ${HEAD:+fp8_head}; do
+        # FFN=1: bf16, the FP8 head, and the FP8 head with the dense feed-forwards on the experts' kernels (..._head_ffn)
+        H8="--quantize.linear.float8.filter_fqns router.gate"
+        cols="bf16 fp8 ${HEAD:+fp8_head}"; [ -n "${FFN:-}" ] && cols="bf16 fp8_head fp8_head_ffn"
+        for n in $cols; do
+          case $n in bf16) a=;; fp8) a=$F8;; fp8_head) a="$F8 $H8";; fp8_head_ffn) a="$F8 $H8 --moe_echo.dense_ffn_kernels experts";; esac
+          TMO=200 FROM=6 recipe prof_$n 1 $PROF $a | tail -1
+        done
+        python3 benchmarks/step_breakdown.py $(for n in $cols; do
           echo "$n=$(ls /tmp/run_prof_$n/profile_traces/iteration_*/rank0_trace.json | tail -1)"; done) \
-          --name v2lite_1b_gpu_fp8_vs_bf16$([ "${RECIPE:-tensorwise}" = rowwise ] || echo "_${RECIPE:-tensorwise}")${HEAD:+_head} \
+          --name v2lite_1b_gpu_fp8_vs_bf16$([ "${RECIPE:-tensorwise}" = rowwise ] || echo "_${RECIPE:-tensorwise}")${HEAD:+_head}${FFN:+_ffn} \
           --gpus 1 --out "$OUT" | head -${LINES_OUT:-40} ;;
       g)  # two GPUs, tensorwise: the FSDP FP8 all-gather tested, then v2lite_6b_2gpu at EP=2 without and with it, and
           # torchtitan's float8 with the same keys (compiled; it takes them only with recipe_name unset, which is
