@@ -287,7 +287,8 @@ print('largest step difference over steps 1-20: %.2e at step %d' % max(rel[:20])
         [ -n "${HEAD:-}" ] && [ -n "${WGRAD:-}" ] &&  # both: the FP8 head without and with the FP8 weight gradients
           V="bf16=;fp8_head=$F8$H8;fp8_head_wgrad8=$F8$H8 --moe_echo.expert_wgrad_precision fp8"
         [ -n "${HEAD:-}" ] && [ -n "${FFN:-}" ] &&  # the FP8 head without and with the feed-forwards on the experts'
-          V="bf16=;fp8_head=$F8$H8;fp8_head_ffn_experts=$F8$H8 --moe_echo.dense_ffn_kernels experts"  # kernels
+          { V="bf16=;fp8_head=$F8$H8;fp8_head_ffn_experts=$F8$H8 --moe_echo.dense_ffn_kernels experts"  # kernels
+            label=fp8_ffn_experts_ep2; }
         if [ -n "${BASE:-}" ]; then
           [ -d /tmp/base/recipes ] || { echo "fp8_step PART=c BASE=1: no build/base.tgz to compare with"; exit 1; }
           V="bf16=;fp8_base=@/tmp/base $F8$H8;fp8=$F8$H8"; label=${label}_base; fi
