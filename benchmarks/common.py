@@ -1,5 +1,6 @@
-"""Shared helpers for benchmarks: CUDA-event timing, environment record, result files, tables."""
+"""Shared helpers for benchmarks: CUDA-event timing, environment record, result files, tables, shape arguments."""
 
+import argparse
 import datetime
 import json
 import os
@@ -12,6 +13,23 @@ import time
 import torch
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+
+
+def shape_arg(fields: str, example: str):
+    """An argparse type for a shape written as ``fields`` joined by x (e.g. ``"EXPERTSxCOLUMNSxROWS"``): the tuple
+    of its ints, or a one-line error naming the form and ``example``."""
+    n = len(fields.split("x"))
+
+    def parse(text: str) -> tuple[int, ...]:
+        parts = text.lower().split("x")
+        try:
+            if len(parts) != n:
+                raise ValueError
+            return tuple(int(v) for v in parts)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r}: a shape is {fields}, e.g. {example}") from None
+
+    return parse
 
 
 def routing_ids(T: int, E: int, K: int, kind: str, gen: torch.Generator, dev) -> torch.Tensor:

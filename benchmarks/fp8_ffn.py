@@ -32,7 +32,7 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from torch import nn  # noqa: E402
 
-from benchmarks.common import environment, graphed, markdown_table, time_ms, write_results  # noqa: E402
+from benchmarks.common import environment, graphed, markdown_table, shape_arg, time_ms, write_results  # noqa: E402
 from components.moe_echo.fp8_experts import Fp8WeightCopies, fp8_grouped_swiglu  # noqa: E402
 
 
@@ -139,12 +139,7 @@ def measure(T: int, D: int, H: int, iters: int) -> list[dict]:
     return rows
 
 
-def _shape(text: str) -> tuple[int, int, int]:
-    try:
-        T, D, H = (int(v) for v in text.split("x"))
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r}: a shape is TOKENSxDIMxHIDDEN, e.g. 16384x2048x1536") from None
-    return T, D, H
+_shape = shape_arg("TOKENSxDIMxHIDDEN", "16384x2048x1536")
 
 
 def main() -> None:

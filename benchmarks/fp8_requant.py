@@ -27,17 +27,12 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
-from benchmarks.common import environment, graphed, markdown_table, time_ms, write_results  # noqa: E402
+from benchmarks.common import environment, graphed, markdown_table, shape_arg, time_ms, write_results  # noqa: E402
 from kernels.fp8 import quant_rows, transpose_copy_  # noqa: E402
 from kernels.fp8_wgrad import REQUANT_DEFAULT, REQUANT_TILES, expert_scales, requant_expert_t  # noqa: E402
 
 
-def _shape(text: str) -> tuple[int, int, int]:
-    try:
-        E, C, R = (int(v) for v in text.split("x"))
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r}: a shape is EXPERTSxCOLUMNSxROWS, e.g. 64x2048x98304") from None
-    return E, C, R
+_shape = shape_arg("EXPERTSxCOLUMNSxROWS", "64x2048x98304")
 
 
 def measure(E: int, C: int, R: int) -> list[dict]:

@@ -14,7 +14,7 @@ import argparse
 
 import torch
 
-from benchmarks.common import environment, markdown_table, time_ms, write_results
+from benchmarks.common import environment, markdown_table, shape_arg, time_ms, write_results
 from components.moe_echo.experts import GroupedExperts, grouped_swiglu, grouped_swiglu13
 
 
@@ -31,13 +31,7 @@ def main() -> None:
     write_results("gate_up_gemm", environment(), rows, table, args.out)
 
 
-def _shape(text: str) -> tuple[int, int, int, int]:
-    try:
-        E, H, D, N = (int(v) for v in text.lower().split("x"))
-    except ValueError:
-        fix = "expected EXPERTSxHIDDENxDIMxROWS, e.g. 64x1408x2048x98304"
-        raise argparse.ArgumentTypeError(f"{text!r}: {fix}") from None
-    return E, H, D, N
+_shape = shape_arg("EXPERTSxHIDDENxDIMxROWS", "64x1408x2048x98304")
 
 
 def measure(E: int, H: int, D: int, N: int) -> list[dict]:

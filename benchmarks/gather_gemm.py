@@ -31,7 +31,7 @@ import traceback
 
 import torch
 
-from benchmarks.common import environment, markdown_table, time_ms, write_results
+from benchmarks.common import environment, markdown_table, shape_arg, time_ms, write_results
 from kernels.moe_rows import combine_backward
 
 
@@ -132,13 +132,7 @@ def measure(E: int, H: int, D: int, T: int, K: int, skew: float) -> dict:
     return row
 
 
-def _shape(text: str) -> tuple[int, ...]:
-    try:
-        E, H, D, T, K = (int(v) for v in text.lower().split("x"))
-    except ValueError:
-        fix = "expected EXPERTSxHIDDENxDIMxTOKENSxTOPK, e.g. 64x1408x2048x16384x6"
-        raise argparse.ArgumentTypeError(f"{text!r}: {fix}") from None
-    return E, H, D, T, K
+_shape = shape_arg("EXPERTSxHIDDENxDIMxTOKENSxTOPK", "64x1408x2048x16384x6")
 
 
 def main() -> None:

@@ -46,7 +46,7 @@ import sys
 
 import torch
 
-from benchmarks.common import environment, graphed, markdown_table, routing_ids, time_ms, write_results
+from benchmarks.common import environment, graphed, markdown_table, routing_ids, shape_arg, time_ms, write_results
 from kernels.fp8 import FP8, quant_blocks, quant_rows
 from kernels.fp8_gemm import CONFIGS, grouped_mm_fp8
 from kernels.fp8_wgrad import CONFIGS as WGRAD_TILES
@@ -83,12 +83,7 @@ def main() -> None:
     write_results(name, {**environment(), "deepgemm": getattr(dg, "__version__", None)}, rows, table, args.out)
 
 
-def _shape(text: str) -> tuple[int, int, int, int]:
-    try:
-        E, H, D, R = (int(v) for v in text.lower().split("x"))
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r}: expected EXPERTSxHIDDENxDIMxROWS, e.g. 64x768x2048x98304") from None
-    return E, H, D, R
+_shape = shape_arg("EXPERTSxHIDDENxDIMxROWS", "64x768x2048x98304")
 
 
 def deepgemm():

@@ -1,4 +1,5 @@
-"""benchmarks/gather_gemm.py's routing: the expert-major rows both designs of the experts read."""
+"""benchmarks/gather_gemm.py's routing: the expert-major rows both designs of the experts read; the shape
+arguments the benchmarks share."""
 
 import torch
 
@@ -25,3 +26,21 @@ def test_rows_are_expert_major_and_map_back_to_their_tokens():
         assert torch.allclose(gather_sum_torch(x_TD[tok_N.long()], row_of_slot_TK), K * x_TD)
     skewed = routing(T, E, K, 4.0, torch.Generator().manual_seed(1))[4]
     assert int(skewed[1]) > N // E  # the hot expert (id 0) gets more than its share
+
+
+def test_shape_arguments_parse_or_name_the_form():
+    """The benchmarks' --shapes type (benchmarks/common.py shape_arg): ints of the named form, any case of x; a wrong
+    count or a non-number is one line naming the form and an example."""
+    import argparse
+
+    import pytest
+
+    from benchmarks.common import shape_arg
+    from benchmarks.gather_gemm import _shape
+
+    assert _shape("64x1408x2048x16384x6") == (64, 1408, 2048, 16384, 6)
+    parse = shape_arg("EXPERTSxCOLUMNSxROWS", "64x2048x98304")
+    assert parse("64X2048x98304") == (64, 2048, 98304)
+    for bad in ("64x2048", "64x2048x98304x1", "64xtwox3", ""):
+        with pytest.raises(argparse.ArgumentTypeError, match=r"a shape is EXPERTSxCOLUMNSxROWS, e\.g\. 64x2048x98304"):
+            parse(bad)
