@@ -250,3 +250,48 @@ def test_dense_ffns_through_the_fp8_experts_kernels():
         load_config(["--moe_echo.dense_ffn_kernels", "experts"])
     with pytest.raises(UserError, match=r"no emulation"):
         float8.convert_float8(copy.deepcopy(ref), load_config([*EMULATED, "--moe_echo.dense_ffn_kernels", "experts"]))
+
+
+@pytest.mark.parametrize("ffn_kernels", ["torchao", "experts"])
+def test_dense_linears_through_the_fp8_experts_kernels(ffn_kernels):
+    """``[moe_echo] dense_linear_kernels = "experts"``: the attention projections become ``Fp8RowsLinear`` (same
+    names and parameters), left out of torchao's conversion; the feed-forwards follow ``dense_ffn_kernels`` and the
+    router gates and the head stay bf16; each converted projection runs within FP8's error of fp64 (emulated off
+    CUDA). The key without float8 and with emulate is a one-line error."""
+    from torchao.float8.float8_linear import Float8Linear
+
+    from components.moe_echo.models import build_model
+    from components.train.fp8_linear import Fp8RowsLinear
+
+    cfg = load_config(["--model.converters", "float8", "--moe_echo.dense_linear_kernels", "experts",
+                       "--moe_echo.dense_ffn_kernels", ffn_kernels, "--moe_echo.expert_precision", "bf16"])
+    model = build_model("deepseek_v3", "tiny", cfg.moe_echo, seq_len=32, device=torch.device("cpu"), seed=0)
+    ref = copy.deepcopy(model)
+    swapped = float8.convert_float8(model, cfg)
+    rows = float8.rows_linears(model)
+    assert rows and all(".attention." in r for r in rows)
+    assert {r.rsplit(".", 1)[1] for r in rows} == {"wq", "wkv_a", "wkv_b", "wo"}
+    assert not set(rows) & set(swapped) and type(model.output) is torch.nn.Linear
+    in_ffn = [s for s in swapped if any(f in s for f in float8.FFN_NAMES)]
+    assert bool(in_ffn) == (ffn_kernels == "torchao")  # the feed-forwards: torchao's, or the experts' kernels
+    assert all(type(model.get_submodule(s)) is Float8Linear for s in swapped)
+    assert [n for n, _ in model.named_parameters()] == [n for n, _ in ref.named_parameters()]
+    g = torch.Generator().manual_seed(3)
+    for fqn in rows:
+        lin, want_lin = model.get_submodule(fqn), ref.get_submodule(fqn).double()
+        assert type(lin) is Fp8RowsLinear
+        x = torch.randn(2, 24, lin.in_features, generator=g).bfloat16().requires_grad_()
+        y = lin(x)
+        y.float().sum().backward()
+        x64 = x.detach().double().requires_grad_()
+        want = want_lin(x64)
+        want.sum().backward()
+        for got, exact in ((y, want), (x.grad, x64.grad), (lin.weight.grad, want_lin.weight.grad)):
+            assert float((got.detach().double() - exact).norm() / exact.norm()) < 0.08, fqn
+    with pytest.raises(UserError, match=r'dense_linear_kernels = "experts" chooses how FP8 runs the dense linear '
+                                        r'layers and needs \[model\] converters = \["float8"\]'):
+        load_config(["--moe_echo.dense_linear_kernels", "experts"])
+    with pytest.raises(UserError, match=r'dense_linear_kernels = "experts" runs the FP8 experts\' kernels, which '
+                                        r'have no emulation'):
+        float8.convert_float8(copy.deepcopy(ref), load_config([*EMULATED, "--moe_echo.dense_linear_kernels",
+                                                               "experts"]))

@@ -56,6 +56,9 @@ CASES["float8_head_compiled_1gpu"] = (1, ["--model.converters", "float8", "--qua
 # the dense feed-forwards (shared experts, the dense layer's) through the FP8 experts' kernels, uncompiled
 CASES["float8_dense_ffn_experts_1gpu"] = (1, CASES["float8_head_compiled_1gpu"][1] + ["--moe_echo.dense_ffn_kernels",
                                                                                       "experts"])
+# the attention projections on the FP8 experts' kernels too (Fp8RowsLinear: custom ops inside the compiled attention)
+CASES["float8_dense_all_experts_1gpu"] = (1, CASES["float8_dense_ffn_experts_1gpu"][1] + [
+    "--moe_echo.dense_linear_kernels", "experts"])
 CASES["overlap_echo_nvlink_2gpu"] = (2, CASES["echo_nvlink_2gpu"][1] + ["--moe_echo.overlap_chunks", "2"])
 # the same with the shared experts on half the tokens at each end of the pipeline (on the main stream)
 CASES["overlap_ends_nvlink_2gpu"] = (2, CASES["overlap_echo_nvlink_2gpu"][1] + ["--moe_echo.shared_experts_stream",
@@ -93,8 +96,11 @@ def test_sync_free_steps_and_graph_equals_eager(case, tmp_path):
         assert "float8: the output head's grad_input GEMM in bf16" in out, out[-3000:]  # Fp8Head's default
         assert ("float8: the loss writes the logits' gradient in FP8 (e5m2) for the output head's grad_weight GEMM"
                 in out), out[-3000:]
-    if case == "float8_dense_ffn_experts_1gpu":
+    if case in ("float8_dense_ffn_experts_1gpu", "float8_dense_all_experts_1gpu"):
         assert "dense feed-forwards (shared experts, dense layers) through the FP8 experts' kernels" in out, out[-3000:]
+    if case == "float8_dense_all_experts_1gpu":
+        assert "linear layers (attention projections) through the FP8 experts' kernels (Fp8RowsLinear)" in out, \
+            out[-3000:]
     if "fp8" in case:  # rowwise dense layers: the experts' weights scaled per output channel, cast each pass
         per = "channel" if "rowwise" in case else "expert"
         assert f"fp8 experts: weight scales per {per}; weight copies written by the optimizer step in" in out, \

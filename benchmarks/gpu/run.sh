@@ -278,7 +278,7 @@ print('largest step difference over steps 1-20: %.2e at step %d' % max(rel[:20])
           # vs fp8 rows), then across 2 emulated hosts. HEAD=1: a third variant, the output head in FP8 too (label
           # ..._head); WGRAD=1: another, the experts' weight gradients in FP8 too (with HEAD=1: bf16, the FP8 head,
           # the FP8 head + FP8 weight gradients); FFN=1 with HEAD=1: bf16, the FP8 head, the FP8 head with the dense
-          # feed-forwards on the FP8 experts' kernels; TITAN=0: no torchtitan run; BASE=1: FP8 here vs FP8 on
+          # feed-forwards on the FP8 experts' kernels (LIN=1: and a fourth, the attention projections too); TITAN=0: no torchtitan run; BASE=1: FP8 here vs FP8 on
           # build/base.tgz's tree (as PART=h; HEAD=1 puts both heads in FP8),
           # no torchtitan run; REPEATS=N: our runs N times in turn; WIRE=0: the step only; LABEL= names the rows
         label=$([ "${RECIPE:-tensorwise}" = rowwise ] && echo fp8_step || echo fp8_${RECIPE:-tensorwise})${HEAD:+_head}
@@ -289,6 +289,9 @@ print('largest step difference over steps 1-20: %.2e at step %d' % max(rel[:20])
         [ -n "${HEAD:-}" ] && [ -n "${FFN:-}" ] &&  # the FP8 head without and with the feed-forwards on the experts'
           { V="bf16=;fp8_head=$F8$H8;fp8_head_ffn_experts=$F8$H8 --moe_echo.dense_ffn_kernels experts"  # kernels
             label=fp8_ffn_experts_ep2; }
+        [ -n "${HEAD:-}" ] && [ -n "${FFN:-}" ] && [ -n "${LIN:-}" ] &&  # LIN=1: the attention projections too
+          { V="$V;fp8_head_all_experts=$F8$H8 --moe_echo.dense_ffn_kernels experts --moe_echo.dense_linear_kernels experts"
+            label=fp8_all_experts_ep2; }
         if [ -n "${BASE:-}" ]; then
           [ -d /tmp/base/recipes ] || { echo "fp8_step PART=c BASE=1: no build/base.tgz to compare with"; exit 1; }
           V="bf16=;fp8_base=@/tmp/base $F8$H8;fp8=$F8$H8"; label=${label}_base; fi
@@ -307,10 +310,11 @@ print('largest step difference over steps 1-20: %.2e at step %d' % max(rel[:20])
           # rowwise, whose experts scale their weights per channel; both_rowwise_expert_scales: per expert instead;
           # both_tensorwise_head: the output head in FP8 too, filter_fqns naming only what is always kept;
           # both_tensorwise_wgrad8: the experts' weight gradients in FP8 too; both_tensorwise_head_wgrad8: both;
-          # both_tensorwise_head_ffn_experts: the head converted, the dense feed-forwards on the FP8 experts' kernels)
+          # both_tensorwise_head_ffn_experts: the head converted, the dense feed-forwards on the FP8 experts' kernels;
+          # both_tensorwise_head_all_experts: the attention projections on them too)
         D8="--model.converters float8 --moe_echo.expert_precision bf16 --quantize.linear.float8.recipe_name"
         # PICK="NAME ..." runs only those variants (label fp8_head: PICK="both_tensorwise both_tensorwise_head")
-        one_gpu_variants ${LABEL:-fp8_parts} "bf16=;experts=--moe_echo.expert_precision fp8;dense_rowwise=$D8 rowwise;dense_tensorwise=$D8 tensorwise;both_rowwise=$F8 --quantize.linear.float8.recipe_name rowwise;both_rowwise_expert_scales=$F8 --quantize.linear.float8.recipe_name rowwise --moe_echo.expert_fp8_scaling expert;both_tensorwise=$F8 --quantize.linear.float8.recipe_name tensorwise;both_tensorwise_head=$F8 --quantize.linear.float8.recipe_name tensorwise --quantize.linear.float8.filter_fqns router.gate;both_tensorwise_wgrad8=$F8 --quantize.linear.float8.recipe_name tensorwise --moe_echo.expert_wgrad_precision fp8;both_tensorwise_head_wgrad8=$F8 --quantize.linear.float8.recipe_name tensorwise --quantize.linear.float8.filter_fqns router.gate --moe_echo.expert_wgrad_precision fp8;both_tensorwise_head_ffn_experts=$F8 --quantize.linear.float8.recipe_name tensorwise --quantize.linear.float8.filter_fqns router.gate --moe_echo.dense_ffn_kernels experts" ;;
+        one_gpu_variants ${LABEL:-fp8_parts} "bf16=;experts=--moe_echo.expert_precision fp8;dense_rowwise=$D8 rowwise;dense_tensorwise=$D8 tensorwise;both_rowwise=$F8 --quantize.linear.float8.recipe_name rowwise;both_rowwise_expert_scales=$F8 --quantize.linear.float8.recipe_name rowwise --moe_echo.expert_fp8_scaling expert;both_tensorwise=$F8 --quantize.linear.float8.recipe_name tensorwise;both_tensorwise_head=$F8 --quantize.linear.float8.recipe_name tensorwise --quantize.linear.float8.filter_fqns router.gate;both_tensorwise_wgrad8=$F8 --quantize.linear.float8.recipe_name tensorwise --moe_echo.expert_wgrad_precision fp8;both_tensorwise_head_wgrad8=$F8 --quantize.linear.float8.recipe_name tensorwise --quantize.linear.float8.filter_fqns router.gate --moe_echo.expert_wgrad_precision fp8;both_tensorwise_head_ffn_experts=$F8 --quantize.linear.float8.recipe_name tensorwise --quantize.linear.float8.filter_fqns router.gate --moe_echo.dense_ffn_kernels experts;both_tensorwise_head_all_experts=$F8 --quantize.linear.float8.recipe_name tensorwise --quantize.linear.float8.filter_fqns router.gate --moe_echo.dense_ffn_kernels experts --moe_echo.dense_linear_kernels experts" ;;
       f)  # one GPU, v2lite_1b compiled + graphed: which dense layers pay in FP8 (filter_fqns; auto_filter_small_kn:
           # torchao's size thresholds, torchtitan's flag), the experts in FP8 throughout
         K="--quantize.linear.float8.filter_fqns"
@@ -395,14 +399,17 @@ print('; '.join('%s %.4f (%+.2f%% vs the head in bf16, %d batches)' % (n, sum(v)
               --profiling.profiler_warmup 8 --profiling.profiler_active 4 --training.cuda_graph true --compile.enable true"
         # FFN=1: bf16, the FP8 head, and the FP8 head with the dense feed-forwards on the experts' kernels (..._head_ffn)
         H8="--quantize.linear.float8.filter_fqns router.gate"
-        cols="bf16 fp8 ${HEAD:+fp8_head}"; [ -n "${FFN:-}" ] && cols="bf16 fp8_head fp8_head_ffn"
+        # LIN=1 with FFN=1: a fourth column, the attention projections on those kernels too (..._head_ffn_lin)
+        cols="bf16 fp8 ${HEAD:+fp8_head}"; [ -n "${FFN:-}" ] && cols="bf16 fp8_head fp8_head_ffn${LIN:+ fp8_head_all}"
         for n in $cols; do
-          case $n in bf16) a=;; fp8) a=$F8;; fp8_head) a="$F8 $H8";; fp8_head_ffn) a="$F8 $H8 --moe_echo.dense_ffn_kernels experts";; esac
+          X="--moe_echo.dense_ffn_kernels experts"
+          case $n in bf16) a=;; fp8) a=$F8;; fp8_head) a="$F8 $H8";; fp8_head_ffn) a="$F8 $H8 $X";;
+            fp8_head_all) a="$F8 $H8 $X --moe_echo.dense_linear_kernels experts";; esac
           TMO=200 FROM=6 recipe prof_$n 1 $PROF $a | tail -1
         done
         python3 benchmarks/step_breakdown.py $(for n in $cols; do
           echo "$n=$(ls /tmp/run_prof_$n/profile_traces/iteration_*/rank0_trace.json | tail -1)"; done) \
-          --name v2lite_1b_gpu_fp8_vs_bf16$([ "${RECIPE:-tensorwise}" = rowwise ] || echo "_${RECIPE:-tensorwise}")${HEAD:+_head}${FFN:+_ffn} \
+          --name v2lite_1b_gpu_fp8_vs_bf16$([ "${RECIPE:-tensorwise}" = rowwise ] || echo "_${RECIPE:-tensorwise}")${HEAD:+_head}${FFN:+_ffn}${LIN:+_lin} \
           --gpus 1 --out "$OUT" | head -${LINES_OUT:-40} ;;
       g)  # two GPUs, tensorwise: the FSDP FP8 all-gather tested, then v2lite_6b_2gpu at EP=2 without and with it, and
           # torchtitan's float8 with the same keys (compiled; it takes them only with recipe_name unset, which is

@@ -63,6 +63,14 @@ class MoEEchoConfig:
     (v2lite_1b, 1.222× bf16), 1.009× at EP=2 (v2lite_6b_2gpu); the loss within bf16's drift over two seeds, 0.9%
     below bf16 at both (docs/performance.md, FP8)."""
 
+    dense_linear_kernels: Literal["torchao", "experts"] = "torchao"
+    """With ``[model] converters = ["float8"]``: how the other dense linear layers float8 converts (the attention
+    projections; not the feed-forwards, ``dense_ffn_kernels``, nor the output head) run in FP8. ``torchao``:
+    torchao's Float8Linear, scaled by ``recipe_name``. ``experts``: ``Fp8RowsLinear``
+    (components/train/fp8_linear.py), the routed experts' FP8 recipe with one expert: one power-of-two scale per
+    token row and per weight, FP8 weight gradients, cuBLAS's FP8 GEMMs, each pass one custom op inside the
+    compiled attention. Not yet measured in the step."""
+
     dispatch_precision: Literal["bf16", "fp8"] = "bf16"
     """How token rows cross GPUs (and hosts) toward the experts. ``fp8``: in e4m3 with a power-of-two fp32 scale
     per 128 columns (D + D/32 bytes a row instead of 2·D; ``nvlink`` pads rows to 64 bytes), read back in bf16

@@ -107,7 +107,7 @@ def fp8_wgrads(x_fp8, h_fp8, dy_fp8, dab_fp8, offs_E, out_dtype):
     return dw1, grouped_wgrad_fp8(dy_t, sdy, h_t, sh, aoffs, out_dtype), dw3
 
 
-def _per_column(s_E: torch.Tensor, n: int) -> torch.Tensor:
+def per_column(s_E: torch.Tensor, n: int) -> torch.Tensor:
     """A per-expert scale as the [E, N] per-output-column scale the GEMM reads."""
     return s_E[:, None].expand(-1, n).contiguous()
 
@@ -220,7 +220,7 @@ class _Fp8GroupedSwiGLU(torch.autograd.Function):
             else:
                 s13_E = cast_experts_scaled((w1_EHD, w3_EHD), w13_q, hint_2E[0])
                 s2_E = cast_experts_scaled((w2_EDH,), w2_q, hint_2E[1])
-            s13_N, s2_N = _per_column(s13_E, 2 * H), _per_column(s2_E, D)
+            s13_N, s2_N = per_column(s13_E, 2 * H), per_column(s2_E, D)
         x_fp8 = rows.take_x() if rows is not None else None
         x_q, x_s = x_fp8 if x_fp8 is not None else quant_rows(x_ND, used)
         ab_MJ = scaled_grouped_mm(x_q, w13_q.transpose(-2, -1), x_s, s13_N, offs_E)
@@ -252,7 +252,7 @@ class _Fp8GroupedSwiGLU(torch.autograd.Function):
                 cast_experts_t(w2_EDH, s2_E, w2t_q, 0)
                 cast_experts_t(w1_EHD, s13_E, w13t_q, 0)
                 cast_experts_t(w3_EHD, s13_E, w13t_q, H)
-            s2_N, s13_N = _per_column(s2_E, H), _per_column(s13_E, D)
+            s2_N, s13_N = per_column(s2_E, H), per_column(s13_E, D)
         dh_MH = scaled_grouped_mm(dy_q, w2t_q.transpose(-2, -1), dy_s, s2_N, offs_E)
         da_MH, db_MH, dab_q, dab_s = swiglu_quant_bwd(dh_MH, ab_MJ, used, bf16=not ctx.wgrad_fp8)
         dx_ND = scaled_grouped_mm(dab_q, w13t_q.transpose(-2, -1), dab_s, s13_N, offs_E)

@@ -79,7 +79,7 @@ def check_float8(cfg, device: torch.device) -> None:
         where = f"{torch.cuda.get_device_name(device)} is {cap[0]}.{cap[1]}" if cap else f"this run is on {device.type}"
         raise UserError(f'[model] converters = ["float8"] needs a CUDA GPU of compute capability 8.9 or newer '
                         f"({where}); remove it, or set [quantize.linear.float8] emulate = true to test")
-    if cfg.moe_echo.dense_ffn_kernels == "experts":
+    if "experts" in (cfg.moe_echo.dense_ffn_kernels, cfg.moe_echo.dense_linear_kernels):
         from components.moe_echo.fp8_experts import check_fp8_supported
 
         check_fp8_supported(device)  # the FP8 experts' kernels: Hopper or newer
@@ -98,6 +98,9 @@ def check_keys(cfg) -> None:
     if cfg.moe_echo.dense_ffn_kernels == "experts" and not cfg.model.converters:
         raise UserError('[moe_echo] dense_ffn_kernels = "experts" chooses how FP8 runs the dense feed-forwards and '
                         'needs [model] converters = ["float8"]; set both, or leave it "torchao"')
+    if cfg.moe_echo.dense_linear_kernels == "experts" and not cfg.model.converters:
+        raise UserError('[moe_echo] dense_linear_kernels = "experts" chooses how FP8 runs the dense linear layers '
+                        'and needs [model] converters = ["float8"]; set both, or leave it "torchao"')
     if f8.precompute_float8_dynamic_scale_for_fsdp and not f8.enable_fsdp_float8_all_gather:
         raise UserError("[quantize.linear.float8] precompute_float8_dynamic_scale_for_fsdp = true needs "
                         "enable_fsdp_float8_all_gather = true (the scales it computes are the all-gather's)")
@@ -181,6 +184,13 @@ def dense_ffns(model: nn.Module) -> list[str]:
             and all(type(getattr(m, w, None)) is nn.Linear for w in ("w1", "w2", "w3"))]
 
 
+def rows_linears(model: nn.Module) -> list[str]:
+    """The names of the model's ``Fp8RowsLinear`` layers (``[moe_echo] dense_linear_kernels = "experts"``)."""
+    from .fp8_linear import Fp8RowsLinear
+
+    return [fqn for fqn, m in model.named_modules() if isinstance(m, Fp8RowsLinear)]
+
+
 def _experts_ffn_forward(self, x: torch.Tensor) -> torch.Tensor:
     """A dense feed-forward's forward through the FP8 experts' kernels (``[moe_echo] dense_ffn_kernels``)."""
     from components.moe_echo.fp8_experts import fp8_dense_swiglu
@@ -195,22 +205,31 @@ def convert_float8(model: nn.Module, cfg, fsdp: bool = False) -> list[str]:
     """Swap the model's dense linear layers for torchao's Float8Linear in place (see ``keep_rule``); returns the
     names of the swapped layers. ``fsdp``: FSDP will shard them (their weights may then be all-gathered in FP8).
     With ``[moe_echo] dense_ffn_kernels = "experts"`` the dense SwiGLU feed-forwards are left to the FP8 experts'
-    kernels instead (their forward replaced, left uncompiled); their names are not among those returned."""
+    kernels instead (their forward replaced, left uncompiled); with ``dense_linear_kernels = "experts"`` the other
+    converted layers but the output head become ``Fp8RowsLinear``. Neither's names are among those returned."""
     from torchao.float8 import convert_to_float8_training
 
     f8 = cfg.quantize.linear.float8
     keep = keep_rule(f8)
+    for key in ("dense_ffn_kernels", "dense_linear_kernels"):
+        if getattr(cfg.moe_echo, key) == "experts" and f8.emulate:
+            raise UserError(f'[moe_echo] {key} = "experts" runs the FP8 experts\' kernels, which have no '
+                            f'emulation; set [quantize.linear.float8] emulate = false, or {key} = "torchao"')
+    ffns = dense_ffns(model)
+    in_ffn = lambda fqn: any(fqn.startswith(f + ".") for f in ffns)  # noqa: E731
     if cfg.moe_echo.dense_ffn_kernels == "experts":
-        if f8.emulate:
-            raise UserError('[moe_echo] dense_ffn_kernels = "experts" runs the FP8 experts\' kernels, which have no '
-                            'emulation; set [quantize.linear.float8] emulate = false, or dense_ffn_kernels = "torchao"')
-        ffns = dense_ffns(model)
         for fqn in ffns:
             ffn = model.get_submodule(fqn)
             ffn.forward = types.MethodType(_experts_ffn_forward, ffn)
             ffn.eager_only = True  # components/parallel/compile.py leaves it uncompiled
         rule = keep
-        keep = lambda fqn, m: rule(fqn, m) or any(fqn.startswith(f + ".") for f in ffns)  # noqa: E731
+        keep = lambda fqn, m: rule(fqn, m) or in_ffn(fqn)  # noqa: E731
+    if cfg.moe_echo.dense_linear_kernels == "experts":  # the class swapped: kept() then leaves them to us
+        from .fp8_linear import Fp8RowsLinear
+
+        for fqn, m in list(model.named_modules()):
+            if not keep(fqn, m) and fqn != HEAD and m.bias is None and not in_ffn(fqn):
+                Fp8RowsLinear.from_linear(m)
     swapped = [fqn for fqn, m in model.named_modules() if not keep(fqn, m)]
     head = getattr(model, HEAD, None)
     if HEAD in swapped and (f8.recipe_name or "tensorwise") == "tensorwise" and not f8.emulate and head.bias is None:

@@ -166,6 +166,9 @@ def build_parallel_model(run: Run, tokenizer):
         if cfg.moe_echo.dense_ffn_kernels == "experts":
             run.say(f"float8: {len(float8.dense_ffns(model))} dense feed-forwards (shared experts, dense layers) "
                     f"through the FP8 experts' kernels, one scale per token row")
+        if cfg.moe_echo.dense_linear_kernels == "experts":
+            run.say(f"float8: {len(float8.rows_linears(model))} linear layers (attention projections) through the FP8 experts' kernels "
+                    f"(Fp8RowsLinear), one scale per token row")
         if isinstance(head := getattr(model, float8.HEAD, None), Fp8Head):
             kind = str(head.grad_dtype).removeprefix("torch.float8_").removesuffix("fn")  # e5m2 / e4m3
             if head.takes_fp8_grad:

@@ -1,0 +1,107 @@
+"""Dense linear layers in FP8 on the FP8 experts' kernels: one power-of-two scale per token row, one per weight.
+
+    y = fp8_linear(x, w_NK)        # x [..., K] bf16, w [N, K] (fp32 or bf16) -> y [..., N] bf16
+    Fp8RowsLinear                  # an nn.Linear (no bias) whose forward is fp8_linear
+
+What ``[moe_echo] dense_linear_kernels = "experts"`` runs for the linear layers float8 converts outside the dense
+feed-forwards and the output head (the attention projections): the routed experts' recipe with one expert that
+every row reaches, whose GEMMs are cuBLAS's (``torch._scaled_mm``):
+
+    forward          y = x @ wᵀ     x's rows in e4m3 at a scale each; w in e4m3 at one scale
+    input gradient   dx = dy @ w     dy's rows in e4m3 at a scale each; wᵀ in e4m3 at w's scale
+    weight gradient  dw = dyᵀ x      dy's and x's e4m3 rows copied transposed at one scale each
+                                     (kernels/fp8_wgrad.py), accumulated in fp32, written in w's dtype
+
+Each pass is one custom op (``moe_echo::fp8_linear``, ``moe_echo::fp8_linear_backward``): torch.compile keeps it
+whole inside a compiled attention (still one graph) and runs the Triton and cuBLAS kernels it holds. No host read.
+Off CUDA the GEMMs are emulated (``scaled_grouped_mm``): the same quantisation, for CPU tests.
+"""
+
+import torch
+from torch import nn
+
+from components.moe_echo.fp8_experts import per_column, scaled_grouped_mm
+from kernels.fp8 import FP8, cast_experts_scaled, cast_experts_t, quant_rows
+from kernels.fp8_wgrad import grouped_wgrad_fp8, requant_expert_t
+
+
+def _all_rows(x_MK: torch.Tensor) -> torch.Tensor:
+    """offs [1] int32: every row belongs to the one expert."""
+    return torch.full((1,), x_MK.shape[0], dtype=torch.int32, device=x_MK.device)
+
+
+@torch.library.custom_op("moe_echo::fp8_linear", mutates_args=())
+def fp8_linear_forward(x_MK: torch.Tensor, w_NK: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor,
+                                                                         torch.Tensor]:
+    """(y_MN bf16, x_q e4m3 [M, K], x_s fp32 [M], s_w fp32 [1]): y = x @ wᵀ in FP8, and what the backward reads.
+    x_MK bf16, contiguous."""
+    N, K = w_NK.shape
+    x_q, x_s = quant_rows(x_MK)
+    w_q = torch.empty(1, N, K, dtype=FP8, device=x_MK.device)
+    s_w = cast_experts_scaled((w_NK[None],), w_q, torch.zeros(1, dtype=torch.float32, device=x_MK.device))
+    y_MN = scaled_grouped_mm(x_q, w_q.transpose(-2, -1), x_s, per_column(s_w, N), _all_rows(x_MK))
+    return y_MN, x_q, x_s, s_w
+
+
+@fp8_linear_forward.register_fake
+def _(x_MK, w_NK):
+    (M, K), N = x_MK.shape, w_NK.shape[0]
+    return (x_MK.new_empty(M, N, dtype=torch.bfloat16), x_MK.new_empty(M, K, dtype=FP8),
+            x_MK.new_empty(M, dtype=torch.float32), x_MK.new_empty(1, dtype=torch.float32))
+
+
+@torch.library.custom_op("moe_echo::fp8_linear_backward", mutates_args=())
+def fp8_linear_backward(dy_MN: torch.Tensor, x_q: torch.Tensor, x_s: torch.Tensor, w_NK: torch.Tensor,
+                        s_w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(dx_MK bf16, dw_NK in w's dtype) from dy_MN (bf16, contiguous) and what the forward kept."""
+    N, K = w_NK.shape
+    offs = _all_rows(dy_MN)
+    dy_q, dy_s = quant_rows(dy_MN)
+    wt_q = torch.empty(1, K, N, dtype=FP8, device=dy_MN.device)
+    cast_experts_t(w_NK[None], s_w, wt_q, 0)
+    dx_MK = scaled_grouped_mm(dy_q, wt_q.transpose(-2, -1), dy_s, per_column(s_w, K), offs)
+    dy_t, s_dy, aoffs = requant_expert_t(dy_q, dy_s, offs)
+    x_t, s_x, _ = requant_expert_t(x_q, x_s, offs)
+    dw_NK = grouped_wgrad_fp8(dy_t, s_dy, x_t, s_x, aoffs, w_NK.dtype).squeeze(0)
+    return dx_MK, dw_NK
+
+
+@fp8_linear_backward.register_fake
+def _(dy_MN, x_q, x_s, w_NK, s_w):
+    return dy_MN.new_empty(x_q.shape, dtype=torch.bfloat16), torch.empty_like(w_NK)
+
+
+class _Fp8Linear(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x_MK, w_NK):
+        y_MN, x_q, x_s, s_w = fp8_linear_forward(x_MK, w_NK)
+        ctx.save_for_backward(x_q, x_s, w_NK, s_w)
+        return y_MN
+
+    @staticmethod
+    def backward(ctx, dy_MN):
+        x_q, x_s, w_NK, s_w = ctx.saved_tensors
+        dx_MK, dw_NK = fp8_linear_backward(dy_MN.to(torch.bfloat16).contiguous(), x_q, x_s, w_NK, s_w)
+        return dx_MK, dw_NK
+
+
+def fp8_linear(x: torch.Tensor, w_NK: torch.Tensor) -> torch.Tensor:
+    """x @ wᵀ in FP8 (module docstring): x [..., K] (cast to bf16), w [N, K] with N and K multiples of 16.
+    Returns [..., N] bf16; the gradients flow to x (in bf16) and to w (in its dtype)."""
+    x_MK = x.reshape(-1, x.shape[-1]).to(torch.bfloat16).contiguous()
+    return _Fp8Linear.apply(x_MK, w_NK).view(*x.shape[:-1], w_NK.shape[0])
+
+
+class Fp8RowsLinear(nn.Linear):
+    """An nn.Linear without bias whose forward is ``fp8_linear`` (same weight, same name: checkpoints load with
+    it on or off). ``from_linear`` swaps a layer in place."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return fp8_linear(x, self.weight)
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear) -> "Fp8RowsLinear":
+        if linear.bias is not None:
+            raise ValueError("Fp8RowsLinear has no bias; keep a layer with a bias on torchao's Float8Linear")
+        linear.__class__ = cls
+        return linear
