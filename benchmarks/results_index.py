@@ -45,6 +45,7 @@ BENCHMARKS = {
     "fp8_bound": "benchmarks/fp8_bound.py",
     "fp8_experts": "benchmarks/gpu/run.sh fp8",
     "fp8_ffn": "benchmarks/fp8_ffn.py",
+    "fp8_linear": "benchmarks/fp8_linear.py",
     "fp8_head": "benchmarks/fp8_head.py",
     "fp8_requant": "benchmarks/fp8_requant.py",
     "gate_up_gemm": "benchmarks/gate_up_gemm.py",

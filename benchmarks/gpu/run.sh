@@ -56,6 +56,8 @@
 #                    -> grouped_gemm_fp8_1x<GPU>.md; WGRAD=1: the weight-gradient GEMMs too (_wgrad_1x<GPU>.md)
 #   fp8_ffn     1    a dense SwiGLU feed-forward in FP8: torchao's Float8Linear vs the FP8 experts' kernels as one
 #                    expert, bf16 beside (SHAPES=TOKENSxDIMxHIDDEN ...) -> fp8_ffn_1x<GPU>.md
+#   fp8_linear  1    the attention's projections in FP8: torchao's Float8Linear vs Fp8RowsLinear, bf16 beside
+#                    (SHAPES=TOKENSxDIM ...) -> fp8_linear_1x<GPU>.md
 #   fp8_requant 1    the FP8 weight gradients' transposed e4m3 operands, every requantiser tile, against a copy of
 #                    the same bytes (SHAPES=EXPERTSxCOLUMNSxROWS ...) -> fp8_requant_1x<GPU>.md
 #   fill_profile 2   the compiled v2lite_6b_2gpu step profiled at EP=2, graphed (GRAPH=false: eager), one profile per
@@ -614,6 +616,10 @@ print('; '.join('%s %.4f (%+.2f%% vs the head in bf16, %d batches)' % (n, sum(v)
     LD_PRELOAD=$(g++ -print-file-name=libstdc++.so.6) timeout ${TMO:-420} python3 benchmarks/grouped_gemm_fp8.py \
       --shapes ${SHAPES:-64x768x2048x98304} ${WGRAD:+--wgrad} ${WGRAD_ONLY:+--wgrad-only} --out "$OUT" 2>&1 \
       | tee "$OUT/grouped_gemm_fp8.log" | grep -E "^\| |rror|grouped_gemm_fp8" ;;
+
+  fp8_linear)  # -> fp8_linear_1x<GPU>.md: the attention's projections in FP8, torchao's Float8Linear vs Fp8RowsLinear
+    timeout ${TMO:-300} python3 benchmarks/fp8_linear.py ${SHAPES:+--shapes $SHAPES} --out "$OUT" 2>&1 \
+      | tee "$OUT/fp8_linear.log" | grep -E "^\| |rror|fp8_linear" ;;
 
   fp8_ffn)  # -> fp8_ffn_1x<GPU>.md: a dense SwiGLU feed-forward (shared experts, dense FFN shapes) in FP8, torchao's
     # Float8Linear against the FP8 experts' kernels as one expert, bf16 beside (SHAPES=TOKENSxDIMxHIDDEN ...)
