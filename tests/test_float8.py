@@ -2,6 +2,7 @@
 errors where it cannot run."""
 
 import copy
+import json
 import os
 import subprocess
 import sys
@@ -104,6 +105,32 @@ def test_recipe_trains_with_emulated_float8(tmp_path):
     line = next(l for l in p.stdout.splitlines() if l.startswith("float8:"))
     assert "linear layers in FP8 (tensorwise, emulated); kept: router gates, output" in line, line
     assert "loss" in p.stdout
+
+
+def test_recipe_trains_with_the_dense_layers_on_the_fp8_experts_kernels(tmp_path):
+    """Emulated on CPU, the recipe end to end with the dense feed-forwards and the attention projections on the FP8
+    experts' kernels (two processes, experts split): the run says so, and its loss over a few steps stays within
+    FP8's error of the same run in bf16."""
+    def run(name, *extra):
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+               os.path.join(ROOT, "recipes", "pretrain.py"), "--job.config_file",
+               os.path.join(ROOT, "train_configs", "debug_cpu.toml"), "--job.dump_folder", str(tmp_path / name),
+               "--training.max_corpus_mb", "1", "--training.seq_len", "64", "--training.local_batch_size", "4",
+               "--training.steps", "4", "--metrics.log_freq", "1", "--checkpoint.enable", "false",
+               "--parallelism.expert_parallel_degree", "2", *extra]
+        p = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env=run_env(cmd, OMP_NUM_THREADS="1"))
+        assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-3000:]
+        with open(tmp_path / name / "metrics.jsonl") as f:
+            losses = [r["loss"] for r in map(json.loads, f) if "loss" in r]
+        return p.stdout, losses
+
+    out, fp8 = run("fp8", *EMULATED, "--moe_echo.dense_ffn_kernels", "experts", "--moe_echo.dense_linear_kernels",
+                   "experts")
+    assert "dense feed-forwards (shared experts, dense layers) through the FP8 experts' kernels" in out, out[-2000:]
+    assert "linear layers (attention projections) through the FP8 experts' kernels (Fp8RowsLinear)" in out
+    _, bf16 = run("bf16")
+    assert len(fp8) == len(bf16) == 4
+    assert all(abs(a - b) < 0.03 * b for a, b in zip(fp8, bf16)), (fp8, bf16)
 
 
 def test_fp8_all_gather_keys_need_tensorwise_and_each_other():
@@ -248,8 +275,9 @@ def test_dense_ffns_through_the_fp8_experts_kernels():
     with pytest.raises(UserError, match=r'dense_ffn_kernels = "experts" chooses how FP8 runs the dense '
                                         r'feed-forwards and needs \[model\] converters = \["float8"\]'):
         load_config(["--moe_echo.dense_ffn_kernels", "experts"])
-    with pytest.raises(UserError, match=r"no emulation"):
-        float8.convert_float8(copy.deepcopy(ref), load_config([*EMULATED, "--moe_echo.dense_ffn_kernels", "experts"]))
+    with pytest.raises(UserError, match=r'dense_ffn_kernels = "experts" runs the FP8 experts\' kernels, emulated on '
+                                        r'CPU only; on a GPU set \[quantize.linear.float8\] emulate = false'):
+        float8.check_float8(load_config([*EMULATED, "--moe_echo.dense_ffn_kernels", "experts"]), torch.device("cuda"))
 
 
 @pytest.mark.parametrize("ffn_kernels", ["torchao", "experts"])
@@ -291,7 +319,7 @@ def test_dense_linears_through_the_fp8_experts_kernels(ffn_kernels):
     with pytest.raises(UserError, match=r'dense_linear_kernels = "experts" chooses how FP8 runs the dense linear '
                                         r'layers and needs \[model\] converters = \["float8"\]'):
         load_config(["--moe_echo.dense_linear_kernels", "experts"])
-    with pytest.raises(UserError, match=r'dense_linear_kernels = "experts" runs the FP8 experts\' kernels, which '
-                                        r'have no emulation'):
-        float8.convert_float8(copy.deepcopy(ref), load_config([*EMULATED, "--moe_echo.dense_linear_kernels",
-                                                               "experts"]))
+    with pytest.raises(UserError, match=r'dense_linear_kernels = "experts" runs the FP8 experts\' kernels, emulated '
+                                        r'on CPU only'):
+        float8.check_float8(load_config([*EMULATED, "--moe_echo.dense_linear_kernels", "experts"]),
+                            torch.device("cuda"))

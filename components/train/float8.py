@@ -62,24 +62,31 @@ def requested(cfg) -> bool:
 
 def check_float8(cfg, device: torch.device) -> None:
     """One-line error where float8 cannot run: torchao missing, a GPU below compute capability 8.9 (or no
-    GPU) without ``emulate``, or ``emulate`` with torch.compile."""
+    GPU) without ``emulate``, ``emulate`` with torch.compile, or ``emulate`` on a GPU with the FP8 experts'
+    kernels for dense layers (``dense_ffn_kernels`` / ``dense_linear_kernels = "experts"``: emulated on CPU only,
+    their GPU path is Hopper's FP8)."""
     f8 = cfg.quantize.linear.float8
     try:
         import torchao.float8  # noqa: F401  (imported to check that it is installed)
     except ImportError:
         raise UserError('[model] converters = ["float8"] needs torchao: pip install "moe-echo[float8]"') from None
     compiled = cfg.compile.enable and "model" in cfg.compile.components
+    experts = [k for k in ("dense_ffn_kernels", "dense_linear_kernels") if getattr(cfg.moe_echo, k) == "experts"]
     if f8.emulate:
         if compiled:
             raise UserError("[quantize.linear.float8] emulate = true does not work with torch.compile; "
                             "set [compile] enable = false (emulate is for tests)")
+        if experts and device.type == "cuda":
+            raise UserError(f'[moe_echo] {experts[0]} = "experts" runs the FP8 experts\' kernels, emulated on CPU '
+                            f'only; on a GPU set [quantize.linear.float8] emulate = false, or {experts[0]} = '
+                            f'"torchao"')
         return
     cap = torch.cuda.get_device_capability(device) if device.type == "cuda" else None
     if cap is None or cap < (8, 9):
         where = f"{torch.cuda.get_device_name(device)} is {cap[0]}.{cap[1]}" if cap else f"this run is on {device.type}"
         raise UserError(f'[model] converters = ["float8"] needs a CUDA GPU of compute capability 8.9 or newer '
                         f"({where}); remove it, or set [quantize.linear.float8] emulate = true to test")
-    if "experts" in (cfg.moe_echo.dense_ffn_kernels, cfg.moe_echo.dense_linear_kernels):
+    if experts:
         from components.moe_echo.fp8_experts import check_fp8_supported
 
         check_fp8_supported(device)  # the FP8 experts' kernels: Hopper or newer
@@ -211,10 +218,6 @@ def convert_float8(model: nn.Module, cfg, fsdp: bool = False) -> list[str]:
 
     f8 = cfg.quantize.linear.float8
     keep = keep_rule(f8)
-    for key in ("dense_ffn_kernels", "dense_linear_kernels"):
-        if getattr(cfg.moe_echo, key) == "experts" and f8.emulate:
-            raise UserError(f'[moe_echo] {key} = "experts" runs the FP8 experts\' kernels, which have no '
-                            f'emulation; set [quantize.linear.float8] emulate = false, or {key} = "torchao"')
     ffns = dense_ffns(model)
     in_ffn = lambda fqn: any(fqn.startswith(f + ".") for f in ffns)  # noqa: E731
     if cfg.moe_echo.dense_ffn_kernels == "experts":
