@@ -29,7 +29,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 from torch import nn  # noqa: E402
 
-from benchmarks.common import environment, graphed, markdown_table, time_ms, write_results  # noqa: E402
+from benchmarks.common import environment, graphed, markdown_table, shape_arg, time_ms, write_results  # noqa: E402
 from components.train.fp8_linear import Fp8RowsLinear  # noqa: E402
 
 PROJECTIONS = ("wq", "wkv_a", "wkv_b", "wo")
@@ -105,12 +105,7 @@ def measure(T: int, D: int, iters: int) -> list[dict]:
     return rows
 
 
-def _shape(text: str) -> tuple[int, int]:
-    try:
-        T, D = (int(v) for v in text.split("x"))
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r}: a shape is TOKENSxDIM, e.g. 16384x2048") from None
-    return T, D
+_shape = shape_arg("TOKENSxDIM", "16384x2048")
 
 
 def main() -> None:
