@@ -9,7 +9,7 @@ experts' hidden width, [da | db] twice that), routed uniformly over EXPERTS. Row
     requant_<tile>  the experts' scales plus the transposed copy at each tile of ``REQUANT_TILES`` (what a weight
                     gradient in FP8 adds per operand)
     scales          ``expert_scales`` alone: the kernel that also writes the aligned offsets (part of each requant
-                    row)
+                    row); scales_<tile>: the same at each tile of ``SCALE_TILES``
     copy            ``torch.Tensor.copy_`` of the same bytes, not transposed: the ceiling
     transpose       ``kernels/fp8.transpose_copy_``: the same bytes transposed, no scale and no expert blocks
     torch_t         ``x.t().contiguous()`` on the bytes
@@ -29,7 +29,8 @@ import torch  # noqa: E402
 
 from benchmarks.common import environment, graphed, markdown_table, shape_arg, time_ms, write_results  # noqa: E402
 from kernels.fp8 import quant_rows, transpose_copy_  # noqa: E402
-from kernels.fp8_wgrad import REQUANT_DEFAULT, REQUANT_TILES, expert_scales, requant_expert_t  # noqa: E402
+from kernels.fp8_wgrad import (REQUANT_DEFAULT, REQUANT_TILES, SCALE_DEFAULT, SCALE_TILES, expert_scales,  # noqa: E402
+                               requant_expert_t)
 
 
 _shape = shape_arg("EXPERTSxCOLUMNSxROWS", "64x2048x98304")
@@ -59,6 +60,10 @@ def measure(E: int, C: int, R: int) -> list[dict]:
             raise SystemExit(f"fp8_requant: tile {tile} differs from {REQUANT_DEFAULT} at {E}x{C}x{R}")
         row(f"requant_{tile}", lambda t=tile: requant_expert_t(q_RC, s_R, offs_E, t))
     row("scales", lambda: expert_scales(q_RC, s_R, offs_E))
+    for tile in SCALE_TILES:
+        if not torch.equal(expert_scales(q_RC, s_R, offs_E, tile), want[1]):
+            raise SystemExit(f"fp8_requant: scale tile {tile} differs from {SCALE_DEFAULT} at {E}x{C}x{R}")
+        row(f"scales_{tile}", lambda t=tile: expert_scales(q_RC, s_R, offs_E, t))
     src = q_RC.view(torch.uint8)
     dst = torch.empty_like(src)
     row("copy", lambda: dst.copy_(src))

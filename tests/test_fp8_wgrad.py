@@ -198,6 +198,21 @@ def test_requant_kernels_equal_torch(case, tile):
 
 @pytest.mark.gpu
 @hopper
+@pytest.mark.parametrize("tile", sorted(fw.SCALE_TILES))
+def test_scale_tiles_equal_torch(tile):
+    """Each scale tile's scales equal the torch path's, over experts with zero rows only, no rows, a hot one."""
+    counts = [0, 3000, 5, 0, 700, 1, 128, 129]
+    x = (torch.randn(sum(counts), 1408, device="cuda") * torch.logspace(-4, 4, sum(counts), device="cuda")[:, None])
+    x[::3] = 0
+    x[3005:3010] = 0  # expert 4: zero rows first, then (row 3100) a nonzero row of scale 1
+    x[3100] *= 448 / x[3100].abs().max()
+    q, s = quant_rows(x.bfloat16())
+    offs = torch.cumsum(torch.tensor(counts, device="cuda"), 0).int()
+    assert torch.equal(fw.expert_scales(q, s, offs, tile).cpu(), fw.expert_scales_torch(q.cpu(), s.cpu(), offs.cpu()))
+
+
+@pytest.mark.gpu
+@hopper
 @pytest.mark.parametrize("case", sorted(CASES))
 @pytest.mark.parametrize("config", sorted(c for c in fw.CONFIGS if c != "tiny"))
 def test_grouped_wgrad_fp8_kernel_equals_torch_and_replays(case, config):
