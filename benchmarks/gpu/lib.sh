@@ -7,6 +7,7 @@
 #   ... | noise                drops benchmark scripts' JSON rows and torch's warnings from their output
 #   one_gpu_variants LABEL "NAME=ARGS;..."   v2lite_1b compiled + graphed on one GPU, 30 steps, a row per variant
 #                              (PICK="NAME ..." runs only those)
+#   pick_variants "NAME=ARGS;..."   only the variants PICK names (all when PICK is unset)
 # Later arguments override earlier ones (--training.steps 30 after train's 100 runs 30 steps).
 # TMO sets the time limit of each run in seconds (default 150).
 OUT=${OUT:-./gpu_out}; mkdir -p "$OUT"
@@ -88,10 +89,16 @@ train() {  # name, nproc (= EP), extra recipe args
     --moe_echo.capacity_factor 1.5 --training.sync_debug true "${@:3}"
 }
 
-one_gpu_variants() {
-  local label=$1 v=$2
+pick_variants() {  # "name=args;..." -> only the names in PICK (all when PICK is unset)
+  local v=$1
   [ -n "${PICK:-}" ] && v=$(IFS=';'; for x in $v; do [[ " $PICK " == *" ${x%%=*} "* ]] && printf '%s;' "$x"; done)
+  printf '%s' "${v%;}"
+}
+
+one_gpu_variants() {
+  local label=$1 v
+  v=$(pick_variants "$2")
   CUDA_VISIBLE_DEVICES=${CUDA_VISIBLE_DEVICES:-0} python3 benchmarks/e2e.py --configs v2lite_1b_gpu \
-    --runs ours_compile_graph --steps 30 --label "$label" --variants "${v%;}" --out "$OUT" 2>&1 | noise |
+    --runs ours_compile_graph --steps 30 --label "$label" --variants "$v" --out "$OUT" 2>&1 | noise |
     grep -E "^\| v2lite" | tail -8
 }

@@ -281,7 +281,8 @@ print('largest step difference over steps 1-20: %.2e at step %d' % max(rel[:20])
           # ..._head); WGRAD=1: another, the experts' weight gradients in FP8 too (with HEAD=1: bf16, the FP8 head,
           # the FP8 head + FP8 weight gradients); FFN=1 with HEAD=1: bf16, the FP8 head, the FP8 head with the dense
           # feed-forwards on the FP8 experts' kernels (LIN=1: and a fourth, the attention projections too); ECHO=1:
-          # bf16 and the FP8 step with the head converted, each with ECHO on, beside the others; TITAN=0: no torchtitan run; BASE=1: FP8 here vs FP8 on
+          # bf16 and the last FP8 variant, each with ECHO on, beside the others; PICK="NAME ...": only those variants;
+          # TITAN=0: no torchtitan run; BASE=1: FP8 here vs FP8 on
           # build/base.tgz's tree (as PART=h; HEAD=1 puts both heads in FP8),
           # no torchtitan run; REPEATS=N: our runs N times in turn; WIRE=0: the step only; LABEL= names the rows
         label=$([ "${RECIPE:-tensorwise}" = rowwise ] && echo fp8_step || echo fp8_${RECIPE:-tensorwise})${HEAD:+_head}
@@ -295,9 +296,10 @@ print('largest step difference over steps 1-20: %.2e at step %d' % max(rel[:20])
         [ -n "${HEAD:-}" ] && [ -n "${FFN:-}" ] && [ -n "${LIN:-}" ] &&  # LIN=1: the attention projections too
           { V="$V;fp8_head_all_experts=$F8$H8 --moe_echo.dense_ffn_kernels experts --moe_echo.dense_linear_kernels experts"
             label=fp8_all_experts_ep2; }
-        [ -n "${ECHO:-}" ] &&  # ECHO=1: bf16 and the FP8 step (head converted) with ECHO leveling the two ranks too
-          { V="$V;bf16_echo=--moe_echo.echo true;fp8_head_echo=$F8 --quantize.linear.float8.filter_fqns router.gate --moe_echo.echo true"
+        [ -n "${ECHO:-}" ] &&  # ECHO=1: bf16 and the last FP8 variant above with ECHO leveling the two ranks too
+          { last=${V##*;}; V="$V;bf16_echo=--moe_echo.echo true;${last%%=*}_echo=${last#*=} --moe_echo.echo true"
             label=${label}_echo; }
+        V=$(pick_variants "$V")  # PICK="NAME ...": only those
         if [ -n "${BASE:-}" ]; then
           [ -d /tmp/base/recipes ] || { echo "fp8_step PART=c BASE=1: no build/base.tgz to compare with"; exit 1; }
           V="bf16=;fp8_base=@/tmp/base $F8$H8;fp8=$F8$H8"; label=${label}_base; fi
