@@ -281,7 +281,9 @@ print('largest step difference over steps 1-20: %.2e at step %d' % max(rel[:20])
           # ..._head); WGRAD=1: another, the experts' weight gradients in FP8 too (with HEAD=1: bf16, the FP8 head,
           # the FP8 head + FP8 weight gradients); FFN=1 with HEAD=1: bf16, the FP8 head, the FP8 head with the dense
           # feed-forwards on the FP8 experts' kernels (LIN=1: and a fourth, the attention projections too); ECHO=1:
-          # bf16 and the last FP8 variant, each with ECHO on, beside the others; PICK="NAME ...": only those variants;
+          # bf16 and the last FP8 variant, each with ECHO on, beside the others; EXTRA="SUFFIX=ARGS": the last FP8
+          # variant with ARGS added (named <it>_SUFFIX; EXTRA="wire=--moe_echo.dispatch_precision fp8" its rows FP8 on
+          # the wire); PICK="NAME ...": only those variants;
           # TITAN=0: no torchtitan run; BASE=1: FP8 here vs FP8 on
           # build/base.tgz's tree (as PART=h; HEAD=1 puts both heads in FP8),
           # no torchtitan run; REPEATS=N: our runs N times in turn; WIRE=0: the step only; LABEL= names the rows
@@ -299,6 +301,9 @@ print('largest step difference over steps 1-20: %.2e at step %d' % max(rel[:20])
         [ -n "${ECHO:-}" ] &&  # ECHO=1: bf16 and the last FP8 variant above with ECHO leveling the two ranks too
           { last=${V##*;}; V="$V;bf16_echo=--moe_echo.echo true;${last%%=*}_echo=${last#*=} --moe_echo.echo true"
             label=${label}_echo; }
+        [ -n "${EXTRA:-}" ] &&  # EXTRA="SUFFIX=ARGS": the last FP8 variant with ARGS too, named <it>_SUFFIX
+          { last=$(IFS=';'; for x in $V; do case $x in fp8*) y=$x;; esac; done; printf '%s' "$y")
+            V="$V;${last%%=*}_${EXTRA%%=*}=${last#*=} ${EXTRA#*=}"; }
         V=$(pick_variants "$V")  # PICK="NAME ...": only those
         if [ -n "${BASE:-}" ]; then
           [ -d /tmp/base/recipes ] || { echo "fp8_step PART=c BASE=1: no build/base.tgz to compare with"; exit 1; }
