@@ -72,6 +72,38 @@ def graphed(fn):
     return g.replay
 
 
+def fp64_fwd_bwd(module, x, dy, grads) -> list:
+    """``[y] + grads(ref, x)`` of ``y = ref(x)``, ``y.backward(dy)`` on an fp64 copy of ``module`` (the reference
+    a benchmark checks its variants against); ``grads(module, x)`` lists the gradients to compare, x's included."""
+    import copy
+
+    ref = copy.deepcopy(module).double()
+    xr = x.double().requires_grad_()
+    y = ref(xr)
+    y.backward(dy.double())
+    return [y.detach()] + grads(ref, xr)
+
+
+def checked_fwd_bwd(block, x, dy, want: list, grads, what: str, limit: float):
+    """``(step, err)``: ``step()`` runs ``block(x).backward(dy)`` (gradients reset first; capturable), ``err`` is the
+    largest relative error of its output and ``grads(block, x)`` against ``want`` (``fp64_fwd_bwd``'s list), which
+    must be under ``limit``: otherwise one line naming ``what`` and the error ends the benchmark."""
+    xg = x.clone().requires_grad_()
+
+    def step():
+        for p in block.parameters():
+            p.grad = None
+        xg.grad = None
+        block(xg).backward(dy)
+
+    step()
+    got = [block(xg).detach()] + grads(block, xg)
+    err = max(float((g.double().reshape(-1) - w.reshape(-1)).norm() / w.norm()) for g, w in zip(got, want))
+    if not err < limit:
+        raise SystemExit(f"{what} is off by {err:.3g} (limit {limit})")
+    return step, err
+
+
 def slowest(ms: float) -> float:
     """The largest of every rank's ``ms`` (a collective over the default process group): the busiest rank sets
     the time of a collective operation."""

@@ -32,7 +32,8 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from torch import nn  # noqa: E402
 
-from benchmarks.common import environment, graphed, markdown_table, shape_arg, time_ms, write_results  # noqa: E402
+from benchmarks.common import (checked_fwd_bwd, environment, fp64_fwd_bwd, graphed, markdown_table, shape_arg,  # noqa: E402
+                               time_ms, write_results)
 from components.moe_echo.fp8_experts import Fp8WeightCopies, fp8_grouped_swiglu  # noqa: E402
 
 
@@ -80,15 +81,6 @@ class ExpertsFFN(nn.Module):
         return self.add(x, y)
 
 
-def _reference(ffn: FFN, x, dy):
-    """(y, dx, dw1, dw2, dw3) in fp64."""
-    ref = copy.deepcopy(ffn).double()
-    xr = x.double().requires_grad_()
-    y = ref(xr)
-    y.backward(dy.double())
-    return y.detach(), xr.grad, ref.w1.weight.grad, ref.w2.weight.grad, ref.w3.weight.grad
-
-
 def _grads(block, xg):
     ws = (block.w1, block.w2, block.w3)
     return [xg.grad] + [(w.weight if isinstance(w, nn.Linear) else w).grad.reshape(-1) for w in ws]
@@ -101,7 +93,7 @@ def measure(T: int, D: int, H: int, iters: int) -> list[dict]:
         nn.init.normal_(w.weight, std=w.weight.shape[1] ** -0.5)
     x = torch.randn(T, D, device="cuda", dtype=torch.bfloat16)
     dy = torch.randn(T, D, device="cuda", dtype=torch.bfloat16)
-    want = _reference(ffn, x, dy)
+    want = fp64_fwd_bwd(ffn, x, dy, _grads)  # y, dx, dw1, dw2, dw3
     from torchao.float8 import Float8LinearConfig, convert_to_float8_training
 
     ao = copy.deepcopy(ffn)
@@ -114,21 +106,8 @@ def measure(T: int, D: int, H: int, iters: int) -> list[dict]:
     blocks["experts_cast"] = ExpertsFFN(copy.deepcopy(ffn), copies=False, wgrad_fp8=True)
     rows = []
     for name, block in blocks.items():
-        xg = x.clone().requires_grad_()
-
-        def step(block=block, xg=xg):
-            for p in block.parameters():
-                p.grad = None
-            xg.grad = None
-            block(xg).backward(dy)
-
-        step()
-        y = block(xg).detach()
-        got = [y] + _grads(block, xg)
-        err = max(float((g.double().reshape(-1) - w.reshape(-1)).norm() / w.norm()) for g, w in zip(got, want))
-        limit = 0.02 if name == "bf16" else 0.15
-        if not err < limit:
-            raise SystemExit(f"fp8_ffn: {name} is off by {err:.3g} (limit {limit}) at {T}x{D}x{H}")
+        step, err = checked_fwd_bwd(block, x, dy, want, _grads, f"fp8_ffn: {name} at {T}x{D}x{H}",
+                                    limit=0.02 if name == "bf16" else 0.15)
         ms = time_ms(graphed(step), iters=iters)
         rows.append(dict(tokens=T, dim=D, hidden=H, variant=name, ms=ms, gemm_tflops=18 * T * D * H / ms / 1e9,
                          rel_err=err))

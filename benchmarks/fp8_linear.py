@@ -29,7 +29,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 from torch import nn  # noqa: E402
 
-from benchmarks.common import environment, graphed, markdown_table, shape_arg, time_ms, write_results  # noqa: E402
+from benchmarks.common import (checked_fwd_bwd, environment, fp64_fwd_bwd, graphed, markdown_table, shape_arg,  # noqa: E402
+                               time_ms, write_results)
 from components.train.fp8_linear import Fp8RowsLinear  # noqa: E402
 
 PROJECTIONS = ("wq", "wkv_a", "wkv_b", "wo")
@@ -55,12 +56,8 @@ class Projections(nn.Module):
         return x + self.wo(q * torch.sigmoid(kv))
 
 
-def _reference(block, x, dy):
-    ref = copy.deepcopy(block).double()
-    xr = x.double().requires_grad_()
-    y = ref(xr)
-    y.backward(dy.double())
-    return [y.detach(), xr.grad] + [getattr(ref, n).weight.grad for n in PROJECTIONS]
+def _grads(block, x):
+    return [x.grad] + [getattr(block, n).weight.grad for n in PROJECTIONS]
 
 
 def _flops(block, T: int) -> int:
@@ -73,7 +70,7 @@ def measure(T: int, D: int, iters: int) -> list[dict]:
     base = Projections(D).cuda().bfloat16()
     x = torch.randn(T, D, device="cuda", dtype=torch.bfloat16)
     dy = torch.randn(T, D, device="cuda", dtype=torch.bfloat16)
-    want = _reference(base, x, dy)
+    want = fp64_fwd_bwd(base, x, dy, _grads)
     from torchao.float8 import Float8LinearConfig, convert_to_float8_training
 
     blocks = {"bf16": copy.deepcopy(base), "torchao": copy.deepcopy(base), "rows": copy.deepcopy(base)}
@@ -83,20 +80,8 @@ def measure(T: int, D: int, iters: int) -> list[dict]:
     rows = []
     for name, block in blocks.items():
         block.forward = torch.compile(block.forward, fullgraph=True, dynamic=False)
-        xg = x.clone().requires_grad_()
-
-        def step(block=block, xg=xg):
-            for p in block.parameters():
-                p.grad = None
-            xg.grad = None
-            block(xg).backward(dy)
-
-        step()
-        got = [block(xg).detach(), xg.grad] + [getattr(block, n).weight.grad for n in PROJECTIONS]
-        err = max(float((g.double() - w).norm() / w.norm()) for g, w in zip(got, want))
-        limit = 0.02 if name == "bf16" else 0.15
-        if not err < limit:
-            raise SystemExit(f"fp8_linear: {name} is off by {err:.3g} (limit {limit}) at {T}x{D}")
+        step, err = checked_fwd_bwd(block, x, dy, want, _grads, f"fp8_linear: {name} at {T}x{D}",
+                                    limit=0.02 if name == "bf16" else 0.15)
         ms = time_ms(graphed(step), iters=iters)
         rows.append(dict(tokens=T, dim=D, variant=name, ms=ms, gemm_tflops=_flops(base, T) / ms / 1e9, rel_err=err))
     by = {r["variant"]: r["ms"] for r in rows}

@@ -44,3 +44,37 @@ def test_shape_arguments_parse_or_name_the_form():
     for bad in ("64x2048", "64x2048x98304x1", "64xtwox3", ""):
         with pytest.raises(argparse.ArgumentTypeError, match=r"a shape is EXPERTSxCOLUMNSxROWS, e\.g\. 64x2048x98304"):
             parse(bad)
+
+
+def test_checked_fwd_bwd_against_fp64_passes_close_and_stops_far():
+    """The FP8 benchmarks' check (benchmarks/common.py): a bf16 copy of a layer is within a bf16 bound of its fp64
+    reference and its step() fills the gradients; a layer with one perturbed weight is refused with one line naming
+    it and the error."""
+    import copy
+
+    import pytest
+    from torch import nn
+
+    from benchmarks.common import checked_fwd_bwd, fp64_fwd_bwd
+
+    torch.manual_seed(0)
+    lin = nn.Linear(64, 32, bias=False)
+    x, dy = torch.randn(16, 64), torch.randn(16, 32)
+
+    def grads(m, x):
+        return [x.grad, m.weight.grad]
+
+    want = fp64_fwd_bwd(lin, x, dy, grads)
+    assert [tuple(w.shape) for w in want] == [(16, 32), (16, 64), (32, 64)] and want[0].dtype == torch.float64
+    assert torch.allclose(want[1], (dy @ lin.weight.detach()).double(), rtol=1e-5, atol=1e-5)  # dx = dy W
+    b16 = copy.deepcopy(lin).bfloat16()
+    step, err = checked_fwd_bwd(b16, x.bfloat16(), dy.bfloat16(), want, grads, "bf16", limit=0.02)
+    assert 0 < err < 0.02
+    b16.weight.grad = None
+    step()
+    assert b16.weight.grad is not None and b16.weight.grad.abs().sum() > 0
+    off = copy.deepcopy(lin)
+    with torch.no_grad():
+        off.weight[0] += 10.0
+    with pytest.raises(SystemExit, match=r"^off is off by [0-9.]+ \(limit 0\.15\)$"):
+        checked_fwd_bwd(off, x, dy, want, grads, "off", limit=0.15)
