@@ -272,12 +272,17 @@ def test_dense_ffns_through_the_fp8_experts_kernels():
             for r in range(2):  # each sequence alone: the 1000x row would hide the other's error in one norm
                 g, e = (got[r], exact[r]) if got.dim() == 3 else (got, exact)
                 assert float((g.detach().double() - e).norm() / e.norm()) < 0.12, fqn
-    with pytest.raises(UserError, match=r'dense_ffn_kernels = "experts" chooses how FP8 runs the dense '
-                                        r'feed-forwards and needs \[model\] converters = \["float8"\]'):
-        load_config(["--moe_echo.dense_ffn_kernels", "experts"])
-    with pytest.raises(UserError, match=r'dense_ffn_kernels = "experts" runs the FP8 experts\' kernels, emulated on '
-                                        r'CPU only; on a GPU set \[quantize.linear.float8\] emulate = false'):
-        float8.check_float8(load_config([*EMULATED, "--moe_echo.dense_ffn_kernels", "experts"]), torch.device("cuda"))
+    _experts_key_refused("dense_ffn_kernels", "feed-forwards")
+
+
+def _experts_key_refused(key: str, layers: str) -> None:
+    """``[moe_echo] <key> = "experts"`` is one line naming the fix without float8, and with emulate on a GPU."""
+    with pytest.raises(UserError, match=rf'{key} = "experts" chooses how FP8 runs the dense {layers} and needs '
+                                        r'\[model\] converters = \["float8"\]; set both'):
+        load_config([f"--moe_echo.{key}", "experts"])
+    with pytest.raises(UserError, match=rf'{key} = "experts" runs the FP8 experts\' kernels, emulated on CPU only; '
+                                        r'on a GPU set \[quantize.linear.float8\] emulate = false'):
+        float8.check_float8(load_config([*EMULATED, f"--moe_echo.{key}", "experts"]), torch.device("cuda"))
 
 
 @pytest.mark.parametrize("ffn_kernels", ["torchao", "experts"])
@@ -316,10 +321,4 @@ def test_dense_linears_through_the_fp8_experts_kernels(ffn_kernels):
         want.sum().backward()
         for got, exact in ((y, want), (x.grad, x64.grad), (lin.weight.grad, want_lin.weight.grad)):
             assert float((got.detach().double() - exact).norm() / exact.norm()) < 0.08, fqn
-    with pytest.raises(UserError, match=r'dense_linear_kernels = "experts" chooses how FP8 runs the dense linear '
-                                        r'layers and needs \[model\] converters = \["float8"\]'):
-        load_config(["--moe_echo.dense_linear_kernels", "experts"])
-    with pytest.raises(UserError, match=r'dense_linear_kernels = "experts" runs the FP8 experts\' kernels, emulated '
-                                        r'on CPU only'):
-        float8.check_float8(load_config([*EMULATED, "--moe_echo.dense_linear_kernels", "experts"]),
-                            torch.device("cuda"))
+    _experts_key_refused("dense_linear_kernels", "linear layers")
