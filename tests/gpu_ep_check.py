@@ -12,7 +12,10 @@
    gradients differ at the fp8 level);
 5. FP8 experts behind nvlink (bf16 and fp8 wire, and the layer in 2 pipelined chunks): the rows the dispatcher's
    kernels quantise as they write them (its local expand, its combine backward) give bitwise the output and
-   gradients of quantising in the experts, which then quantise no [N, D] rows themselves; sync-free."""
+   gradients of quantising in the experts, which then quantise no [N, D] rows themselves; sync-free;
+6. FP8 experts behind nvlink with ECHO on (whole and in 2 pipelined chunks): the clones read from the FP8 weight
+   copies (their bytes written into the copies' slot rows over peer memory) give bitwise the output and gradients
+   of casting the extended weights per call; sync-free."""
 
 import copy
 import os
@@ -129,6 +132,7 @@ def main():
               f"kernels; its gradients vs the exact ones: {grad_gap:.1e}",
               flush=True)
     fp8_rows_check(mesh, dev, rank, world, x_all)
+    fp8_echo_copies_check(mesh, dev, rank, world, x_all)
     dist.barrier()
     if rank == 0:
         print("GPU-EP-OK", flush=True)
@@ -176,6 +180,40 @@ def fp8_rows_check(mesh, dev, rank: int, world: int, x_all: torch.Tensor) -> Non
                       flush=True)
     finally:
         fe.quant_rows = real
+
+
+def fp8_echo_copies_check(mesh, dev, rank: int, world: int, x_all: torch.Tensor) -> None:
+    """6.: FP8 experts over nvlink with ECHO, the clones from the FP8 copies against the per-call cast, bitwise."""
+    for chunks in (1, 2):
+        runs = []
+        for copies in (False, True):
+            cfg = MoEEchoConfig(dispatcher="nvlink", capacity_factor=float(world), expert_precision="fp8", echo=True,
+                                overlap_chunks=chunks)
+            layer = make(dev, cfg)
+            layer.expert_bias[:2] = 0.5  # two hot experts on rank 0, so ECHO clones
+            apply_expert_parallel(layer, mesh, cfg)
+            if copies:
+                layer.enable_fp8_copies()
+                assert layer.experts.fp8_copies.slots == layer.echo.S
+            x = x_all[rank:rank + 1].clone().requires_grad_()
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                y = layer(x)
+            (y.float() * torch.linspace(-1, 1, y.numel(), device=dev).view_as(y)).sum().backward()
+            assert float(layer.echo_stats[2]) >= 1, "ECHO made no clone"
+            runs.append([y.detach(), x.grad] + [p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad
+                                                 for p in layer.parameters()])
+            torch.cuda.synchronize()
+            torch.cuda.set_sync_debug_mode("error")
+            try:
+                with torch.autocast("cuda", dtype=torch.bfloat16):
+                    layer(x).float().pow(2).mean().backward()
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+        for i, (a, b) in enumerate(zip(*runs)):
+            assert a is not None and torch.equal(a, b), f"ECHO from FP8 copies ({chunks} chunks): tensor {i} differs"
+        if rank == 0:
+            print(f"FP8 experts over nvlink with ECHO, {chunks} chunk(s): clones from the FP8 copies == the extended "
+                  f"weights cast per call (output and {len(runs[0]) - 1} gradients, bitwise); sync-free", flush=True)
 
 
 if __name__ == "__main__":

@@ -68,6 +68,7 @@ EP_CHECKS = [
     ("test_optimizer_written_expert_copies_train_as_the_per_step_cast", (2,), "compute_copies_train"),
     ("test_optimizer_written_expert_copies_with_echo_train_as_the_per_step_cast", (2,), "compute_copies_echo_train"),
     ("test_fp8_head_as_an_fsdp_unit_takes_the_fp8_gradient_and_reduces_it", (2,), "fp8_head_fsdp"),
+    ("test_echo_clones_from_fp8_copies_equal_the_per_call_cast", (2,), "fp8_echo_copies"),
 ]
 
 
@@ -113,6 +114,11 @@ def test_optimizer_written_expert_copies_with_echo_train_as_the_per_step_cast(ep
     """The same with ECHO on and full activation checkpointing: clones read the copies, their gradients reach
     the home experts' compute gradients, and the forward recomputed in backward keeps them."""
     ep_check(2, "compute_copies_echo_train")
+
+
+def test_echo_clones_from_fp8_copies_equal_the_per_call_cast(ep_check):
+    """EP=2, FP8 experts, ECHO on: clones sent as FP8 copy bytes = the extended weights cast per call, bit for bit."""
+    ep_check(2, "fp8_echo_copies")
 
 
 def test_fp8_head_as_an_fsdp_unit_takes_the_fp8_gradient_and_reduces_it(ep_check):

@@ -162,7 +162,9 @@ def test_checkpoint_load_rewrites_the_copies_from_the_masters():
     assert_copies_equal(ge.fp8_copies, _fresh(*_masters(opt, ge)))
 
 
-def test_only_fp8_layers_without_echo_get_copies():
+def test_only_fp8_layers_get_copies_with_echo_slots_after_them():
+    from types import SimpleNamespace
+
     args = MoEArgs(num_experts=8, num_shared_experts=0, top_k=2, score_func="softmax", route_norm=False,
                    score_before_experts=False)
     bf16 = MoELayer(args, 32, 16, MoEEchoConfig())
@@ -170,10 +172,105 @@ def test_only_fp8_layers_without_echo_get_copies():
     assert bf16.experts.fp8_copies is None
     fp8 = MoELayer(args, 32, 16, MoEEchoConfig(expert_precision="fp8"))
     fp8.enable_fp8_copies()
-    assert fp8.experts.fp8_copies is not None and fp8.experts.copies[fp8.experts.w2].fp8 == (fp8.experts.fp8_copies, 2)
+    c = fp8.experts.fp8_copies
+    assert c is not None and fp8.experts.copies[fp8.experts.w2].fp8 == (c, 2)
+    assert c.with_slots.plain2_EDH.data_ptr() == c.plain2_EDH.data_ptr() and c.with_slots.plain2_EDH.shape[0] == 8
     assert weight_copies(bf16) == {} and len(weight_copies(fp8)) == 3
     with pytest.raises(ValueError, match="expert_precision"):
         bf16.experts.enable_fp8_copies()
+    echo = MoELayer(args, 32, 16, MoEEchoConfig(expert_precision="fp8"))
+    echo.echo = SimpleNamespace(S=3)  # ECHO's slots per rank: three expert rows after the copies' eight
+    echo.enable_fp8_copies()
+    c = echo.experts.fp8_copies
+    for name in ("plain13_E2HD", "plain2_EDH", "t13_ED2H", "t2_EHD"):
+        home, full = getattr(c, name), getattr(c.with_slots, name)
+        assert home.shape[0] == 8 and full.shape[0] == 11 and home.data_ptr() == full.data_ptr(), name
+    assert c.scale_2E.shape == (2, 8) and c.with_slots.scale_2E.shape == (2, 11)
+    gathered = MoELayer(args, 32, 16, MoEEchoConfig(expert_precision="fp8", gathered_experts=True))
+    gathered.enable_fp8_copies()
+    assert gathered.experts.fp8_copies is None
+
+
+class _OneRankClones:
+    """ECHO's transport on one rank (R = 1): slot s clones home expert ``slot_expert_G[s]`` (-1: unused)."""
+
+    rank = 0
+
+    def __init__(self, S):
+        self.S, self.moved = S, []
+
+    def all_gather(self, x, what="counts"):
+        return x[None].clone()
+
+    def clones(self, w_eX, slot_expert_G, index=0):
+        self.moved.append((index, w_eX.dtype))
+        used = (slot_expert_G >= 0).view(-1, *[1] * (w_eX.dim() - 1))
+        return w_eX[slot_expert_G.clamp(min=0)] * used.to(w_eX.dtype)
+
+    def add_clone_grads_(self, grad_eX, grad_SX, slot_expert_G, index=0):
+        used = slot_expert_G >= 0
+        grad_eX.index_add_(0, slot_expert_G[used], grad_SX[used].to(grad_eX.dtype))
+
+
+@pytest.mark.parametrize("dev", ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, hopper])])
+@pytest.mark.parametrize("slot_expert", [[2, 0, -1], [3, 3, 3], [-1, -1, -1]])
+def test_echo_clones_from_the_fp8_copies_equal_casting_the_extended_weights(slot_expert, dev):
+    """ECHO with FP8 copies (the clones' FP8 bytes copied into the copies' slot rows, the weights only taking the
+    gradients) against ECHO casting the extended weights per call: the same output, input gradient and weight
+    gradients bit for bit (one expert cloned into every slot, an unused slot, no clone at all); only the FP8 bytes
+    moved, the home rows untouched, an unused slot zero bytes at scale 1. On a GPU: the Triton kernels."""
+    from components.moe_echo.echo import Echo, EchoClones
+    from components.moe_echo.echo_transport import extend_with_clones
+    from components.moe_echo.planner import EchoPlan
+
+    S = len(slot_expert)
+    slot_G = torch.tensor(slot_expert)
+    counts = torch.tensor([5, 0, 7, 3] + [4, 2, 6][:S])
+    counts[E:][slot_G < 0] = 0  # an unused slot gets no rows
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(int(counts.sum()) + 3, D, generator=g).bfloat16().to(dev)
+    gy = torch.randn(x.shape[0], D, generator=g).to(dev)
+    slot_G, counts = slot_G.to(dev), counts.to(dev)
+
+    def run(copies):
+        torch.manual_seed(0)
+        ge = GroupedExperts(D, H, E, precision="fp8").to(dev)
+        ge.init_weights(0.02)
+        with torch.no_grad():
+            ge.w2[3].mul_(40.0)  # one expert far from the others
+        t = _OneRankClones(S)
+        if copies:
+            ge.enable_fp8_copies(slots=S)
+            before = [_bytes(getattr(ge.fp8_copies, n)).clone() for n in ("plain13_E2HD", "t2_EHD")]
+            none = torch.zeros(1, dtype=torch.int64, device=dev)
+            extend = EchoClones(Echo(E, 1, 0, S, "fill", t), EchoPlan(slot_G, none, none, none))
+        else:
+            extend = lambda w, i, out=None: extend_with_clones(w, slot_G, t, i)  # noqa: E731
+        xg = x.clone().requires_grad_()
+        y = ge(xg, counts, extend)
+        (y.float() * gy).sum().backward()
+        if copies:
+            c = ge.fp8_copies
+            assert all(torch.equal(b, _bytes(getattr(c, n))) for b, n in zip(before, ("plain13_E2HD", "t2_EHD")))
+            full = c.with_slots
+            for s, home in enumerate(slot_expert):
+                want = _bytes(full.plain13_E2HD[home]) if home >= 0 else torch.zeros_like(_bytes(full.plain13_E2HD[0]))
+                assert torch.equal(_bytes(full.plain13_E2HD[E + s]), want)
+                one = torch.ones(2, device=dev)
+                assert torch.equal(full.scale_2E[:, E + s], full.scale_2E[:, home] if home >= 0 else one)
+            assert_copies_equal(full, full)  # the slots' transposed copies are their plain ones transposed
+            assert {dtype for _, dtype in t.moved} == {torch.uint8}  # FP8 bytes; the weights stay
+        else:
+            assert {dtype for _, dtype in t.moved} == {torch.float32}
+        return y, xg.grad, [w.grad for w in (ge.w1, ge.w2, ge.w3)]
+
+    y_cast, dx_cast, dw_cast = run(copies=False)
+    y, dx, dw = run(copies=True)
+    assert torch.equal(y, y_cast) and torch.equal(dx, dx_cast)
+    for a, b in zip(dw, dw_cast):
+        assert torch.equal(a, b)
+    if slot_expert[0] >= 0:  # a cloned expert's gradient holds its clone's rows
+        assert dw[0][slot_expert[0]].abs().sum() > 0
 
 
 @pytest.mark.gpu

@@ -45,6 +45,8 @@ CASES["fp8_copies_nvlink_2gpu"] = (2, CASES["padded_2gpu"][1][:2] + ["--moe_echo
                                                                     "--moe_echo.capacity_factor", "2.0",
                                                                     "--moe_echo.expert_precision", "fp8"])
 # the tokens of each layer in 2 pipelined chunks (dispatch beside the experts on a side stream), ECHO on
+CASES["fp8_copies_echo_nvlink_2gpu"] = (2, CASES["fp8_copies_nvlink_2gpu"][1] + ["--moe_echo.echo", "true",
+                                                                              "--moe_echo.echo_slots_per_rank", "2"])
 CASES["overlap_echo_padded_2gpu"] = (2, CASES["padded_2gpu"][1] + ["--moe_echo.overlap_chunks", "2",
                                                                    "--moe_echo.echo", "true"])
 # the whole step in FP8: torchao's rowwise Float8Linear for the dense layers, FP8 routed experts
@@ -106,6 +108,8 @@ def test_sync_free_steps_and_graph_equals_eager(case, tmp_path):
         assert f"fp8 experts: weight scales per {per}; weight copies written by the optimizer step in" in out, \
             out[-3000:]
         assert "; weight gradients in fp8" in out, out[-3000:]  # expert_wgrad_precision = "auto" with FP8 experts
+    if case == "fp8_copies_echo_nvlink_2gpu":  # ECHO's clones read from the copies: every layer has them
+        assert re.search(r"optimizer step in (\d+) of \1 MoE layers", out), out[-3000:]
     assert len(eager) == len(graphed) == STEPS
     for s, (a, b) in enumerate(zip(eager, graphed), 1):
         assert abs(a - b) <= 2e-3 * abs(a), f"step {s}: eager loss {a} vs graphed {b}"

@@ -14,7 +14,7 @@ or the ``nvlink`` dispatcher's peer memory.
 
 import torch
 
-from .echo_transport import extend_with_clones
+from .echo_transport import clone_fp8_weights_, extend_with_clones, slot_gradients
 from .planner import EchoPlan, plan_echo, rank_local_ids, rewrite
 
 
@@ -47,6 +47,32 @@ class Echo:
         """[e + S, ...]: home experts then this rank's clones (their gradients reach the home experts); ``out``:
         a buffer whose rows [:e] are w_eX itself (the clones are written into its last S rows)."""
         return extend_with_clones(w_eX, plan.slot_expert_G, self.transport, index, out)
+
+
+class EchoClones:
+    """One step's clones, as the experts ask for them (``GroupedExperts.forward``'s ``extend``):
+
+        clones(w, i, out=None)   [e + S, ...]: weight i with its clones appended (``Echo.local_weights``)
+        clones.slot_gradients(w, i)   [e + S, ...] whose values are unset: its gradient reaches w as the above's
+        clones.fp8_weights(copies)    the FP8 copies' ``Fp8Weights`` [e + S] with the clones written into the
+                                      slots from the home experts' copies (once per step, however many calls)
+    With FP8 weight copies the experts read the last and differentiate through the second: the clones move as
+    FP8 bytes and no weight is cast or sent."""
+
+    def __init__(self, echo: Echo, plan: EchoPlan):
+        self.echo, self.plan = echo, plan
+        self._fp8 = None
+
+    def __call__(self, w_eX: torch.Tensor, index: int = 0, out=None) -> torch.Tensor:
+        return self.echo.local_weights(w_eX, self.plan, index, out)
+
+    def slot_gradients(self, w_eX: torch.Tensor, index: int = 0) -> torch.Tensor:
+        return slot_gradients(w_eX, self.plan.slot_expert_G, self.echo.transport, index)
+
+    def fp8_weights(self, copies):
+        if self._fp8 is None:  # the chunks of a pipelined layer, and a recomputed forward, read the same clones
+            self._fp8 = clone_fp8_weights_(copies.with_slots, copies.E, self.plan.slot_expert_G, self.echo.transport)
+        return self._fp8
 
 
 def echo_stats(plan: EchoPlan) -> torch.Tensor:

@@ -25,6 +25,7 @@ Two transports, both static-shape with no host read:
 import torch
 import torch.distributed as dist
 
+from kernels.fp8 import transpose_copy_
 from kernels.peer_rows import peer_gather_sum, peer_scatter
 
 from .comm import all_to_all
@@ -38,7 +39,9 @@ class CollectiveTransport:
     def __init__(self, group, ep_size: int, rank: int, slots: int, local_experts: int):
         self.group, self.R, self.rank, self.S, self.e = group, ep_size, rank, slots, local_experts
 
-    def all_gather(self, counts_E: torch.Tensor) -> torch.Tensor:
+    def all_gather(self, counts_E: torch.Tensor, what: str = "counts") -> torch.Tensor:
+        """[R, E]: every rank's ``counts_E`` (any 1-D tensor; ``what`` names it, one buffer per name where the
+        transport keeps buffers)."""
         parts = [torch.empty_like(counts_E) for _ in range(self.R)]
         dist.all_gather(parts, counts_E.contiguous(), group=self.group)
         return torch.stack(parts)
@@ -166,8 +169,8 @@ class PeerMemoryTransport:
     def __init__(self, ws, name: str, rank: int, slots: int, local_experts: int, programs: int = 64):
         self.ws, self.name, self.rank, self.S, self.e, self.programs = ws, name, rank, slots, local_experts, programs
 
-    def all_gather(self, counts_E: torch.Tensor) -> torch.Tensor:
-        return all_gather_rows(self.ws, f"{self.name}/echo_counts", counts_E)
+    def all_gather(self, counts_E: torch.Tensor, what: str = "counts") -> torch.Tensor:
+        return all_gather_rows(self.ws, f"{self.name}/echo_{what}", counts_E)
 
     def _routes(self, slot_expert_G: torch.Tensor, rows: int):
         """Each clone row's destination rank and row in its buffer (-1: not one of my experts' clones)."""
@@ -247,12 +250,59 @@ class _ExtendWithClones(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_eSX):
-        (slot_expert_G,) = ctx.saved_tensors
-        if 0 in grad_eSX.stride() or not grad_eSX.is_contiguous():  # an expanded gradient (e.g. of a sum) shares
-            grad_eSX = grad_eSX.contiguous()                          # memory between rows
-        grad_eX = grad_eSX[:ctx.e]  # the extended weights' gradient is this Function's own buffer: added in place
-        ctx.transport.add_clone_grads_(grad_eX, grad_eSX[ctx.e:], slot_expert_G, ctx.index)
-        return grad_eX, None, None, None, None
+        return _home_gradient(ctx, grad_eSX), None, None, None, None
+
+
+def _home_gradient(ctx, grad_eSX: torch.Tensor) -> torch.Tensor:
+    """The home experts' gradient [e, ...]: rows [:e] of the extended weights' gradient with each slot's rows added
+    into its home expert's (on the home rank, through ``ctx.transport``)."""
+    (slot_expert_G,) = ctx.saved_tensors
+    if 0 in grad_eSX.stride() or not grad_eSX.is_contiguous():  # an expanded gradient (e.g. of a sum) shares
+        grad_eSX = grad_eSX.contiguous()                          # memory between rows
+    grad_eX = grad_eSX[:ctx.e]  # the extended weights' gradient is this Function's own buffer: added in place
+    ctx.transport.add_clone_grads_(grad_eX, grad_eSX[ctx.e:], slot_expert_G, ctx.index)
+    return grad_eX
+
+
+class _SlotGradients(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, w_eX, slot_expert_G, transport, index: int):
+        ctx.save_for_backward(slot_expert_G)
+        ctx.e, ctx.transport, ctx.index = w_eX.shape[0], transport, index
+        return w_eX.new_empty(w_eX.shape[0] + transport.S, *w_eX.shape[1:])
+
+    @staticmethod
+    def backward(ctx, grad_eSX):
+        return _home_gradient(ctx, grad_eSX), None, None, None
+
+
+def slot_gradients(w_eX: torch.Tensor, slot_expert_G: torch.Tensor, transport, index: int = 0) -> torch.Tensor:
+    """[e + S, ...], its values unset: a stand-in for ``extend_with_clones``' weights where the GEMMs read FP8 copies
+    instead (``clone_fp8_weights_``) and never the weights. Its gradient is theirs: each slot's rows are added into
+    its home expert's, which reach ``w_eX``. No weight moves in the forward."""
+    return _SlotGradients.apply(w_eX, slot_expert_G, transport, index)
+
+
+FP8_INDEX = 16  # the FP8 copies' transport buffers: indices past the weights' (0, 1, 2 and W13)
+
+
+@torch.no_grad()
+def clone_fp8_weights_(w, e: int, slot_expert_G: torch.Tensor, transport):
+    """ECHO's slots of FP8 weights (``fp8_experts.Fp8Weights`` of e home experts then S slots) written from their
+    home experts' rows, and returned: the plain copies' bytes through the transport, the scales by an all-gather of
+    every rank's, the transposed copies transposed here. Unused slots: zero bytes, scale 1. The home rows are read,
+    never written."""
+    S = transport.S
+    for k, plain in enumerate((w.plain13_E2HD, w.plain2_EDH)):
+        plain[e:].view(torch.uint8).copy_(transport.clones(plain[:e].view(torch.uint8), slot_expert_G, FP8_INDEX + k))
+    home_R2e = transport.all_gather(w.scale_2E[:, :e].reshape(-1), "fp8_scales").view(-1, 2, e)
+    x_S = slot_expert_G.view(-1, S)[transport.rank]  # the experts my slots clone (-1: none)
+    x = x_S.clamp(min=0)
+    s_2S = home_R2e[x // e, :, x % e].t()  # [2, S]
+    w.scale_2E[:, e:].copy_(torch.where(x_S >= 0, s_2S, torch.ones_like(s_2S)))
+    transpose_copy_(w.plain13_E2HD[e:], w.t13_ED2H[e:])
+    transpose_copy_(w.plain2_EDH[e:], w.t2_EHD[e:])
+    return w
 
 
 def extend_with_clones(w_eX: torch.Tensor, slot_expert_G: torch.Tensor, transport, index: int = 0,

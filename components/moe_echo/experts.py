@@ -214,10 +214,15 @@ class GroupedExperts(nn.Module):
             w13, w2 = self.weights_13(extend, on_cuda=quack)
             return (quack_swiglu if quack else grouped_swiglu13)(x_ND, w13, w2, counts_e)
         weights = self.local_weights()
-        if extend is not None:
-            weights = tuple(extend(w, i) for i, w in enumerate(weights))
-        if self.precision == "fp8":  # ECHO's extended weights (clones appended) are cast per call
-            copies = self.fp8_copies if extend is None else None
+        copies = self.fp8_copies if self.precision == "fp8" else None
+        if extend is not None and copies is not None and hasattr(extend, "fp8_weights"):
+            # ECHO with FP8 copies: the clones' FP8 bytes copied into the copies' slot rows; the weights only
+            # take the gradients (the clones' added into their home experts')
+            copies = extend.fp8_weights(copies)
+            weights = tuple(extend.slot_gradients(w, i) for i, w in enumerate(weights))
+        elif extend is not None:  # the extended weights (clones appended), cast per call where FP8
+            weights, copies = tuple(extend(w, i) for i, w in enumerate(weights)), None
+        if self.precision == "fp8":
             return fp8_grouped_swiglu(x_ND, *weights, counts_e, self._fp8_scale_hint(weights[0]), copies=copies,
                                       channels=self.fp8_scaling == "channel", rows=fp8_rows,
                                       wgrad_fp8=self.wgrad_precision == "fp8")
@@ -280,19 +285,20 @@ class GroupedExperts(nn.Module):
                 cp2.compute, self._full13, self._full2 = full2[:e], full13, full2
         self.compute_copies = True
 
-    def enable_fp8_copies(self) -> None:
+    def enable_fp8_copies(self, slots: int = 0) -> None:
         """FP8 experts whose optimizer writes their FP8 weight copies (``Fp8WeightCopies``; AdamWWithCopies and
         MasterAdamW, components/train/master_adamw.py, find them as ``self.copies[w].fp8 = (copies, role)``):
         the forward and the input gradient read them instead of casting the weights per call. Written here from
         the weights as they are; ``refresh_compute_copies`` rewrites them after weights were loaded. Nothing with
-        per-channel scales (the copies hold one scale per expert)."""
+        per-channel scales (the copies hold one scale per expert). ``slots``: ECHO's slots per rank, expert rows
+        after the copies' that receive the clones (``forward``'s ``extend.fp8_weights``)."""
         if self.precision != "fp8":
             raise ValueError("FP8 weight copies are for expert_precision = 'fp8'")
         if self.fp8_scaling == "channel":
             return
         w1, w2, w3 = (local_of(w).detach() for w in (self.w1, self.w2, self.w3))
         E, H, D = w1.shape
-        self.fp8_copies = Fp8WeightCopies(E, H, D, w1.device)
+        self.fp8_copies = Fp8WeightCopies(E, H, D, w1.device, slots=slots)
         self.fp8_copies.write_(w1, w2, w3)
         for role, w in enumerate((self.w1, self.w2, self.w3), start=1):
             self._copy_of(w).fp8 = (self.fp8_copies, role)

@@ -33,6 +33,8 @@ Off CUDA the GEMMs are emulated (dequantise, fp32 matmul per expert): the same q
 tests check everything but the tensor-core kernels.
 """
 
+from dataclasses import dataclass
+
 import torch
 
 from components.errors import UserError
@@ -140,6 +142,17 @@ def cast_channels_t(ws: tuple[torch.Tensor, ...], out_EIP: torch.Tensor) -> torc
     return s_R.view(E, I)
 
 
+@dataclass
+class Fp8Weights:
+    """The FP8 weights the experts' GEMMs read, E experts (``Fp8WeightCopies``' fields of the same names)."""
+
+    plain13_E2HD: torch.Tensor
+    plain2_EDH: torch.Tensor
+    t13_ED2H: torch.Tensor
+    t2_EHD: torch.Tensor
+    scale_2E: torch.Tensor
+
+
 class Fp8WeightCopies:
     """Persistent FP8 copies of one rank's E experts (w1, w3: [E, H, D], w2: [E, D, H]) in the layouts the GEMMs
     read, written by the optimizer step (``adamw_master_(..., fp8=copies.copy(role))`` writes the plain copies
@@ -153,15 +166,22 @@ class Fp8WeightCopies:
 
     2 bytes per weight element in all, the size of one bf16 copy. Roles: 1, 2, 3 for w1, w2, w3. Per step the
     optimizer moves 3 bytes per element for them (write the plain copy; read it, write the transposed one)
-    where casting in the layer moves 6 (read bf16 and write FP8, twice)."""
+    where casting in the layer moves 6 (read bf16 and write FP8, twice).
 
-    def __init__(self, E: int, H: int, D: int, device: torch.device):
-        new = lambda *shape: torch.zeros(*shape, dtype=FP8, device=device)
-        self.plain13_E2HD, self.plain2_EDH = new(E, 2 * H, D), new(E, D, H)
-        self.t13_ED2H, self.t2_EHD = new(E, D, 2 * H), new(E, H, D)
-        self.scale_2E = torch.ones(2, E, dtype=torch.float32, device=device)
+    ``slots`` (ECHO's slots per rank): each buffer holds ``slots`` expert rows after the E home experts, which the
+    optimizer never writes; ECHO writes its clones there from their home experts' copies
+    (``echo_transport.clone_fp8_weights_``) and the GEMMs read ``with_slots`` ([E + slots] views)."""
+
+    def __init__(self, E: int, H: int, D: int, device: torch.device, slots: int = 0):
+        new = lambda *shape: torch.zeros(E + slots, *shape, dtype=FP8, device=device)
+        scales = torch.ones(2, E + slots, dtype=torch.float32, device=device)
+        self.with_slots = Fp8Weights(new(2 * H, D), new(D, H), new(D, 2 * H), new(H, D), scales)
+        w = self.with_slots
+        self.plain13_E2HD, self.plain2_EDH = w.plain13_E2HD[:E], w.plain2_EDH[:E]
+        self.t13_ED2H, self.t2_EHD = w.t13_ED2H[:E], w.t2_EHD[:E]
+        self.scale_2E = scales[:, :E]
         self.amax_2E = torch.zeros(2, E, dtype=torch.float32, device=device)
-        self.H = H
+        self.H, self.E, self.slots = H, E, slots
 
     def copy(self, role: int) -> Fp8Copy:
         """Where weight ``role`` (1, 2, 3: w1, w2, w3) lives in the copies."""
@@ -282,7 +302,7 @@ def fp8_grouped_swiglu(x_ND, w1_EHD, w2_EDH, w3_EHD, counts_E, scale_hint_2E=Non
         raise ValueError("FP8 weight copies hold one scale per expert; per-channel scaling casts in each call")
     if copies is not None and tuple(copies.plain2_EDH.shape) != tuple(w2_EDH.shape):
         raise ValueError(f"FP8 copies of shape {tuple(copies.plain2_EDH.shape)} for w2 of {tuple(w2_EDH.shape)}: "
-                         "the copies belong to other weights (ECHO's extended weights have none)")
+                         "the copies belong to other weights (with ECHO the GEMMs read their with_slots)")
     if scale_hint_2E is None:
         scale_hint_2E = torch.zeros(2, E, dtype=torch.float32, device=x_ND.device)
     if rows is not None and (x_ND.dtype != torch.bfloat16 or not x_ND.is_contiguous()):

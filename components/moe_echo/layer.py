@@ -42,7 +42,7 @@ from components.streams import side_stream
 
 from .config import MoEEchoConfig
 from .dispatcher import Dispatcher, LocalDispatcher
-from .echo import echo_stats
+from .echo import EchoClones, echo_stats
 from .experts import GroupedExperts, SwiGLU
 from .gathered_experts import gathered_rows
 from .pipelined import check_overlap, chunks_for, pipelined_routed
@@ -213,7 +213,7 @@ class MoELayer(nn.Module):
         return y_TD + torch.cat(shared) if shared else y_TD
 
     def _extend(self, plan):
-        return None if plan is None else (lambda w, i, out=None: self.echo.local_weights(w, plan, i, out))
+        return None if plan is None else EchoClones(self.echo, plan)
 
     def _gathered(self, x_TD, ids_TK, w_TK, plan) -> torch.Tensor:
         """The experts read token rows themselves and apply the combine (``gathered_experts``; ECHO's clones
@@ -229,11 +229,11 @@ class MoELayer(nn.Module):
         self.experts.enable_compute_copies(spare_rows=self.echo.S if self.echo is not None else 0)
 
     def enable_fp8_copies(self) -> None:
-        """FP8 experts' optimizer-written FP8 weight copies (``GroupedExperts.enable_fp8_copies``). Nothing with
-        bf16 experts, and nothing with ECHO: its clones extend the weights every step, and the extended weights
-        are cast per call."""
-        if self.experts.precision == "fp8" and self.echo is None and not self.cfg.gathered_experts:
-            self.experts.enable_fp8_copies()
+        """FP8 experts' optimizer-written FP8 weight copies (``GroupedExperts.enable_fp8_copies``), with ECHO's
+        slot rows after them where ECHO is on (its clones are copied there from the home experts' copies). Nothing
+        with bf16 experts or with gathered experts."""
+        if self.experts.precision == "fp8" and not self.cfg.gathered_experts:
+            self.experts.enable_fp8_copies(slots=self.echo.S if self.echo is not None else 0)
 
     def _shared_at_ends(self, x_TD: torch.Tensor, chunks: int) -> bool:
         """True where the shared experts fill the ends of a pipelined layer (``shared_experts_stream = "ends"``)."""

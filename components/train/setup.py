@@ -211,8 +211,8 @@ def build_training(run: Run, model: torch.nn.Module, loader: TokenBatchLoader) -
         wgrad = layers[0][1].experts.wgrad_precision if layers else cfg.moe_echo.expert_wgrad_precision
         run.say(f"fp8 experts: weight scales per {cfg.moe_echo.expert_fp8_scaling}; weight copies written by the "
                 f"optimizer step in {n} of {len(layers)} MoE layers"
-                + ("" if n == len(layers) else "; the others cast their weights in each pass (ECHO's clones, "
-                   "per-channel scales, or no optimizer that writes copies)")
+                + ("" if n == len(layers) else "; the others cast their weights in each pass (per-channel "
+                   "scales, gathered experts, or no optimizer that writes copies)")
                 + f"; weight gradients in {wgrad}")
     optimizer = build_optimizer(model, cfg.optimizer, gated=gated, master_dtype=torch.bfloat16 if master else None)
     if float8.requested(cfg) and float8.fp8_all_gather(cfg, run.dims.fsdp) and \
