@@ -266,7 +266,8 @@ def test_echo_clones_from_the_fp8_copies_equal_casting_the_extended_weights(slot
 
     y_cast, dx_cast, dw_cast = run(copies=False)
     y, dx, dw = run(copies=True)
-    assert torch.equal(y, y_cast) and torch.equal(dx, dx_cast)
+    used = int(counts.sum())  # rows past the experts' are unspecified in y and dx
+    assert torch.equal(y[:used], y_cast[:used]) and torch.equal(dx[:used], dx_cast[:used])
     for a, b in zip(dw, dw_cast):
         assert torch.equal(a, b)
     if slot_expert[0] >= 0:  # a cloned expert's gradient holds its clone's rows
