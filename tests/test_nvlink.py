@@ -326,6 +326,76 @@ def test_nvlink_weight_multicast_and_gradient_reduce_back(shape, into):
         torch.testing.assert_close(grad, want_grad, rtol=1e-12, atol=1e-12)
 
 
+@pytest.mark.parametrize("slot_expert", [[8, 4], [-1, 4], [-1, -1], [6, 0]])
+def test_clone_gradients_pull_only_the_cloned_experts_rows(slot_expert):
+    """More home experts than slots (e = 5, G = 2: two of the five experts' rows are read): each home expert's
+    gradient is its rows' plus its clones', fp64, whichever experts the slots clone (the last one, none, some)."""
+    from components.moe_echo.echo_transport import PeerMemoryTransport, extend_with_clones
+
+    R, S, e = 2, 1, 5
+    slot_expert_G = torch.tensor(slot_expert)
+    gen = torch.Generator().manual_seed(1)
+    w_R = [torch.randn(e, 3, 4, generator=gen, dtype=torch.float64) for _ in range(R)]
+    g_R = [torch.randn(e + S, 3, 4, generator=gen, dtype=torch.float64) for _ in range(R)]
+    transports = []
+
+    def rank_fn(rank, ws):
+        w = w_R[rank].clone().requires_grad_()
+        t = PeerMemoryTransport(ws, "layer", rank, S, e)
+        transports.append(t)
+        (extend_with_clones(w, slot_expert_G, t) * g_R[rank]).sum().backward()
+        return w.grad
+
+    grads = run_ranks(R, rank_fn)
+    assert transports[0]._pull_routes(slot_expert_G, 3)[0].shape == (2 * 3, R)  # C = 2 experts' rows, not 5
+    for rank, grad in enumerate(grads):
+        want = g_R[rank][:e].clone()
+        for g, x in enumerate(slot_expert):
+            if x >= 0 and x // e == rank:
+                want[x % e] += g_R[g // S][e + g % S]
+        torch.testing.assert_close(grad, want, rtol=1e-12, atol=1e-12)
+
+
+def test_fp8_clones_over_peer_memory_are_the_home_experts_copies():
+    """ECHO's FP8 clones over peer memory (``clone_fp8_weights_`` with the nvlink transport): each used slot holds
+    its home expert's FP8 copy bytes (plain and transposed) and scale, bit for bit; an unused slot zero bytes at
+    scale 1; the home rows untouched; only the slots' own rows written."""
+    from components.moe_echo.echo_transport import PeerMemoryTransport, clone_fp8_weights_
+    from components.moe_echo.fp8_experts import Fp8WeightCopies
+
+    R, S, e, H, D = 3, 2, 2, 16, 32
+    slot_expert_G = torch.tensor([3, -1, 0, 5, 3, -1])  # expert 3 cloned twice, rank 2's slot 1 unused
+    gen = torch.Generator().manual_seed(0)
+    ws_R = [[torch.randn(e, *shape, generator=gen) * 10.0 ** r for shape in ((H, D), (D, H), (H, D))]
+            for r in range(R)]
+    copies_R = []
+    for r in range(R):
+        c = Fp8WeightCopies(e, H, D, torch.device("cpu"), slots=S)
+        c.write_(*ws_R[r])
+        copies_R.append(c)
+
+    def rank_fn(rank, ws):
+        c = copies_R[rank]
+        home = [t.view(torch.uint8).clone() for t in (c.plain13_E2HD, c.t2_EHD)] + [c.scale_2E.clone()]
+        w = clone_fp8_weights_(c.with_slots, e, slot_expert_G, PeerMemoryTransport(ws, "layer", rank, S, e))
+        assert w is c.with_slots
+        assert all(torch.equal(a, b) for a, b in zip(home, [c.plain13_E2HD.view(torch.uint8),
+                                                            c.t2_EHD.view(torch.uint8), c.scale_2E]))
+        return w
+
+    outs = run_ranks(R, rank_fn)
+    b = lambda t: t.view(torch.uint8)  # noqa: E731
+    for rank, w in enumerate(outs):
+        for s in range(S):
+            x = int(slot_expert_G[rank * S + s])
+            for name in ("plain13_E2HD", "plain2_EDH", "t13_ED2H", "t2_EHD"):
+                got = b(getattr(w, name)[e + s])
+                want = b(getattr(copies_R[x // e], name)[x % e]) if x >= 0 else torch.zeros_like(got)
+                assert torch.equal(got, want), (rank, s, name)
+            want_s = copies_R[x // e].scale_2E[:, x % e] if x >= 0 else torch.ones(2)
+            assert torch.equal(w.scale_2E[:, e + s], want_s), (rank, s)
+
+
 @pytest.mark.parametrize("R, routing, recompute", [(R, routing, False) for R in (2, 4) for routing in
                                                    ("random", "all_to_one", "one_hot_per_rank", "more_hot_than_slots")]
                          + [(2, "random", True), (4, "one_hot_per_rank", True), (4, "random", "poison")])

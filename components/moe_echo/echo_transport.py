@@ -197,32 +197,41 @@ class PeerMemoryTransport:
 
     def add_clone_grads_(self, grad_eX: torch.Tensor, grad_SX: torch.Tensor, slot_expert_G: torch.Tensor,
                          index: int = 0) -> None:
-        """Each clone rank exposes its slots' gradients; each home rank pulls, for every row of each of its experts,
-        the matching row of every slot cloning that expert (at most one per other rank: the planner never clones an
-        expert twice on one rank) and adds their sum into ``grad_eX`` in place, in one kernel: no [G, ...] buffer of
-        pulled gradients, and the rows of experts no slot clones are not touched."""
+        """Each clone rank exposes its slots' gradients; each home rank pulls, for every row of each of its experts
+        that some slot clones, the matching row of every slot cloning it (at most one per other rank: the planner
+        never clones an expert twice on one rank), sums them in fp32 and adds the sum into ``grad_eX`` in place.
+        Only C = min(e, G) experts' rows are read (the cloned ones first; static shapes, no host read): the rows of
+        experts no slot clones are not touched."""
         S, e = self.S, self.e
         rows, width = (grad_SX[0].numel() // grad_SX.shape[-1]), grad_SX.shape[-1]
         gbuf = self.ws.buffer(f"{self.name}/w{index}/clone_grad", (S * rows, width), grad_SX.dtype, grad_SX.device)
         gbuf.local.copy_(grad_SX.reshape(-1, width))
         self.ws.barrier(gbuf)
-        rank_TR, row_TR = self._pull_routes(slot_expert_G, rows)
-        peer_gather_sum(rank_TR, row_TR, gbuf.ptrs_R, gbuf.peers, programs=self.programs,
-                        add_into=grad_eX.view(e * rows, width))
+        rank_TR, row_TR, home_T = self._pull_routes(slot_expert_G, rows)
+        grad_NX = grad_eX.view(e * rows, width)
+        acc = torch.promote_types(grad_NX.dtype, torch.float32)
+        sums_TX = peer_gather_sum(rank_TR, row_TR, gbuf.ptrs_R, gbuf.peers, out_dtype=acc, programs=self.programs)
+        # the home rows are distinct: one rounding each, no race
+        grad_NX.index_copy_(0, home_T, (grad_NX.index_select(0, home_T).to(acc) + sums_TX).to(grad_NX.dtype))
 
     def _pull_routes(self, slot_expert_G: torch.Tensor, rows: int):
-        """[e·rows, R] (rank, row) pairs: row r of my expert l reads row s·rows + r of rank ρ's clone gradients where
-        ρ's slot s clones l, else -1."""
+        """([C·rows, R] ranks, [C·rows, R] rows, [C·rows] home rows), C = min(e, G): row r of the c-th of my experts
+        in clone order (the experts some slot clones first, then others, with no source) reads row s·rows + r of
+        rank ρ's clone gradients where ρ's slot s clones it, else -1; it adds into row l·rows + r of my experts'."""
         G, S, e, dev = slot_expert_G.shape[0], self.S, self.e, slot_expert_G.device
-        R = G // S
+        R, C = G // S, min(e, G)
         g_G = torch.arange(G, device=dev)
         mine_G = (slot_expert_G >= 0) & (slot_expert_G // e == self.rank)
         at_G = torch.where(mine_G, (slot_expert_G % e) * R + g_G // S, e * R)  # (my expert, clone rank); else a spare
         slot_lR = torch.full((e * R + 1,), -1, dtype=torch.int64, device=dev).scatter_(0, at_G, g_G % S)[:-1].view(e, R)
+        cloned_l = (slot_lR >= 0).any(1)
+        l_C = torch.sort((~cloned_l).to(torch.int8), stable=True).indices[:C]  # cloned experts first, each once
+        slot_cR = slot_lR.index_select(0, l_C)
         r_1r1 = torch.arange(rows, device=dev).view(1, rows, 1)
-        row_lrR = torch.where(slot_lR.unsqueeze(1) >= 0, slot_lR.unsqueeze(1) * rows + r_1r1, -1)
-        rank_lrR = torch.arange(R, device=dev).view(1, 1, R).expand(e, rows, R)
-        return rank_lrR.reshape(e * rows, R).contiguous(), row_lrR.reshape(e * rows, R)
+        row_crR = torch.where(slot_cR.unsqueeze(1) >= 0, slot_cR.unsqueeze(1) * rows + r_1r1, -1)
+        rank_crR = torch.arange(R, device=dev).view(1, 1, R).expand(C, rows, R)
+        home_cr = l_C.view(C, 1) * rows + r_1r1.view(1, rows)
+        return rank_crR.reshape(C * rows, R).contiguous(), row_crR.reshape(C * rows, R), home_cr.reshape(-1)
 
 
 def build_transport(dispatcher, group, ep_size: int, rank: int, slots: int, local_experts: int):
