@@ -139,6 +139,27 @@ def main():
     dist.destroy_process_group()
 
 
+def _fwd_bwd(layer, x, dev) -> list:
+    """The layer's output, x's gradient and its parameters' (local shards) after one bf16-autocast forward and a
+    backward of a fixed weighting of the output."""
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        y = layer(x)
+    (y.float() * torch.linspace(-1, 1, y.numel(), device=dev).view_as(y)).sum().backward()
+    return [y.detach(), x.grad] + [p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad
+                                   for p in layer.parameters()]
+
+
+def _sync_free(layer, x) -> None:
+    """Another forward and backward with device-to-host syncs raising."""
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            layer(x).float().pow(2).mean().backward()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+
+
 def fp8_rows_check(mesh, dev, rank: int, world: int, x_all: torch.Tensor) -> None:
     """5.: FP8 experts over nvlink, the dispatcher's FP8 rows on and off, bitwise."""
     import components.moe_echo.fp8_experts as fe
@@ -158,20 +179,10 @@ def fp8_rows_check(mesh, dev, rank: int, world: int, x_all: torch.Tensor) -> Non
                 layer.dispatcher.fp8_rows = fp8_rows
                 quantised.clear()
                 x = x_all[rank:rank + 1].clone().requires_grad_()
-                with torch.autocast("cuda", dtype=torch.bfloat16):
-                    y = layer(x)
-                (y.float() * torch.linspace(-1, 1, y.numel(), device=dev).view_as(y)).sum().backward()
+                runs.append(_fwd_bwd(layer, x, dev))
                 rows = [s for s in quantised if s[1] == x.shape[-1]]  # x_ND and dy_ND: [N, D]
                 assert len(rows) == (0 if fp8_rows else 2 * chunks), (wire, chunks, fp8_rows, quantised)
-                runs.append([y.detach(), x.grad] + [p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad
-                                                     for p in layer.parameters()])
-                torch.cuda.synchronize()
-                torch.cuda.set_sync_debug_mode("error")
-                try:
-                    with torch.autocast("cuda", dtype=torch.bfloat16):
-                        layer(x).float().pow(2).mean().backward()
-                finally:
-                    torch.cuda.set_sync_debug_mode("default")
+                _sync_free(layer, x)
             for i, (a, b) in enumerate(zip(*runs)):
                 assert a is not None and torch.equal(a, b), f"fp8 rows ({wire} wire, {chunks} chunks): tensor {i} differs"
             if rank == 0:
@@ -196,19 +207,9 @@ def fp8_echo_copies_check(mesh, dev, rank: int, world: int, x_all: torch.Tensor)
                 layer.enable_fp8_copies()
                 assert layer.experts.fp8_copies.slots == layer.echo.S
             x = x_all[rank:rank + 1].clone().requires_grad_()
-            with torch.autocast("cuda", dtype=torch.bfloat16):
-                y = layer(x)
-            (y.float() * torch.linspace(-1, 1, y.numel(), device=dev).view_as(y)).sum().backward()
+            runs.append(_fwd_bwd(layer, x, dev))
             assert float(layer.echo_stats[2]) >= 1, "ECHO made no clone"
-            runs.append([y.detach(), x.grad] + [p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad
-                                                 for p in layer.parameters()])
-            torch.cuda.synchronize()
-            torch.cuda.set_sync_debug_mode("error")
-            try:
-                with torch.autocast("cuda", dtype=torch.bfloat16):
-                    layer(x).float().pow(2).mean().backward()
-            finally:
-                torch.cuda.set_sync_debug_mode("default")
+            _sync_free(layer, x)
         for i, (a, b) in enumerate(zip(*runs)):
             assert a is not None and torch.equal(a, b), f"ECHO from FP8 copies ({chunks} chunks): tensor {i} differs"
         if rank == 0:
