@@ -147,8 +147,10 @@ def layer_equivalence(rank, world, backend, routing, E=8, K=2, tokens_per_rank=1
 def fp8_echo_copies(rank, world, E=8, K=2, tokens_per_rank=24):
     """ECHO with FP8 experts at EP=world (the collectives' transport; the FP8 GEMMs emulated): the clones read from
     the FP8 weight copies (their bytes sent into the copies' slot rows) give the output and every gradient of
-    casting the extended weights per call, bit for bit: all tokens to one expert, the first rank's experts hot."""
+    casting the extended weights per call, bit for bit: all tokens to one expert, the first rank's experts hot; the
+    layer whole and in 2 pipelined chunks (the clones sent once, each chunk's gradients pulled)."""
     import copy
+    import itertools
 
     from torch.distributed.device_mesh import init_device_mesh
     from torchtitan.models.moe import MoEArgs
@@ -158,13 +160,13 @@ def fp8_echo_copies(rank, world, E=8, K=2, tokens_per_rank=24):
     from components.parallel.parallelize import apply_expert_parallel
 
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("ep",))
-    cfg = MoEEchoConfig(dispatcher="padded", capacity_factor=float(world), echo=True, echo_slots_per_rank=2,
-                        expert_precision="fp8")
-    for routing in ("all_to_one", "hot_first_rank"):
+    for routing, chunks in itertools.product(("all_to_one", "hot_first_rank"), (1, 2)):
+        cfg = MoEEchoConfig(dispatcher="padded", capacity_factor=float(world), echo=True, echo_slots_per_rank=2,
+                            expert_precision="fp8", overlap_chunks=chunks)
         torch.manual_seed(0)
         args = MoEArgs(num_experts=E, num_shared_experts=1, top_k=K, score_func="softmax",
                        score_before_experts=False)
-        base = MoELayer(args, 32, 16, MoEEchoConfig(expert_precision="fp8"))
+        base = MoELayer(args, 32, 16, cfg)
         base.init_weights(0.3)
         bias = torch.zeros(E)
         if routing == "all_to_one":
@@ -186,15 +188,16 @@ def fp8_echo_copies(rank, world, E=8, K=2, tokens_per_rank=24):
             x = x_all.clone().requires_grad_()
             y = layer(x)
             (y.float() * gy).sum().backward()
-            assert float(layer.echo_stats[2]) >= 1, (routing, layer.echo_stats)  # some slot holds a clone
+            assert float(layer.echo_stats[2]) >= 1, (routing, chunks, layer.echo_stats)  # some slot holds a clone
+            assert layer.chunks == chunks, (layer.chunks, chunks)
             grads = {n: (p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad)
                      for n, p in layer.named_parameters() if p.grad is not None}
             got[copies] = (y.detach(), x.grad, grads)
         (y0, dx0, g0), (y1, dx1, g1) = got[False], got[True]
-        assert torch.equal(y0, y1) and torch.equal(dx0, dx1), routing
+        assert torch.equal(y0, y1) and torch.equal(dx0, dx1), (routing, chunks)
         assert g0.keys() == g1.keys() and {"experts.w1", "experts.w2", "experts.w3"} <= g0.keys(), g0.keys()
         for n in g0:
-            assert torch.equal(g0[n], g1[n]), (routing, n)
+            assert torch.equal(g0[n], g1[n]), (routing, chunks, n)
 
 
 def padded_overflow(rank, world, E=8, K=2, tokens_per_rank=16):
