@@ -54,7 +54,7 @@ from kernels.fp8_wgrad import grouped_wgrad_fp8, requant_expert_t
 
 BLOCK = 128  # DeepGEMM's scaling block and, on Hopper, its row alignment per expert
 TRITON_CONFIGS = [name for name in CONFIGS if not name.startswith("tiny")]
-WGRAD_CONFIGS = [name for name in WGRAD_TILES if name != "tiny"]
+WGRAD_CONFIGS = [name for name in WGRAD_TILES if not name.startswith("tiny")]
 
 
 def main() -> None:

@@ -22,7 +22,8 @@ rate: benchmarks/fp8_operand_layout.py). The experts already hold every operand 
 from bf16. One scale per expert keeps the MMA running through the expert's rows (a scale per 128-row block, the
 products scaled into fp32 block by block, ran at 0.65-0.8x bf16's grouped GEMM). With each expert's rows on whole
 blocks the GEMM's loads need no mask along the rows (masked, they ran ~8x slower). An expert without rows gets
-zeros. No host read (capturable).
+zeros. The GEMM runs one program an SM, each walking (expert, P block, Q block) tiles a grid stride apart with its
+operands through TMA: 1.2x one program a tile reading through pointers. No host read (capturable).
 
 Triton on CUDA; the GEMM also under TRITON_INTERPRET=1 (its input is FP8 already); torch elsewhere (the reference).
 """
@@ -33,12 +34,19 @@ from .fp8 import FP8, _on_kernels
 from .moe_rows import _use_triton, triton
 
 BLOCK = 128  # the aligned layout's row block, the GEMM's reduction step
-CONFIGS = {  # the GEMM's (BLOCK_P, BLOCK_Q, num_stages, num_warps)
-    "128x256": (128, 256, 3, 8),
-    "128x128": (128, 128, 4, 8),
-    "tiny": (16, 16, 1, 4),  # for the CPU interpreter
+CONFIGS = {  # the GEMM's (BLOCK_P, BLOCK_Q, num_stages, num_warps, persistent, flatten). persistent: one program
+    # an SM walking the tiles (expert, P block, Q block) a grid stride apart, its operands through TMA; flatten:
+    # its tile and row loops one software pipeline, so a tile's first loads overlap the previous tile's epilogue
+    "128x256": (128, 256, 3, 8, False, False),
+    "128x128": (128, 128, 4, 8, False, False),
+    "128x256p": (128, 256, 3, 8, True, False),
+    "128x256pf": (128, 256, 3, 8, True, True),
+    "128x128pf": (128, 128, 4, 8, True, True),
+    "tiny": (16, 16, 1, 4, False, False),  # for the CPU interpreter
+    "tinyp": (16, 16, 2, 4, True, False),
 }
-DEFAULT = "128x256"  # 1.0-1.23x the 128x128 tile at the experts' shapes on H200 (grouped_gemm_fp8.py --wgrad-only)
+DEFAULT = "128x256p"  # 1.21x the 128x256 tile's non-persistent form over the experts' shapes on H200, fastest or
+# within 3% of it at each (grouped_gemm_fp8.py --wgrad-only)
 REQUANT_TILES = {  # the requantiser's (BLOCK_C, ROW_BLOCKS, COL_TILES, num_warps): a program's row blocks and columns
     "c128": (128, 1, 1, 4),
     "c128_w8": (128, 1, 1, 8),
@@ -157,6 +165,30 @@ if triton is not None:
         out = out_ptr + e.to(tl.int64) * P * Q + p[:, None].to(tl.int64) * Q + q[None, :]
         tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=p_ok[:, None] & q_ok[None, :])
 
+    @triton.jit
+    def _wgrad_fp8_tma_kernel(a_desc, sa_ptr, b_desc, sb_ptr, out_ptr, offs_ptr, P, Q, tiles_q, tiles_pq, total,
+                              BLOCK_P: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_R: tl.constexpr,
+                              NUM_PROGRAMS: tl.constexpr, NUM_STAGES: tl.constexpr, FLATTEN: tl.constexpr):
+        """The persistent form: tile i = (expert, P block, Q block) in that order, program j takes i = j, j +
+        NUM_PROGRAMS, ...; TMA reads past P or Q as zeros (its descriptors' bounds), the store masks them."""
+        for tile in tl.range(tl.program_id(0), total, NUM_PROGRAMS, flatten=FLATTEN):
+            e = tile // tiles_pq
+            t = tile % tiles_pq
+            p0 = (t // tiles_q) * BLOCK_P
+            q0 = (t % tiles_q) * BLOCK_Q
+            r0 = tl.load(offs_ptr + e - 1, mask=e > 0, other=0).to(tl.int32)
+            r1 = tl.load(offs_ptr + e).to(tl.int32)
+            acc = tl.zeros((BLOCK_P, BLOCK_Q), dtype=tl.float32)
+            for k in tl.range(r0, r1, BLOCK_R, num_stages=NUM_STAGES):
+                a = a_desc.load([p0, k])
+                b = b_desc.load([q0, k])
+                acc = tl.dot(a, b.T, acc)
+            acc = acc * (tl.load(sa_ptr + e) * tl.load(sb_ptr + e))
+            p = p0 + tl.arange(0, BLOCK_P)
+            q = q0 + tl.arange(0, BLOCK_Q)
+            out = out_ptr + e.to(tl.int64) * P * Q + p[:, None].to(tl.int64) * Q + q[None, :]
+            tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=(p < P)[:, None] & (q < Q)[None, :])
+
 
 def capacity(R: int, E: int) -> int:
     """Rows of the aligned layout for R rows over E experts: each expert's rows padded to a multiple of 128. The
@@ -270,10 +302,19 @@ def grouped_wgrad_fp8(at_PA: torch.Tensor, sa_E: torch.Tensor, bt_QA: torch.Tens
         return torch._scaled_mm(at_PA, bt_QA.t(), scale_a=sa_E, scale_b=sb_E, out_dtype=out_dtype,
                                 use_fast_accum=True)[None]
     out = torch.empty(E, P, Q, dtype=out_dtype, device=at_PA.device)
-    BP, BQ, stages, warps = CONFIGS[config]
+    BP, BQ, stages, warps, persistent, flatten = CONFIGS[config]
     tiles_q = triton.cdiv(Q, BQ)
     tiles_pq = triton.cdiv(P, BP) * tiles_q
-    if E and P and Q:
+    if E and P and Q and persistent:
+        from triton.tools.tensor_descriptor import TensorDescriptor  # Triton's host-side TMA descriptor
+
+        a_desc = TensorDescriptor.from_tensor(at_PA, [BP, BLOCK])
+        b_desc = TensorDescriptor.from_tensor(bt_QA, [BQ, BLOCK])
+        programs = torch.cuda.get_device_properties(at_PA.device).multi_processor_count if at_PA.is_cuda else 3
+        _wgrad_fp8_tma_kernel[(programs,)](a_desc, sa_E, b_desc, sb_E, out, aoffs_E, P, Q, tiles_q, tiles_pq,
+                                           E * tiles_pq, BLOCK_P=BP, BLOCK_Q=BQ, BLOCK_R=BLOCK, NUM_PROGRAMS=programs,
+                                           NUM_STAGES=stages, FLATTEN=flatten, num_warps=warps)
+    elif E and P and Q:
         _wgrad_fp8_kernel[(E * tiles_pq,)](at_PA, sa_E, bt_QA, sb_E, out, aoffs_E, P, Q, at_PA.stride(0),
                                            bt_QA.stride(0), tiles_q, tiles_pq, BLOCK_P=BP, BLOCK_Q=BQ, BLOCK_R=BLOCK,
                                            NUM_STAGES=stages, num_warps=warps)

@@ -285,7 +285,7 @@ print('largest step difference over steps 1-20: %.2e at step %d' % max(rel[:20])
           # variant with ARGS added (named <it>_SUFFIX; EXTRA="wire=--moe_echo.dispatch_precision fp8" its rows FP8 on
           # the wire); PICK="NAME ...": only those variants;
           # TITAN=0: no torchtitan run; BASE=1: FP8 here vs FP8 on
-          # build/base.tgz's tree (as PART=h; HEAD=1 puts both heads in FP8),
+          # build/base.tgz's tree (as PART=h; HEAD=1 puts both heads in FP8, ARGS="..." adds arguments to both),
           # no torchtitan run; REPEATS=N: our runs N times in turn; WIRE=0: the step only; LABEL= names the rows
         label=$([ "${RECIPE:-tensorwise}" = rowwise ] && echo fp8_step || echo fp8_${RECIPE:-tensorwise})${HEAD:+_head}
         H8=${HEAD:+ --quantize.linear.float8.filter_fqns router.gate}
@@ -307,7 +307,7 @@ print('largest step difference over steps 1-20: %.2e at step %d' % max(rel[:20])
         V=$(pick_variants "$V")  # PICK="NAME ...": only those
         if [ -n "${BASE:-}" ]; then
           [ -d /tmp/base/recipes ] || { echo "fp8_step PART=c BASE=1: no build/base.tgz to compare with"; exit 1; }
-          V="bf16=;fp8_base=@/tmp/base $F8$H8;fp8=$F8$H8"; label=${label}_base; fi
+          H8="$H8${ARGS:+ $ARGS}"; V="bf16=;fp8_base=@/tmp/base $F8$H8;fp8=$F8$H8"; label=${label}_base; fi
         python3 benchmarks/e2e.py --configs v2lite_6b_2gpu --nproc 2 --runs ours_compile_graph --steps 20 \
           --repeats ${REPEATS:-1} --label ${LABEL:-$label} --variants "$V" \
           --out "$OUT" 2>&1 | noise | grep -E "^\| v2lite" | tail -4
@@ -335,9 +335,9 @@ print('largest step difference over steps 1-20: %.2e at step %d' % max(rel[:20])
       h)  # one GPU, v2lite_1b compiled + graphed: FP8 (dense tensorwise + experts) on this tree beside the same on the
           # tree in build/base.tgz (git archive REV recipes components kernels train_configs | gzip > build/base.tgz),
           # e.g. the experts' FP8 GEMM before a change to it; bf16 as the reference of both; HEAD=1: the output head
-          # in FP8 too (both trees)
+          # in FP8 too (both trees); ARGS="...": more arguments for both FP8 runs
         [ -d /tmp/base/recipes ] || { echo "fp8_step PART=h: no build/base.tgz to compare with"; exit 1; }
-        H8=${HEAD:+ --quantize.linear.float8.filter_fqns router.gate}
+        H8="${HEAD:+ --quantize.linear.float8.filter_fqns router.gate}${ARGS:+ $ARGS}"
         one_gpu_variants ${LABEL:-fp8_base} "bf16=;fp8_base=@/tmp/base $F8$H8;fp8=$F8$H8" ;;
       k)  # two GPUs: which of the FP8 output head's GEMMs moves the loss (benchmarks/fp8_head_gemms.py). The FP8 step
           # (compiled, graphed, STEPS default 500, SEED) with the head in bf16 ("ref", the reference) and as an
