@@ -70,7 +70,7 @@ class MoEEchoConfig:
     (components/train/fp8_linear.py), the routed experts' FP8 recipe with one expert: one power-of-two scale per
     token row and per weight, FP8 weight gradients, cuBLAS's FP8 GEMMs, each pass one custom op inside the
     compiled attention. Measured on H200, compiled and graphed, with the feed-forwards' key and a converted head:
-    1.007× the FP8 step on one GPU (v2lite_1b, 1.223× bf16), 1.246–1.248× bf16 at EP=2 (v2lite_6b_2gpu); the loss
+    1.007× the FP8 step on one GPU (v2lite_1b, 1.223× bf16), 1.269× bf16 at EP=2 (v2lite_6b_2gpu); the loss
     within bf16's drift at two seeds (docs/performance.md, FP8)."""
 
     dispatch_precision: Literal["bf16", "fp8"] = "bf16"
