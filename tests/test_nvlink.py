@@ -189,8 +189,8 @@ for T, K, D, R, N in [(7, 3, 40, 2, 30), (5, 2, 1030, 3, 12), (4, 4, 8, 4, 16)]:
     assert pr.use_triton(x)
     x_big = torch.randn(T + 5, D, generator=g)  # rows sent through src (some twice, some never)
     src = torch.randint(0, T + 5, (T,), generator=g)
-    for fn, bt in [(f, bt) for f in ("scatter", "gather", "scatter_local", "scatter_src", "gather_add")
-                   for bt in (1, 4)]:
+    for fn, bt in [(f, bt) for f in ("scatter", "gather", "scatter_local", "scatter_src", "gather_add",
+                                     "gather_add_rows") for bt in (1, 4)]:
         bufs = {m: [torch.randn(N, D, generator=g) for _ in range(R)] for m in ("y",)}
         ref = {m: [b.clone() for b in v] for m, v in bufs.items()}
         ptrs = {m: torch.tensor([b.data_ptr() for b in v]) for m, v in bufs.items()}
@@ -208,6 +208,17 @@ for T, K, D, R, N in [(7, 3, 40, 2, 30), (5, 2, 1030, 3, 12), (4, 4, 8, 4, 16)]:
             torch.testing.assert_close(got, base + pr.peer_gather_sum_torch(rank, row_none, ref["y"], w),
                                        rtol=1e-5, atol=1e-5)
             assert torch.equal(got[::3], base[::3])
+        elif fn == "gather_add_rows":  # sum t added into row dst[t] of a taller buffer (distinct rows, any order)
+            row_none = row.clone(); row_none[1::3] = -1
+            base = torch.randn(T + 6, D, generator=g)
+            dst = torch.randperm(T + 6, generator=g)[:T]
+            got = pr.peer_gather_sum(rank, row_none, ptrs["y"], bufs["y"], w, programs=2, block_t=bt,
+                                     add_into=base.clone(), out_rows_T=dst)
+            want = base.clone()
+            want[dst] += pr.peer_gather_sum_torch(rank, row_none, ref["y"], w)
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+            untouched = torch.ones(T + 6, dtype=torch.bool); untouched[dst[(row_none >= 0).any(1)]] = False
+            assert torch.equal(got[untouched], base[untouched])
         elif fn == "scatter_src":  # each slot row reads row src[t] of x_big; K = 1 rows sent nowhere are not read
             pr.peer_scatter(x_big, rank, row, ptrs["y"], bufs["y"], w, programs=3, block_t=bt, src_T=src)
             pr.peer_scatter_torch(x_big[src], rank, row, ref["y"], w)
