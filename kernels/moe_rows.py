@@ -99,8 +99,8 @@ if triton is not None:
                     hit_T = hit_T | (tl.load(idx_ptr + t_T * K + k, mask=ok_T, other=-1) >= 0)
                 ok_T = ok_T & hit_T
             o_T = t_T
-            if DST:
-                o_T = tl.load(dst_ptr + t_T, mask=ok_T, other=0).to(tl.int64)
+            if DST:  # masked by the range alone: Triton 3.6 fails to compile this load masked by ok_T (hit rows)
+                o_T = tl.load(dst_ptr + t_T, mask=t_T < T, other=0).to(tl.int64)
             if ACCUMULATE:
                 acc = tl.load(out_ptr + o_T[:, None] * D + cols, mask=ok_T[:, None] & in_row, other=0.0).to(tl.float32)
             else:

@@ -42,20 +42,31 @@ def _arg_type(v) -> str:
     raise TypeError(f"argument of type {type(v).__name__}")
 
 
+def _divisible_by_16(v) -> bool:
+    """What a GPU launch specialises on: a pointer or an integer argument that is a multiple of 16."""
+    import torch
+    if isinstance(v, torch.Tensor):
+        return v.data_ptr() % 16 == 0
+    return isinstance(v, int) and not isinstance(v, bool) and v % 16 == 0
+
+
 def _launch_key(fn, args, kwargs) -> str:
-    """JSON of what the compiler needs from one launch: kernel, signature, constexprs, options."""
+    """JSON of what the compiler needs from one launch: kernel, signature, constexprs, options, and the positions
+    of the arguments a GPU launch would mark divisible by 16 (the compiler takes other paths with them)."""
     import triton.language as tl
     params = inspect.signature(fn).parameters
     options = {k: kwargs.pop(k) for k in list(kwargs) if k in _OPTIONS}
     bound = inspect.signature(fn).bind(*args, **kwargs)
     bound.apply_defaults()
-    sig, const = {}, {}
-    for name, v in bound.arguments.items():
+    sig, const, div16 = {}, {}, []
+    for i, (name, v) in enumerate(bound.arguments.items()):
         if params[name].annotation is tl.constexpr or v is None:
             sig[name], const[name] = "constexpr", v
         else:
             sig[name] = _arg_type(v)
-    return json.dumps([fn.__module__, fn.__qualname__, sig, const, options], sort_keys=True)
+            if _divisible_by_16(v):
+                div16.append(i)
+    return json.dumps([fn.__module__, fn.__qualname__, sig, const, options, div16], sort_keys=True)
 
 
 def compile_all(launches: list[str]) -> int:
@@ -65,10 +76,12 @@ def compile_all(launches: list[str]) -> int:
     from triton.compiler import ASTSource
     failed = 0
     for launch in launches:
-        module, name, sig, const, options = json.loads(launch)
+        module, name, sig, const, options, div16 = json.loads(launch)
+        attrs = {(i,): [["tt.divisibility", 16]] for i in div16}
         try:
             fn = getattr(importlib.import_module(module), name)
-            triton.compile(ASTSource(fn, sig, constexprs=const), target=GPUTarget("cuda", 90, 32), options=options)
+            triton.compile(ASTSource(fn, sig, constexprs=const, attrs=attrs), target=GPUTarget("cuda", 90, 32),
+                           options=options)
         except Exception as e:  # noqa: BLE001 - every compiler error is reported the same way
             failed += 1
             print(f"SM90-COMPILE-FAILED {module}.{name}: {type(e).__name__}: {str(e)[-1500:]}", file=sys.stderr)
