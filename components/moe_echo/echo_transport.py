@@ -208,10 +208,11 @@ class PeerMemoryTransport:
         gbuf.local.copy_(grad_SX.reshape(-1, width))
         self.ws.barrier(gbuf)
         rank_TR, row_TR, home_T = self._pull_routes(slot_expert_G, rows)
-        # summed in fp32 with the home row and written back in its dtype, by the pull kernel itself: the home rows
-        # are distinct (one rounding each, no race); rows with no source are not touched
-        peer_gather_sum(rank_TR, row_TR, gbuf.ptrs_R, gbuf.peers, add_into=grad_eX.view(e * rows, width),
-                        out_rows_T=home_T, programs=self.programs)
+        grad_NX = grad_eX.view(e * rows, width)
+        acc = torch.promote_types(grad_NX.dtype, torch.float32)
+        sums_TX = peer_gather_sum(rank_TR, row_TR, gbuf.ptrs_R, gbuf.peers, out_dtype=acc, programs=self.programs)
+        # the home rows are distinct: one rounding each, no race
+        grad_NX.index_copy_(0, home_T, (grad_NX.index_select(0, home_T).to(acc) + sums_TX).to(grad_NX.dtype))
 
     def _pull_routes(self, slot_expert_G: torch.Tensor, rows: int):
         """([C·rows, R] ranks, [C·rows, R] rows, [C·rows] home rows), C = min(e, G): row r of the c-th of my experts
