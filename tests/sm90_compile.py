@@ -9,6 +9,10 @@ cast it cannot lower); this catches that on a machine without a GPU. A failure p
 
 With SM90_COMPILE_ONLY=1 set (before the first launch) launches are recorded and not executed: for
 kernels the interpreter cannot run (FP8 dtypes), called through their wrappers on CPU tensors.
+
+SM90_TRITON_PATH: a directory holding the Triton the GPUs run (``pip install --no-deps --target DIR
+triton==GPU_TRITON``; .ci/run does): the launches compile with that Triton instead of this environment's, whose
+compiler may accept what the GPUs' rejects (and the other way round).
 """
 import atexit
 import importlib
@@ -23,6 +27,7 @@ _TYPES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16", "float64": "
           "int32": "i32", "int16": "i16", "int8": "i8", "uint8": "u8", "bool": "i1", "float8_e4m3fn": "fp8e4nv",
           "float8_e5m2": "fp8e5"}
 _OPTIONS = ("num_warps", "num_stages", "num_ctas", "maxnreg")
+GPU_TRITON = "3.6.0"  # the Triton of the GPU image (torch 2.11)
 
 
 def _arg_type(v) -> str:
@@ -86,8 +91,8 @@ def compile_all(launches: list[str]) -> int:
             failed += 1
             print(f"SM90-COMPILE-FAILED {module}.{name}: {type(e).__name__}: {str(e)[-1500:]}", file=sys.stderr)
     names = sorted({json.loads(launch)[1] for launch in launches})
-    print(f"SM90-COMPILED {len(launches) - failed} of {len(launches)} kernel variants: {' '.join(names)}",
-          file=sys.stderr)
+    print(f"SM90-COMPILED {len(launches) - failed} of {len(launches)} kernel variants (Triton {triton.__version__}): "
+          f"{' '.join(names)}", file=sys.stderr)
     return failed
 
 
@@ -106,6 +111,9 @@ def _record_launches():
         with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
             json.dump(sorted(seen), f)
         env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+        gpu_triton = os.environ.get("SM90_TRITON_PATH")
+        if gpu_triton:  # its triton package ahead of this environment's
+            env["PYTHONPATH"] = os.pathsep.join(p for p in (gpu_triton, env.get("PYTHONPATH")) if p)
         p = subprocess.run([sys.executable, __file__, f.name], env=env, capture_output=True, text=True)
         os.unlink(f.name)
         sys.stderr.write(p.stderr)

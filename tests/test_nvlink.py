@@ -249,6 +249,20 @@ for T, K, D, R, N in [(7, 3, 40, 2, 30), (5, 2, 1030, 3, 12), (4, 4, 8, 4, 16)]:
         assert torch.equal(a, b), (a, b)
     for a, b in zip(mr.peers + mw.peers, rr.peers + rw.peers):
         assert torch.equal(a, b)
+# ECHO's gradient pull as its transport launches it: no weights, rank ρ in column ρ, the default rows a block (32 and
+# 128 at these widths, the layouts where Triton 3.6 once failed to compile the destination rows' load)
+for D in (64, 256):
+    g = torch.Generator().manual_seed(D)
+    R, T, N = 2, 40, 30
+    bufs = [torch.randn(N, D, generator=g) for _ in range(R)]
+    ptrs = torch.tensor([b.data_ptr() for b in bufs])
+    rank = torch.arange(R).expand(T, R).contiguous()
+    row = torch.where(torch.rand(T, R, generator=g) < 0.3, -1, torch.randint(0, N, (T, R), generator=g))
+    base, dst = torch.randn(T + 6, D, generator=g), torch.randperm(T + 6, generator=g)[:T]
+    got = pr.peer_gather_sum(rank, row, ptrs, bufs, add_into=base.clone(), out_rows_T=dst)
+    want = base.clone()
+    want[dst] += pr.peer_gather_sum_torch(rank, row, bufs)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 print("PEER-OK")
 """
 
