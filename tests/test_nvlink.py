@@ -357,6 +357,8 @@ def test_clone_gradients_pull_only_the_cloned_experts_rows(slot_expert):
     gradient is its rows' plus its clones', fp64, whichever experts the slots clone (the last one, none, some)."""
     from components.moe_echo.echo_transport import PeerMemoryTransport, extend_with_clones
 
+    from kernels.echo_routes import pull_routes
+
     R, S, e = 2, 1, 5
     slot_expert_G = torch.tensor(slot_expert)
     gen = torch.Generator().manual_seed(1)
@@ -372,7 +374,7 @@ def test_clone_gradients_pull_only_the_cloned_experts_rows(slot_expert):
         return w.grad
 
     grads = run_ranks(R, rank_fn)
-    assert transports[0]._pull_routes(slot_expert_G, 3)[0].shape == (2 * 3, R)  # C = 2 experts' rows, not 5
+    assert pull_routes(slot_expert_G, 0, S, e, 3)[0].shape == (2 * 3, R)  # C = 2 experts' rows, not 5
     for rank, grad in enumerate(grads):
         want = g_R[rank][:e].clone()
         for g, x in enumerate(slot_expert):
