@@ -80,12 +80,13 @@ if triton is not None:
         return _pow2_scale_to(amax, 448.0)
 
     @triton.jit
-    def _gather_sum_rows(out_ptr, src_ptr, idx_ptr, rank_ptr, ptrs_ptr, w_ptr, T, D, K: tl.constexpr,
-                         HAS_W: tl.constexpr, PEERS: tl.constexpr, ACCUMULATE: tl.constexpr,
+    def _gather_sum_rows(out_ptr, src_ptr, idx_ptr, rank_ptr, ptrs_ptr, w_ptr, dst_ptr, T, D, K: tl.constexpr,
+                         HAS_W: tl.constexpr, PEERS: tl.constexpr, ACCUMULATE: tl.constexpr, DST: tl.constexpr,
                          BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr):
         """out[t] = Σ_k w[t, k] · src[idx[t, k]] over BLOCK_T whole rows per iteration of a persistent
         grid; PEERS: slot (t, k) reads the buffer at address ptrs[rank[t, k]] (src_ptr only gives
-        the dtype); ACCUMULATE: out[t] += the sum, and rows with no slot (every idx -1) are not touched."""
+        the dtype); ACCUMULATE: out[t] += the sum, and rows with no slot (every idx -1) are not touched;
+        DST: row dst[t] of out instead of row t (distinct rows)."""
         ty = src_ptr.dtype.element_ty
         cols = tl.arange(0, BLOCK_D)[None, :]
         in_row = cols < D
@@ -97,7 +98,11 @@ if triton is not None:
                 for k in tl.static_range(K):
                     hit_T = hit_T | (tl.load(idx_ptr + t_T * K + k, mask=ok_T, other=-1) >= 0)
                 ok_T = ok_T & hit_T
-                acc = tl.load(out_ptr + t_T[:, None] * D + cols, mask=ok_T[:, None] & in_row, other=0.0).to(tl.float32)
+            o_T = t_T
+            if DST:  # masked by the range alone: Triton 3.6 fails to compile this load masked by ok_T (hit rows)
+                o_T = tl.load(dst_ptr + t_T, mask=t_T < T, other=0).to(tl.int64)
+            if ACCUMULATE:
+                acc = tl.load(out_ptr + o_T[:, None] * D + cols, mask=ok_T[:, None] & in_row, other=0.0).to(tl.float32)
             else:
                 acc = tl.zeros([BLOCK_T, BLOCK_D], dtype=tl.float32)
             for k in tl.static_range(K):
@@ -112,21 +117,22 @@ if triton is not None:
                 if HAS_W:
                     v = v * tl.load(w_ptr + t_T * K + k, mask=ok_T, other=0.0).to(tl.float32)[:, None]
                 acc += v
-            tl.store(out_ptr + t_T[:, None] * D + cols, acc.to(out_ptr.dtype.element_ty), mask=ok_T[:, None] & in_row)
+            tl.store(out_ptr + o_T[:, None] * D + cols, acc.to(out_ptr.dtype.element_ty), mask=ok_T[:, None] & in_row)
 
     # two kernels over one body, so a profile tells the local sums from the reads of peer memory (NVLink)
     @triton.jit
-    def _gather_sum_kernel(out_ptr, src_ptr, idx_ptr, w_ptr, T, D, K: tl.constexpr, HAS_W: tl.constexpr,
-                           ACCUMULATE: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr):
-        _gather_sum_rows(out_ptr, src_ptr, idx_ptr, idx_ptr, idx_ptr, w_ptr, T, D, K, HAS_W, False, ACCUMULATE,
-                         BLOCK_T, BLOCK_D)
+    def _gather_sum_kernel(out_ptr, src_ptr, idx_ptr, w_ptr, dst_ptr, T, D, K: tl.constexpr, HAS_W: tl.constexpr,
+                           ACCUMULATE: tl.constexpr, DST: tl.constexpr, BLOCK_T: tl.constexpr,
+                           BLOCK_D: tl.constexpr):
+        _gather_sum_rows(out_ptr, src_ptr, idx_ptr, idx_ptr, idx_ptr, w_ptr, dst_ptr, T, D, K, HAS_W, False,
+                         ACCUMULATE, DST, BLOCK_T, BLOCK_D)
 
     @triton.jit
-    def _peer_gather_sum_kernel(out_ptr, src_ptr, idx_ptr, rank_ptr, ptrs_ptr, w_ptr, T, D, K: tl.constexpr,
-                                HAS_W: tl.constexpr, ACCUMULATE: tl.constexpr, BLOCK_T: tl.constexpr,
-                                BLOCK_D: tl.constexpr):
-        _gather_sum_rows(out_ptr, src_ptr, idx_ptr, rank_ptr, ptrs_ptr, w_ptr, T, D, K, HAS_W, True, ACCUMULATE,
-                         BLOCK_T, BLOCK_D)
+    def _peer_gather_sum_kernel(out_ptr, src_ptr, idx_ptr, rank_ptr, ptrs_ptr, w_ptr, dst_ptr, T, D,
+                                K: tl.constexpr, HAS_W: tl.constexpr, ACCUMULATE: tl.constexpr, DST: tl.constexpr,
+                                BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr):
+        _gather_sum_rows(out_ptr, src_ptr, idx_ptr, rank_ptr, ptrs_ptr, w_ptr, dst_ptr, T, D, K, HAS_W, True,
+                         ACCUMULATE, DST, BLOCK_T, BLOCK_D)
 
     @triton.jit
     def _combine_g(g_ptr, gs_ptr, t, offs, mask, g_stride, gs_stride, SCALE_BLOCK: tl.constexpr):
@@ -197,21 +203,25 @@ def row_launch(T: int, D: int, programs: int | None, block_t: int | None, num_wa
 
 
 def launch_gather_sum(out_TD, src, idx_TK, w_TK=None, rank_TK=None, ptrs_R=None, programs=None, block_t=None,
-                      num_warps=None, accumulate: bool = False):
+                      num_warps=None, accumulate: bool = False, out_rows_T=None):
     """The kernel behind ``gather_sum`` and ``kernels.peer_rows.peer_gather_sum``: ``src`` is the
     rows (local) or, with ``rank_TK`` and ``ptrs_R``, a tensor of the peer buffers' dtype; ``accumulate``:
-    add into ``out_TD`` (contiguous), leaving rows with no slot as they are."""
+    add into ``out_TD`` (contiguous), leaving rows with no slot as they are; ``out_rows_T`` (distinct
+    rows, with ``accumulate``): route t adds into row out_rows_T[t] of ``out_TD`` instead of row t."""
     T, K = idx_TK.shape
     if T == 0:
         return out_TD
+    assert out_rows_T is None or accumulate, "out_rows_T: only for sums added into existing rows"
     grid, meta = row_launch(T, out_TD.shape[1], programs, block_t, num_warps)
     idx_TK = idx_TK.contiguous()
     w = w_TK.contiguous() if w_TK is not None else idx_TK  # dummy pointer without weights
-    flags = dict(K=K, HAS_W=w_TK is not None, ACCUMULATE=accumulate, **meta)
+    dst = out_rows_T.contiguous() if out_rows_T is not None else idx_TK  # dummy pointer without rows
+    flags = dict(K=K, HAS_W=w_TK is not None, ACCUMULATE=accumulate, DST=out_rows_T is not None, **meta)
     if rank_TK is not None:
-        _peer_gather_sum_kernel[grid](out_TD, src, idx_TK, rank_TK.contiguous(), ptrs_R, w, T, out_TD.shape[1], **flags)
+        _peer_gather_sum_kernel[grid](out_TD, src, idx_TK, rank_TK.contiguous(), ptrs_R, w, dst, T, out_TD.shape[1],
+                                      **flags)
     else:
-        _gather_sum_kernel[grid](out_TD, src, idx_TK, w, T, out_TD.shape[1], **flags)
+        _gather_sum_kernel[grid](out_TD, src, idx_TK, w, dst, T, out_TD.shape[1], **flags)
     return out_TD
 
 

@@ -12,9 +12,10 @@ per rank, readable on the device) and a (rank, row) pair per (token, choice) slo
                                                                    scale_block columns
         fp8_out (local scatter): each row also as an FP8 row, (q, s) = kernels.fp8.quant_rows of the row as
         written, bit for bit (what FP8 experts read)
-    peer_gather_sum(rank_TK, row_TK, ptrs_R, peers, w_TK=None, out_dtype=None, add_into=None) -> out_TD
+    peer_gather_sum(rank_TK, row_TK, ptrs_R, peers, w_TK=None, out_dtype=None, add_into=None, out_rows_T=None)
         out[t] = Σ_k w[t, k] · peer[rank[t, k]][row[t, k]]   (fp32 accumulate; -1 adds nothing)
                                                               add_into: out[t] += that, in place
+                                                              out_rows_T: into row out_rows_T[t] instead
     peer_route_meta(ids_TK, rank_in_id_TK, base_X, e, capacity, w_TK, meta_row, meta_w, src)
             -> (rank_TK, row_TK, row_TR)
         rank = ids // e;  row = base[ids] + rank_in_id, -1 where >= capacity (kernels.route_layout);
@@ -247,17 +248,22 @@ def peer_scatter(x_TD, rank_TK, row_TK, ptrs_R, peers, scale_TK=None, programs: 
 
 
 def peer_gather_sum(rank_TK, row_TK, ptrs_R, peers, w_TK=None, out_dtype=None, programs: int = 32,
-                    block_t: int | None = None, add_into=None):
-    """``add_into`` ([T, D], contiguous): add the sums into it in place (rows with no slot untouched) and return it."""
+                    block_t: int | None = None, add_into=None, out_rows_T=None):
+    """``add_into`` ([T, D], contiguous): add the sums into it in place (rows with no slot untouched) and return it;
+    with ``out_rows_T`` (distinct rows of ``add_into``, any count of them) sum t goes into row out_rows_T[t]."""
     if not use_triton(peers[0]):
         sums_TD = peer_gather_sum_torch(rank_TK, row_TK, peers, w_TK)
         if add_into is not None:
             acc = torch.promote_types(add_into.dtype, torch.float32)
-            return add_into.copy_(add_into.to(acc) + sums_TD.to(acc))
+            rows_T = out_rows_T if out_rows_T is not None else torch.arange(len(sums_TD), device=sums_TD.device)
+            hit_T1 = (row_TK >= 0).any(1, keepdim=True)
+            old_TD = add_into.index_select(0, rows_T)
+            return add_into.index_copy_(0, rows_T, torch.where(hit_T1, (old_TD.to(acc) + sums_TD.to(acc)).to(
+                add_into.dtype), old_TD))
         return sums_TD.to(out_dtype or peers[0].dtype)
     if add_into is not None:
         return launch_gather_sum(add_into, peers[0], row_TK, w_TK, rank_TK, ptrs_R, programs,
-                                 block_t or peer_block_t(add_into.shape[1]), accumulate=True)
+                                 block_t or peer_block_t(add_into.shape[1]), accumulate=True, out_rows_T=out_rows_T)
     out_TD = torch.empty(row_TK.shape[0], peers[0].shape[1], dtype=out_dtype or peers[0].dtype, device=rank_TK.device)
     return launch_gather_sum(out_TD, peers[0], row_TK, w_TK, rank_TK, ptrs_R, programs,
                              block_t or peer_block_t(out_TD.shape[1]))

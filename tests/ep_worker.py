@@ -148,16 +148,29 @@ def fp8_echo_copies(rank, world, E=8, K=2, tokens_per_rank=24):
     """ECHO with FP8 experts at EP=world (the collectives' transport; the FP8 GEMMs emulated): the clones read from
     the FP8 weight copies (their bytes sent into the copies' slot rows) give the output and every gradient of
     casting the extended weights per call, bit for bit: all tokens to one expert, the first rank's experts hot; the
-    layer whole and in 2 pipelined chunks (the clones sent once, each chunk's gradients pulled)."""
+    layer whole and in 2 pipelined chunks (the clones sent once and their gradients pulled once for both chunks:
+    the copies' path taken in each case, not the per-call cast)."""
     import copy
     import itertools
 
     from torch.distributed.device_mesh import init_device_mesh
     from torchtitan.models.moe import MoEArgs
 
+    from components.moe_echo import echo, echo_transport
     from components.moe_echo.config import MoEEchoConfig
     from components.moe_echo.layer import MoELayer
     from components.parallel.parallelize import apply_expert_parallel
+
+    calls = {"clone_fp8": 0, "slot_gradients": 0}  # the copies' path: the clones' FP8 bytes, the slots' gradients
+    clone_fp8, slot_grads = echo.clone_fp8_weights_, echo_transport._SlotGradients.apply
+
+    def counted(name, fn):
+        def call(*args, **kwargs):
+            calls[name] += 1
+            return fn(*args, **kwargs)
+        return call
+    echo.clone_fp8_weights_ = counted("clone_fp8", clone_fp8)
+    echo_transport._SlotGradients.apply = counted("slot_gradients", slot_grads)
 
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("ep",))
     for routing, chunks in itertools.product(("all_to_one", "hot_first_rank"), (1, 2)):
@@ -186,8 +199,12 @@ def fp8_echo_copies(rank, world, E=8, K=2, tokens_per_rank=24):
                 layer.enable_fp8_copies()
                 assert layer.experts.fp8_copies.slots == 2
             x = x_all.clone().requires_grad_()
+            calls.update(clone_fp8=0, slot_gradients=0)
             y = layer(x)
             (y.float() * gy).sum().backward()
+            # with copies: one fetch of the clones and one slot-gradient node per weight, however many chunks
+            assert calls == ({"clone_fp8": 1, "slot_gradients": 3} if copies else {"clone_fp8": 0, "slot_gradients": 0}), \
+                (routing, chunks, copies, calls)
             assert float(layer.echo_stats[2]) >= 1, (routing, chunks, layer.echo_stats)  # some slot holds a clone
             assert layer.chunks == chunks, (layer.chunks, chunks)
             grads = {n: (p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad)

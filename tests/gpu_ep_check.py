@@ -194,7 +194,16 @@ def fp8_rows_check(mesh, dev, rank: int, world: int, x_all: torch.Tensor) -> Non
 
 
 def fp8_echo_copies_check(mesh, dev, rank: int, world: int, x_all: torch.Tensor) -> None:
-    """6.: FP8 experts over nvlink with ECHO, the clones from the FP8 copies against the per-call cast, bitwise."""
+    """6.: FP8 experts over nvlink with ECHO, the clones from the FP8 copies against the per-call cast, bitwise (the
+    copies' path taken with either chunk count: one fetch of the clones' FP8 bytes per forward)."""
+    from components.moe_echo import echo
+
+    fetches, clone_fp8 = [], echo.clone_fp8_weights_
+
+    def counted(*args, **kwargs):
+        fetches.append(1)
+        return clone_fp8(*args, **kwargs)
+    echo.clone_fp8_weights_ = counted
     for chunks in (1, 2):
         runs = []
         for copies in (False, True):
@@ -207,7 +216,9 @@ def fp8_echo_copies_check(mesh, dev, rank: int, world: int, x_all: torch.Tensor)
                 layer.enable_fp8_copies()
                 assert layer.experts.fp8_copies.slots == layer.echo.S
             x = x_all[rank:rank + 1].clone().requires_grad_()
+            fetches.clear()
             runs.append(_fwd_bwd(layer, x, dev))
+            assert len(fetches) == int(copies), f"{chunks} chunks, copies={copies}: {len(fetches)} fetches of FP8 clones"
             assert float(layer.echo_stats[2]) >= 1, "ECHO made no clone"
             _sync_free(layer, x)
         for i, (a, b) in enumerate(zip(*runs)):
@@ -215,6 +226,7 @@ def fp8_echo_copies_check(mesh, dev, rank: int, world: int, x_all: torch.Tensor)
         if rank == 0:
             print(f"FP8 experts over nvlink with ECHO, {chunks} chunk(s): clones from the FP8 copies == the extended "
                   f"weights cast per call (output and {len(runs[0]) - 1} gradients, bitwise); sync-free", flush=True)
+    echo.clone_fp8_weights_ = clone_fp8
 
 
 if __name__ == "__main__":

@@ -189,8 +189,8 @@ for T, K, D, R, N in [(7, 3, 40, 2, 30), (5, 2, 1030, 3, 12), (4, 4, 8, 4, 16)]:
     assert pr.use_triton(x)
     x_big = torch.randn(T + 5, D, generator=g)  # rows sent through src (some twice, some never)
     src = torch.randint(0, T + 5, (T,), generator=g)
-    for fn, bt in [(f, bt) for f in ("scatter", "gather", "scatter_local", "scatter_src", "gather_add")
-                   for bt in (1, 4)]:
+    for fn, bt in [(f, bt) for f in ("scatter", "gather", "scatter_local", "scatter_src", "gather_add",
+                                     "gather_add_rows") for bt in (1, 4)]:
         bufs = {m: [torch.randn(N, D, generator=g) for _ in range(R)] for m in ("y",)}
         ref = {m: [b.clone() for b in v] for m, v in bufs.items()}
         ptrs = {m: torch.tensor([b.data_ptr() for b in v]) for m, v in bufs.items()}
@@ -208,6 +208,17 @@ for T, K, D, R, N in [(7, 3, 40, 2, 30), (5, 2, 1030, 3, 12), (4, 4, 8, 4, 16)]:
             torch.testing.assert_close(got, base + pr.peer_gather_sum_torch(rank, row_none, ref["y"], w),
                                        rtol=1e-5, atol=1e-5)
             assert torch.equal(got[::3], base[::3])
+        elif fn == "gather_add_rows":  # sum t added into row dst[t] of a taller buffer (distinct rows, any order)
+            row_none = row.clone(); row_none[1::3] = -1
+            base = torch.randn(T + 6, D, generator=g)
+            dst = torch.randperm(T + 6, generator=g)[:T]
+            got = pr.peer_gather_sum(rank, row_none, ptrs["y"], bufs["y"], w, programs=2, block_t=bt,
+                                     add_into=base.clone(), out_rows_T=dst)
+            want = base.clone()
+            want[dst] += pr.peer_gather_sum_torch(rank, row_none, ref["y"], w)
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+            untouched = torch.ones(T + 6, dtype=torch.bool); untouched[dst[(row_none >= 0).any(1)]] = False
+            assert torch.equal(got[untouched], base[untouched])
         elif fn == "scatter_src":  # each slot row reads row src[t] of x_big; K = 1 rows sent nowhere are not read
             pr.peer_scatter(x_big, rank, row, ptrs["y"], bufs["y"], w, programs=3, block_t=bt, src_T=src)
             pr.peer_scatter_torch(x_big[src], rank, row, ref["y"], w)
@@ -238,8 +249,8 @@ for T, K, D, R, N in [(7, 3, 40, 2, 30), (5, 2, 1030, 3, 12), (4, 4, 8, 4, 16)]:
         assert torch.equal(a, b), (a, b)
     for a, b in zip(mr.peers + mw.peers, rr.peers + rw.peers):
         assert torch.equal(a, b)
-# the gradient pull as ECHO's transport launches it: no weights, rank ρ in column ρ, sums added in place, the default
-# rows a block (32 and 128 at these widths: other layouts for the compiler than the loop above's 1 and 4)
+# ECHO's gradient pull as its transport launches it: no weights, rank ρ in column ρ, the default rows a block (32 and
+# 128 at these widths, the layouts where Triton 3.6 once failed to compile the destination rows' load)
 for D in (64, 256):
     g = torch.Generator().manual_seed(D)
     R, T, N = 2, 40, 30
@@ -247,9 +258,11 @@ for D in (64, 256):
     ptrs = torch.tensor([b.data_ptr() for b in bufs])
     rank = torch.arange(R).expand(T, R).contiguous()
     row = torch.where(torch.rand(T, R, generator=g) < 0.3, -1, torch.randint(0, N, (T, R), generator=g))
-    base = torch.randn(T, D, generator=g)
-    got = pr.peer_gather_sum(rank, row, ptrs, bufs, add_into=base.clone())
-    torch.testing.assert_close(got, base + pr.peer_gather_sum_torch(rank, row, bufs), rtol=1e-5, atol=1e-5)
+    base, dst = torch.randn(T + 6, D, generator=g), torch.randperm(T + 6, generator=g)[:T]
+    got = pr.peer_gather_sum(rank, row, ptrs, bufs, add_into=base.clone(), out_rows_T=dst)
+    want = base.clone()
+    want[dst] += pr.peer_gather_sum_torch(rank, row, bufs)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 print("PEER-OK")
 """
 
@@ -344,6 +357,8 @@ def test_clone_gradients_pull_only_the_cloned_experts_rows(slot_expert):
     gradient is its rows' plus its clones', fp64, whichever experts the slots clone (the last one, none, some)."""
     from components.moe_echo.echo_transport import PeerMemoryTransport, extend_with_clones
 
+    from kernels.echo_routes import pull_routes
+
     R, S, e = 2, 1, 5
     slot_expert_G = torch.tensor(slot_expert)
     gen = torch.Generator().manual_seed(1)
@@ -359,7 +374,7 @@ def test_clone_gradients_pull_only_the_cloned_experts_rows(slot_expert):
         return w.grad
 
     grads = run_ranks(R, rank_fn)
-    assert transports[0]._pull_routes(slot_expert_G, 3)[0].shape == (2 * 3, R)  # C = 2 experts' rows, not 5
+    assert pull_routes(slot_expert_G, 0, S, e, 3)[0].shape == (2 * 3, R)  # C = 2 experts' rows, not 5
     for rank, grad in enumerate(grads):
         want = g_R[rank][:e].clone()
         for g, x in enumerate(slot_expert):

@@ -572,8 +572,9 @@ print('; '.join('%s %.4f (%+.2f%% vs the head in bf16, %d batches)' % (n, sum(v)
     fi
     tar czf "$OUT/e2e_logs.tgz" --exclude assets -C /tmp/e2e . 2>/dev/null ;;
 
-  echo_tests)  # ECHO's GPU tests on this torch (no benchmark)
+  echo_tests)  # ECHO's GPU tests on this torch (no benchmark): its route kernels, then the steps
     P="python3 -m pytest -p no:warnings -q -rfEs -o addopts="
+    timeout 60 $P tests/test_echo_routes.py 2>&1 | tail -2
     timeout 400 $P tests/test_gpu_train.py tests/test_gpu_ep.py -k "echo or two_gpu_expert_parallel" 2>&1 | tail -6 ;;
 
   router)  # -> router_1x<GPU>.md: the fused router kernels' GPU tests, then their time against the torch path (~60 s)

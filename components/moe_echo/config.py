@@ -142,8 +142,9 @@ class MoEEchoConfig:
     ``padded``, ``hierarchical`` and ``alltoall`` (not ``deepep``); ignored at EP=1. ``auto``: 2 where the EP
     ranks span hosts (``hierarchical``; 1.08× the unsplit step on emulated hosts) and with ``nvlink`` from EP=4
     on where ECHO is on (1.01× at EP=4), else 1 (with ``nvlink`` the split measured 0.985× at EP=2 and 0.99×
-    at EP=4 without ECHO, whose rank waits it does not shorten; 0.93–0.97× with ``padded``). With FP8 experts and
-    ECHO a split layer casts its extended weights in each chunk instead of reading the clones from the FP8 copies."""
+    at EP=4 without ECHO, whose rank waits it does not shorten; 0.93–0.97× with ``padded``; 0.92× for the FP8 step
+    at EP=2 with ECHO, whose split layers cast the extended weights to FP8 in each chunk instead of reading the
+    clones from the FP8 copies)."""
 
     aux_loss_coeff: float = 0.0
     """Coefficient of the sequence-level auxiliary balance loss (0 disables it)."""

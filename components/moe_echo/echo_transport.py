@@ -25,6 +25,7 @@ Two transports, both static-shape with no host read:
 import torch
 import torch.distributed as dist
 
+from kernels.echo_routes import clone_routes, pull_routes
 from kernels.fp8 import transpose_copy_
 from kernels.peer_rows import peer_gather_sum, peer_scatter
 
@@ -172,22 +173,11 @@ class PeerMemoryTransport:
     def all_gather(self, counts_E: torch.Tensor, what: str = "counts") -> torch.Tensor:
         return all_gather_rows(self.ws, f"{self.name}/echo_{what}", counts_E)
 
-    def _routes(self, slot_expert_G: torch.Tensor, rows: int):
-        """Each clone row's destination rank and row in its buffer (-1: not one of my experts' clones)."""
-        G, S, e, dev = slot_expert_G.shape[0], self.S, self.e, slot_expert_G.device
-        mine_G = (slot_expert_G >= 0) & (slot_expert_G // e == self.rank)  # slots (anywhere) cloning my experts
-        g_N = torch.arange(G * rows, device=dev) // rows
-        dest_N1 = (g_N // S).view(-1, 1)
-        row_N1 = torch.where(mine_G.index_select(0, g_N), (g_N % S) * rows + torch.arange(G * rows, device=dev) % rows,
-                             -1).view(-1, 1)
-        return (slot_expert_G % e).clamp(min=0), dest_N1, row_N1
-
     def clones(self, w_eX: torch.Tensor, slot_expert_G: torch.Tensor, index: int = 0) -> torch.Tensor:
-        e, G, S = self.e, slot_expert_G.shape[0], self.S
+        e, S = self.e, self.S
         rows, width = (w_eX[0].numel() // w_eX.shape[-1]), w_eX.shape[-1]  # each expert = rows x width
-        local_G, dest_N1, row_N1 = self._routes(slot_expert_G, rows)
+        src_N, dest_N1, row_N1 = clone_routes(slot_expert_G, self.rank, S, e, rows)
         buf = self.ws.buffer(f"{self.name}/w{index}/clone", (S * rows, width), w_eX.dtype, w_eX.device)
-        src_N = (local_G * rows).repeat_interleave(rows) + torch.arange(rows, device=w_eX.device).repeat(G)
         peer_scatter(w_eX.reshape(e * rows, width), dest_N1, row_N1, buf.ptrs_R, buf.peers, programs=self.programs,
                      src_T=src_N)  # each clone row reads its home expert's row: no gathered copy of the G experts
         self.ws.barrier(buf)
@@ -207,31 +197,11 @@ class PeerMemoryTransport:
         gbuf = self.ws.buffer(f"{self.name}/w{index}/clone_grad", (S * rows, width), grad_SX.dtype, grad_SX.device)
         gbuf.local.copy_(grad_SX.reshape(-1, width))
         self.ws.barrier(gbuf)
-        rank_TR, row_TR, home_T = self._pull_routes(slot_expert_G, rows)
-        grad_NX = grad_eX.view(e * rows, width)
-        acc = torch.promote_types(grad_NX.dtype, torch.float32)
-        sums_TX = peer_gather_sum(rank_TR, row_TR, gbuf.ptrs_R, gbuf.peers, out_dtype=acc, programs=self.programs)
-        # the home rows are distinct: one rounding each, no race
-        grad_NX.index_copy_(0, home_T, (grad_NX.index_select(0, home_T).to(acc) + sums_TX).to(grad_NX.dtype))
-
-    def _pull_routes(self, slot_expert_G: torch.Tensor, rows: int):
-        """([C·rows, R] ranks, [C·rows, R] rows, [C·rows] home rows), C = min(e, G): row r of the c-th of my experts
-        in clone order (the experts some slot clones first, then others, with no source) reads row s·rows + r of
-        rank ρ's clone gradients where ρ's slot s clones it, else -1; it adds into row l·rows + r of my experts'."""
-        G, S, e, dev = slot_expert_G.shape[0], self.S, self.e, slot_expert_G.device
-        R, C = G // S, min(e, G)
-        g_G = torch.arange(G, device=dev)
-        mine_G = (slot_expert_G >= 0) & (slot_expert_G // e == self.rank)
-        at_G = torch.where(mine_G, (slot_expert_G % e) * R + g_G // S, e * R)  # (my expert, clone rank); else a spare
-        slot_lR = torch.full((e * R + 1,), -1, dtype=torch.int64, device=dev).scatter_(0, at_G, g_G % S)[:-1].view(e, R)
-        cloned_l = (slot_lR >= 0).any(1)
-        l_C = torch.sort((~cloned_l).to(torch.int8), stable=True).indices[:C]  # cloned experts first, each once
-        slot_cR = slot_lR.index_select(0, l_C)
-        r_1r1 = torch.arange(rows, device=dev).view(1, rows, 1)
-        row_crR = torch.where(slot_cR.unsqueeze(1) >= 0, slot_cR.unsqueeze(1) * rows + r_1r1, -1)
-        rank_crR = torch.arange(R, device=dev).view(1, 1, R).expand(C, rows, R)
-        home_cr = l_C.view(C, 1) * rows + r_1r1.view(1, rows)
-        return rank_crR.reshape(C * rows, R).contiguous(), row_crR.reshape(C * rows, R), home_cr.reshape(-1)
+        rank_TR, row_TR, home_T = pull_routes(slot_expert_G, self.rank, S, e, rows)
+        # summed in fp32 with the home row and written back in its dtype, by the pull kernel itself: the home rows
+        # are distinct (one rounding each, no race); rows with no source are not touched
+        peer_gather_sum(rank_TR, row_TR, gbuf.ptrs_R, gbuf.peers, add_into=grad_eX.view(e * rows, width),
+                        out_rows_T=home_T, programs=self.programs)
 
 
 def build_transport(dispatcher, group, ep_size: int, rank: int, slots: int, local_experts: int):

@@ -78,18 +78,33 @@ def check_overlap(cfg, dispatcher) -> None:
                         f"(the chunks share one fetch of the clone weights); {fix}")
 
 
+class _FetchedOnce:
+    """ECHO's clones (``echo.EchoClones``) as the chunks of one layer ask for them: ``extend(w, i, out)`` and
+    ``extend.slot_gradients(w, i)`` made by the first call for weight i and returned again after, so the chunks
+    share one fetch of the clones and one pull of their gradients; every other attribute (``fp8_weights``, which
+    the clones make once themselves) is the clones' own, present only where they have it."""
+
+    def __init__(self, extend):
+        self._extend, self._done = extend, {}
+
+    def _once(self, key, make):
+        if key not in self._done:
+            self._done[key] = make()
+        return self._done[key]
+
+    def __call__(self, w, i, out=None):
+        return self._once(("weights", i), lambda: self._extend(w, i, out))
+
+    def __getattr__(self, name):
+        attr = getattr(self._extend, name)
+        if name == "slot_gradients":
+            return lambda w, i=0: self._once(("slot_gradients", i), lambda: attr(w, i))
+        return attr
+
+
 def fetched_once(extend):
-    """ECHO's ``extend(w, i, out)`` with each weight's clones fetched by the first call, returned again after."""
-    if extend is None:
-        return None
-    done = {}
-
-    def once(w, i, out=None):
-        if i not in done:
-            done[i] = extend(w, i, out)
-        return done[i]
-
-    return once
+    """``extend`` (ECHO's clones, or None) for the chunks of one layer (``_FetchedOnce``)."""
+    return None if extend is None else _FetchedOnce(extend)
 
 
 def pipelined_routed(dispatcher, experts, count, x_TD, ids_TK, w_TK, chunks: int, extend=None,
