@@ -70,7 +70,7 @@ class MoEEchoConfig:
     (components/train/fp8_linear.py), the routed experts' FP8 recipe with one expert: one power-of-two scale per
     token row and per weight, FP8 weight gradients, cuBLAS's FP8 GEMMs, each pass one custom op inside the
     compiled attention. Measured on H200, compiled and graphed, with the feed-forwards' key and a converted head:
-    1.007× the FP8 step on one GPU (v2lite_1b, 1.223× bf16), 1.269× bf16 at EP=2 (v2lite_6b_2gpu); the loss
+    1.007× the FP8 step on one GPU (v2lite_1b, 1.223× bf16), 1.269–1.279× bf16 at EP=2 (v2lite_6b_2gpu); the loss
     within bf16's drift at two seeds (docs/performance.md, FP8)."""
 
     dispatch_precision: Literal["bf16", "fp8"] = "bf16"
@@ -142,9 +142,8 @@ class MoEEchoConfig:
     ``padded``, ``hierarchical`` and ``alltoall`` (not ``deepep``); ignored at EP=1. ``auto``: 2 where the EP
     ranks span hosts (``hierarchical``; 1.08× the unsplit step on emulated hosts) and with ``nvlink`` from EP=4
     on where ECHO is on (1.01× at EP=4), else 1 (with ``nvlink`` the split measured 0.985× at EP=2 and 0.99×
-    at EP=4 without ECHO, whose rank waits it does not shorten; 0.93–0.97× with ``padded``; 0.92× for the FP8 step
-    at EP=2 with ECHO, whose split layers cast the extended weights to FP8 in each chunk instead of reading the
-    clones from the FP8 copies)."""
+    at EP=4 without ECHO, whose rank waits it does not shorten; 0.93–0.97× with ``padded``; 0.97× for the FP8 step
+    at EP=2 with ECHO)."""
 
     aux_loss_coeff: float = 0.0
     """Coefficient of the sequence-level auxiliary balance loss (0 disables it)."""
