@@ -138,16 +138,17 @@ class _SharedInput(nn.Module):
         return self.wo(torch.cat([self.wq(x), self.wkv(x)], -1))
 
 
-def test_compiled_quantises_a_shared_input_once(monkeypatch):
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, hopper])])
+def test_compiled_quantises_a_shared_input_once(monkeypatch, device):
     """Compiled, two layers reading one input quantise it once and copy it transposed once (the graph's
     common-subexpression pass merges ``fp8_rows`` and ``fp8_rows_t``): 5 row quantisations and 5 transposed copies
     a step where eager runs 6 of each (x of each layer, dy of each layer), and every output and gradient as eager's
     to the bit."""
     torch.manual_seed(0)
-    block = _SharedInput()
+    block = _SharedInput().to(device)
     for name in ("wq", "wkv", "wo"):
         Fp8RowsLinear.from_linear(getattr(block, name))
-    x = torch.randn(2, 16, 64).bfloat16().requires_grad_()
+    x = torch.randn(2, 16, 64, device=device).bfloat16().requires_grad_()
     calls = {"rows": 0, "rows_t": 0}
 
     def counted(fn, key):
