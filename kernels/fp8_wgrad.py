@@ -58,7 +58,9 @@ REQUANT_TILES = {  # the requantiser's (BLOCK_C, ROW_BLOCKS, COL_TILES, num_warp
     "c256_r2_w8": (256, 2, 1, 8),
 }
 REQUANT_DEFAULT = "c128"
-SCALE_TILES = {  # the scale kernel's (BLOCK_R, BLOCK_C, most programs an expert, num_warps)
+SCALE_TILES = {  # the scale kernel's (BLOCK_R, BLOCK_C, programs an expert at least, num_warps): more where an even
+    # share of the rows spans more blocks (a program a block: one expert of 16384 rows, a dense layer's, takes 64, not
+    # 8 programs each walking 8 blocks one after the other), at most 1024 in all
     "r256_c64_s8": (256, 64, 8, 8),
     "r256_c128_s8": (256, 128, 8, 8),
     "r128_c128_s16": (128, 128, 16, 8),
@@ -223,8 +225,8 @@ def _scales_and_offsets(q_RC: torch.Tensor, s_R: torch.Tensor, offs_E: torch.Ten
     s_E = torch.zeros(E, dtype=torch.float32, device=q_RC.device)
     aoffs_E = torch.empty(E, dtype=torch.int32, device=q_RC.device)
     if E:
-        block_r, block_c, most, warps = SCALE_TILES[tile]
-        split = max(1, min(most, 1024 // E))  # programs an expert: a hot expert's rows spread over several
+        block_r, block_c, least, warps = SCALE_TILES[tile]
+        split = max(1, min(1024 // E, max(least, triton.cdiv(R, E * block_r))))  # programs an expert
         _expert_scale_kernel[(E, split)](q_RC.view(torch.uint8), s_R, s_E, aoffs_E, offs_E, E, C, q_RC.stride(0),
                                          E_POW2=triton.next_power_of_2(E), BLOCK_R=block_r, BLOCK_C=block_c,
                                          ALIGN=BLOCK, num_warps=warps)

@@ -152,6 +152,39 @@ def test_layer_with_copies_equals_per_call_casts_in_output_and_every_gradient():
         fp8_grouped_swiglu(x, *[torch.cat([w, w[:1]]) for w in ws], counts, copies=_fresh(*ws))
 
 
+def test_fp8_experts_compute_copies_are_stand_ins_the_optimizer_does_not_write():
+    """Experts outside FSDP with FP8 copies: their GEMMs read the FP8 copies only, so each compute copy is a stand-in
+    of its shape and dtype holding one element (its memory freed), never written by the step; forward and backward
+    through it equal the FP8 experts on the fp32 weights, the gradients land in the copies' ``grad``, and clones
+    asked for other than from the FP8 copies are refused."""
+    ge = _experts("copies")
+    opt = _optimizer("copies", ge)
+    for w in (ge.w1, ge.w2, ge.w3):
+        c = ge.copies[w]
+        assert not c.compute_read and c.compute.shape == w.shape and c.compute.dtype == torch.bfloat16
+        assert c.compute.untyped_storage().nbytes() == 2
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(40, D, generator=g).bfloat16()
+    gy = torch.randn(40, D, generator=g).bfloat16()
+    counts = torch.tensor([9, 0, 25, 4])
+    for step in range(2):
+        masters = [w.detach().clone().requires_grad_() for w in _masters(opt, ge)]
+        xx, xr = x.clone().requires_grad_(), x.clone().requires_grad_()
+        y = ge(xx, counts)
+        y.backward(gy)
+        y_ref = fp8_grouped_swiglu(xr, *masters, counts, wgrad_fp8=False)
+        y_ref.backward(gy)
+        assert torch.equal(y[:38], y_ref[:38]) and torch.equal(xx.grad[:38], xr.grad[:38])
+        for w, m in zip((ge.w1, ge.w2, ge.w3), masters):
+            assert w.grad is None and torch.equal(ge.copies[w].grad, m.grad.bfloat16())
+        opt.step()
+        opt.zero_grad()
+        assert all(ge.copies[w].compute.untyped_storage().nbytes() == 2 for w in (ge.w1, ge.w2, ge.w3))
+        assert_copies_equal(ge.fp8_copies, _fresh(*_masters(opt, ge)))
+    with pytest.raises(ValueError, match="take ECHO's clones from them"):
+        ge(x, counts, extend=lambda w, i, out=None: w)
+
+
 def test_checkpoint_load_rewrites_the_copies_from_the_masters():
     ge = _experts("masters")
     opt = _optimizer("masters", ge)
@@ -301,13 +334,13 @@ def test_optimizer_kernel_writes_the_reference_copies_and_finish_equals_a_fresh_
     step, lr = torch.tensor(3.0, device=dev), torch.tensor(0.01, device=dev)
     refs = [[t.clone() for t in (w, m, v)] for w, m, v in zip(ws, ms, vs)]
     held = copies.scale_2E.clone()
-    for i, role in enumerate((1, 2, 3)):
-        adamw_master_(params[i], grads[i], ws[i], ms[i], vs[i], lr, step, 0.9, 0.95, 1e-8, 0.1, None, None,
-                      copies.copy(role))
+    for i, role in enumerate((1, 2, 3)):  # w2 without a model copy (param None: the FP8 copies alone)
+        adamw_master_(params[i] if i != 1 else None, grads[i], ws[i], ms[i], vs[i], lr, step, 0.9, 0.95, 1e-8, 0.1,
+                      None, None, copies.copy(role))
         adamw_master_reference_(torch.empty_like(params[i]), grads[i], *refs[i], lr, step, 0.9, 0.95, 1e-8, 0.1)
         for a, b in zip((ws[i], ms[i], vs[i]), refs[i]):
             torch.testing.assert_close(a, b, rtol=2e-6, atol=1e-7)
-        assert torch.equal(params[i], ws[i].bfloat16())
+        assert torch.equal(params[i], ws[i].bfloat16()) if i != 1 else not params[i].any()
     expect = Fp8WeightCopies(E, H, D, dev)
     expect.scale_2E.copy_(held)
     for role, w in zip((1, 2, 3), ws):

@@ -7,7 +7,9 @@ import pytest
 import torch
 from torch import nn
 
-from components.train.fp8_linear import Fp8RowsLinear, fp8_linear, fp8_linear_backward, fp8_linear_forward
+import components.train.fp8_linear as fp8_linear_module
+from components.train.fp8_linear import (Fp8RowsLinear, fp8_linear, fp8_linear_backward, fp8_linear_forward, fp8_rows,
+                                      fp8_rows_t)
 from conftest import hopper
 
 FP8_ERR = 0.08  # e4m3 rounds to 3 mantissa bits: a product's relative error (Frobenius) stays well under this
@@ -81,12 +83,15 @@ def test_fake_shapes_match_the_ops():
     with them)."""
     x, w, dy = _case("random")
     x_MK = x.reshape(-1, x.shape[-1]).bfloat16()
-    assert torch.library.opcheck(fp8_linear_forward, (x_MK, w), test_utils=("test_faketensor",)) == {
-        "test_faketensor": "SUCCESS"}
-    _, x_q, x_s, s_w = fp8_linear_forward(x_MK, w)
-    args = (dy.reshape(-1, dy.shape[-1]).bfloat16(), x_q, x_s, w, s_w)
-    assert torch.library.opcheck(fp8_linear_backward, args, test_utils=("test_faketensor",)) == {
-        "test_faketensor": "SUCCESS"}
+    ok = {"test_faketensor": "SUCCESS"}
+    assert torch.library.opcheck(fp8_rows, (x_MK,), test_utils=("test_faketensor",)) == ok
+    x_q, x_s = fp8_rows(x_MK)
+    assert torch.library.opcheck(fp8_rows_t, (x_q, x_s), test_utils=("test_faketensor",)) == ok
+    assert torch.library.opcheck(fp8_linear_forward, (x_q, x_s, w), test_utils=("test_faketensor",)) == ok
+    _, s_w = fp8_linear_forward(x_q, x_s, w)
+    xt, s_x = fp8_rows_t(x_q, x_s)
+    args = (dy.reshape(-1, dy.shape[-1]).bfloat16(), xt, s_x, w, s_w)
+    assert torch.library.opcheck(fp8_linear_backward, args, test_utils=("test_faketensor",)) == ok
 
 
 class _Block(nn.Module):
@@ -118,6 +123,57 @@ def test_compiled_equals_eager():
     eager = run()
     block.forward = torch.compile(block.forward, fullgraph=True, dynamic=False)
     compiled = run()
+    assert all(torch.equal(a, b) for a, b in zip(eager, compiled))
+
+
+class _SharedInput(nn.Module):
+    """Two projections of one input (an attention's wq and wkv_a), then a third of their concatenation."""
+
+    def __init__(self, D=64):
+        super().__init__()
+        self.wq, self.wkv, self.wo = nn.Linear(D, 96, bias=False), nn.Linear(D, 32, bias=False), nn.Linear(128, D,
+                                                                                                         bias=False)
+
+    def forward(self, x):
+        return self.wo(torch.cat([self.wq(x), self.wkv(x)], -1))
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, hopper])])
+def test_compiled_quantises_a_shared_input_once(monkeypatch, device):
+    """Compiled, two layers reading one input quantise it once and copy it transposed once (the graph's
+    common-subexpression pass merges ``fp8_rows`` and ``fp8_rows_t``): 5 row quantisations and 5 transposed copies
+    a step where eager runs 6 of each (x of each layer, dy of each layer), and every output and gradient as eager's
+    to the bit."""
+    torch.manual_seed(0)
+    block = _SharedInput().to(device)
+    for name in ("wq", "wkv", "wo"):
+        Fp8RowsLinear.from_linear(getattr(block, name))
+    x = torch.randn(2, 16, 64, device=device).bfloat16().requires_grad_()
+    calls = {"rows": 0, "rows_t": 0}
+
+    def counted(fn, key):
+        def call(*args, **kwargs):
+            calls[key] += 1
+            return fn(*args, **kwargs)
+        return call
+
+    monkeypatch.setattr(fp8_linear_module, "quant_rows", counted(fp8_linear_module.quant_rows, "rows"))
+    monkeypatch.setattr(fp8_linear_module, "requant_expert_t", counted(fp8_linear_module.requant_expert_t, "rows_t"))
+
+    def run():
+        x.grad = None
+        for p in block.parameters():
+            p.grad = None
+        calls.update(rows=0, rows_t=0)
+        y = block(x)
+        y.float().square().sum().backward()
+        return (y.detach(), x.grad, *(p.grad for p in block.parameters())), dict(calls)
+
+    eager, eager_calls = run()
+    block.forward = torch.compile(block.forward, fullgraph=True, dynamic=False)
+    run()  # compiles
+    compiled, compiled_calls = run()
+    assert eager_calls == {"rows": 6, "rows_t": 6} and compiled_calls == {"rows": 5, "rows_t": 5}
     assert all(torch.equal(a, b) for a, b in zip(eager, compiled))
 
 

@@ -44,6 +44,7 @@ adamw.adamw_master_(p13[:, H:], g13[:, H:], w, m, v, torch.full((), 1e-3), step,
                     skip=torch.zeros(()), fp8=c)
 adamw.adamw_master_(torch.zeros(E, H, D).bfloat16(), torch.zeros(E, H, D).bfloat16(), w, m, v, 1e-3, step, 0.9,
                     0.95, 1e-8, 0.1, fp8=c)
+adamw.adamw_master_(None, torch.zeros(E, H, D).bfloat16(), w, m, v, 1e-3, step, 0.9, 0.95, 1e-8, 0.1, fp8=c)
 fp8.recast_moved_(w, c, torch.ones(E))
 fp8.transpose_copy_(plain, torch.empty(E, D, 2 * H, dtype=FP8))
 # the nvlink dispatcher's local expand writing FP8 rows beside the bf16 ones

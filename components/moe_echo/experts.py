@@ -27,7 +27,7 @@ from kernels.swiglu import swiglu, swiglu13
 
 from .fp8_experts import Fp8WeightCopies, fp8_grouped_swiglu
 from .quack_experts import quack_grouped_swiglu, quack_swiglu
-from .weight_copies import WeightCopies, WeightCopy
+from .weight_copies import WeightCopies, WeightCopy, shape_only
 
 
 def grouped_swiglu(
@@ -221,6 +221,9 @@ class GroupedExperts(nn.Module):
             copies = extend.fp8_weights(copies)
             weights = tuple(extend.slot_gradients(w, i) for i, w in enumerate(weights))
         elif extend is not None:  # the extended weights (clones appended), cast per call where FP8
+            if copies is not None and self.compute_copies:
+                raise ValueError("FP8 experts reading their FP8 copies take ECHO's clones from them "
+                                 "(extend.fp8_weights): their compute copies hold no values to extend")
             weights, copies = tuple(extend(w, i) for i, w in enumerate(weights)), None
         if self.precision == "fp8":
             return fp8_grouped_swiglu(x_ND, *weights, counts_e, self._fp8_scale_hint(weights[0]), copies=copies,
@@ -284,6 +287,7 @@ class GroupedExperts(nn.Module):
                 full2[:e] = c2
                 cp2.compute, self._full13, self._full2 = full2[:e], full13, full2
         self.compute_copies = True
+        self._compute_copies_shape_only()
 
     def enable_fp8_copies(self, slots: int = 0) -> None:
         """FP8 experts whose optimizer writes their FP8 weight copies (``Fp8WeightCopies``; AdamWWithCopies and
@@ -302,6 +306,17 @@ class GroupedExperts(nn.Module):
         self.fp8_copies.write_(w1, w2, w3)
         for role, w in enumerate((self.w1, self.w2, self.w3), start=1):
             self._copy_of(w).fp8 = (self.fp8_copies, role)
+        self._compute_copies_shape_only()
+
+    def _compute_copies_shape_only(self) -> None:
+        """With both FP8 copies and compute copies, the GEMMs read only the FP8 copies: the compute copies become
+        stand-ins of their shape and dtype (``WeightCopy.compute_read`` False), which free their memory and which
+        the optimizer step no longer writes."""
+        if self.fp8_copies is None or not self.compute_copies:
+            return
+        for w in (self.w1, self.w2, self.w3):
+            cp = self.copies[w]
+            cp.compute, cp.compute_read = shape_only(cp.compute), False
 
     def _copy_of(self, w: nn.Parameter) -> WeightCopy:
         """``w``'s entry in ``self.copies``, created once (a map the optimizer was handed stays valid)."""

@@ -9,10 +9,12 @@ One ``WeightCopy`` per expert weight (``GroupedExperts.w1``, ``w2``, ``w3``), ow
     backward   sums the weight's gradient into ``grad`` (compute dtype, not yet divided); ``.grad`` stays None
     clipping   counts ``grad / grad_divide`` (components/parallel/grad_norm.py)
     optimizer  divides ``grad`` by ``grad_divide``, clips it, applies it to the fp32 weight, writes the next
-               ``compute`` and the FP8 copies (``fp8``) from the fp32 weight (or its master) in the same pass;
-               ``zero_grad`` clears ``grad``
+               ``compute`` (where ``compute_read``) and the FP8 copies (``fp8``) from the fp32 weight (or its master)
+               in the same pass; ``zero_grad`` clears ``grad``
 
 Invariants: a weight whose copy has a ``grad`` has no ``.grad`` (the optimizer refuses the step otherwise);
+where ``compute_read`` is False (FP8 experts whose GEMMs read the FP8 copies) ``compute`` is a stand-in of the
+local shard's shape and dtype without memory of its own (one element expanded): nothing reads or writes its values;
 ``compute`` and ``grad`` are shaped like the weight's local shard and may be views (the halves of one [w1; w3]
 buffer) that the optimizer reads and writes in place; the objects are created once (``enable_*_copies``) and
 only their fields change, so a map gathered before the first step stays valid.
@@ -34,16 +36,25 @@ class WeightCopy:
     grad         backward's gradient in the compute dtype, undivided; None until a backward reaches it
     grad_divide  what ``grad`` is divided by in the step (``GroupedExperts.set_gradient_divide_factor``)
     fp8          (Fp8WeightCopies, role: 1, 2, 3 for w1, w2, w3) the step also writes, or None
-                 (``GroupedExperts.enable_fp8_copies``)"""
+                 (``GroupedExperts.enable_fp8_copies``)
+    compute_read False where the forward reads only ``compute``'s shape and dtype (the GEMMs read ``fp8``):
+                 ``compute`` is then a stand-in (``shape_only``) the step does not write"""
 
     compute: torch.Tensor | None = None
     grad: torch.Tensor | None = None
     grad_divide: float = 1.0
     fp8: tuple[Fp8WeightCopies, int] | None = None
+    compute_read: bool = True
 
     def add_grad(self, grad: torch.Tensor) -> None:
         """Backward: sum ``grad`` into ``self.grad`` (the first one is kept as it is, a view included)."""
         self.grad = grad if self.grad is None else self.grad + grad
+
+
+def shape_only(t: torch.Tensor) -> torch.Tensor:
+    """A tensor of ``t``'s shape, dtype and device whose elements all alias one (no memory of ``t``'s size): where
+    only a tensor's metadata is read (autograd's stand-in for a weight whose GEMMs read other copies)."""
+    return torch.empty((), dtype=t.dtype, device=t.device).expand(t.shape)
 
 
 class WeightCopies(dict):

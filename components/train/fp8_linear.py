@@ -12,8 +12,11 @@ every row reaches, whose GEMMs are cuBLAS's (``torch._scaled_mm``):
     weight gradient  dw = dyᵀ x      dy's and x's e4m3 rows copied transposed at one scale each
                                      (kernels/fp8_wgrad.py), accumulated in fp32, written in w's dtype
 
-Each pass is one custom op (``moe_echo::fp8_linear``, ``moe_echo::fp8_linear_backward``): torch.compile keeps it
-whole inside a compiled attention (still one graph) and runs the Triton and cuBLAS kernels it holds. No host read.
+Four custom ops: x's rows in e4m3 (``moe_echo::fp8_rows``), the forward GEMM (``moe_echo::fp8_linear``), x's
+rows transposed (``moe_echo::fp8_rows_t``) and the two backward GEMMs (``moe_echo::fp8_linear_backward``).
+torch.compile keeps each whole inside a compiled attention (still one graph) and runs the Triton and cuBLAS kernels
+it holds; where two layers read one input (an attention's wq and wkv_a) the graph's common-subexpression pass runs
+x's two ops once for both. No host read.
 Off CUDA the GEMMs are emulated (``scaled_grouped_mm``): the same quantisation, for CPU tests.
 """
 
@@ -22,7 +25,7 @@ from torch import nn
 
 from components.moe_echo.fp8_experts import per_column, scaled_grouped_mm
 from kernels.fp8 import FP8, cast_experts_scaled, cast_experts_t, quant_rows
-from kernels.fp8_wgrad import grouped_wgrad_fp8, requant_expert_t
+from kernels.fp8_wgrad import capacity, grouped_wgrad_fp8, requant_expert_t
 
 
 def _all_rows(x_MK: torch.Tensor) -> torch.Tensor:
@@ -30,30 +33,54 @@ def _all_rows(x_MK: torch.Tensor) -> torch.Tensor:
     return torch.full((1,), x_MK.shape[0], dtype=torch.int32, device=x_MK.device)
 
 
+@torch.library.custom_op("moe_echo::fp8_rows", mutates_args=())
+def fp8_rows(x_MK: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x_q e4m3 [M, K], x_s fp32 [M]): x's rows at a power-of-two scale each (``quant_rows``). x_MK bf16,
+    contiguous. Its own op, so that layers reading one input (an attention's wq and wkv_a) quantise it once in a
+    compiled graph: the graph's common-subexpression pass merges the identical calls."""
+    return quant_rows(x_MK)
+
+
+@fp8_rows.register_fake
+def _(x_MK):
+    return x_MK.new_empty(x_MK.shape, dtype=FP8), x_MK.new_empty(x_MK.shape[0], dtype=torch.float32)
+
+
+@torch.library.custom_op("moe_echo::fp8_rows_t", mutates_args=())
+def fp8_rows_t(x_q: torch.Tensor, x_s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(xt_KA e4m3, s_x fp32 [1]): the rows (``fp8_rows``) transposed at one scale (``requant_expert_t`` with one
+    expert; A: M rounded up to 128, zeros past M), the weight gradient's operand. Its own op for the same reason as
+    ``fp8_rows``: layers sharing an input copy it once."""
+    xt_KA, s_x, _ = requant_expert_t(x_q, x_s, _all_rows(x_q))
+    return xt_KA, s_x
+
+
+@fp8_rows_t.register_fake
+def _(x_q, x_s):
+    (M, K), A = x_q.shape, capacity(x_q.shape[0], 1)
+    return x_q.new_empty(K, A), x_s.new_empty(1)
+
+
 @torch.library.custom_op("moe_echo::fp8_linear", mutates_args=())
-def fp8_linear_forward(x_MK: torch.Tensor, w_NK: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor,
-                                                                         torch.Tensor]:
-    """(y_MN bf16, x_q e4m3 [M, K], x_s fp32 [M], s_w fp32 [1]): y = x @ wᵀ in FP8, and what the backward reads.
-    x_MK bf16, contiguous."""
+def fp8_linear_forward(x_q: torch.Tensor, x_s: torch.Tensor, w_NK: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(y_MN bf16, s_w fp32 [1]): y = x @ wᵀ in FP8 from x's rows (``fp8_rows``), w cast at one scale, s_w."""
     N, K = w_NK.shape
-    x_q, x_s = quant_rows(x_MK)
-    w_q = torch.empty(1, N, K, dtype=FP8, device=x_MK.device)
-    s_w = cast_experts_scaled((w_NK[None],), w_q, torch.zeros(1, dtype=torch.float32, device=x_MK.device))
-    y_MN = scaled_grouped_mm(x_q, w_q.transpose(-2, -1), x_s, per_column(s_w, N), _all_rows(x_MK))
-    return y_MN, x_q, x_s, s_w
+    w_q = torch.empty(1, N, K, dtype=FP8, device=x_q.device)
+    s_w = cast_experts_scaled((w_NK[None],), w_q, torch.zeros(1, dtype=torch.float32, device=x_q.device))
+    y_MN = scaled_grouped_mm(x_q, w_q.transpose(-2, -1), x_s, per_column(s_w, N), _all_rows(x_q))
+    return y_MN, s_w
 
 
 @fp8_linear_forward.register_fake
-def _(x_MK, w_NK):
-    (M, K), N = x_MK.shape, w_NK.shape[0]
-    return (x_MK.new_empty(M, N, dtype=torch.bfloat16), x_MK.new_empty(M, K, dtype=FP8),
-            x_MK.new_empty(M, dtype=torch.float32), x_MK.new_empty(1, dtype=torch.float32))
+def _(x_q, x_s, w_NK):
+    return x_q.new_empty(x_q.shape[0], w_NK.shape[0], dtype=torch.bfloat16), x_q.new_empty(1, dtype=torch.float32)
 
 
 @torch.library.custom_op("moe_echo::fp8_linear_backward", mutates_args=())
-def fp8_linear_backward(dy_MN: torch.Tensor, x_q: torch.Tensor, x_s: torch.Tensor, w_NK: torch.Tensor,
+def fp8_linear_backward(dy_MN: torch.Tensor, xt_KA: torch.Tensor, s_x: torch.Tensor, w_NK: torch.Tensor,
                         s_w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(dx_MK bf16, dw_NK in w's dtype) from dy_MN (bf16, contiguous) and what the forward kept."""
+    """(dx_MK bf16, dw_NK in w's dtype) from dy_MN (bf16, contiguous), x's transposed rows (``fp8_rows_t``) and
+    w's scale."""
     N, K = w_NK.shape
     offs = _all_rows(dy_MN)
     dy_q, dy_s = quant_rows(dy_MN)
@@ -61,27 +88,28 @@ def fp8_linear_backward(dy_MN: torch.Tensor, x_q: torch.Tensor, x_s: torch.Tenso
     cast_experts_t(w_NK[None], s_w, wt_q, 0)
     dx_MK = scaled_grouped_mm(dy_q, wt_q.transpose(-2, -1), dy_s, per_column(s_w, K), offs)
     dy_t, s_dy, aoffs = requant_expert_t(dy_q, dy_s, offs)
-    x_t, s_x, _ = requant_expert_t(x_q, x_s, offs)
-    dw_NK = grouped_wgrad_fp8(dy_t, s_dy, x_t, s_x, aoffs, w_NK.dtype).squeeze(0)
+    dw_NK = grouped_wgrad_fp8(dy_t, s_dy, xt_KA, s_x, aoffs, w_NK.dtype).squeeze(0)
     return dx_MK, dw_NK
 
 
 @fp8_linear_backward.register_fake
-def _(dy_MN, x_q, x_s, w_NK, s_w):
-    return dy_MN.new_empty(x_q.shape, dtype=torch.bfloat16), torch.empty_like(w_NK)
+def _(dy_MN, xt_KA, s_x, w_NK, s_w):
+    return dy_MN.new_empty(dy_MN.shape[0], w_NK.shape[1], dtype=torch.bfloat16), torch.empty_like(w_NK)
 
 
 class _Fp8Linear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x_MK, w_NK):
-        y_MN, x_q, x_s, s_w = fp8_linear_forward(x_MK, w_NK)
+        x_q, x_s = fp8_rows(x_MK)
+        y_MN, s_w = fp8_linear_forward(x_q, x_s, w_NK)
         ctx.save_for_backward(x_q, x_s, w_NK, s_w)
         return y_MN
 
     @staticmethod
     def backward(ctx, dy_MN):
         x_q, x_s, w_NK, s_w = ctx.saved_tensors
-        dx_MK, dw_NK = fp8_linear_backward(dy_MN.to(torch.bfloat16).contiguous(), x_q, x_s, w_NK, s_w)
+        xt_KA, s_x = fp8_rows_t(x_q, x_s)
+        dx_MK, dw_NK = fp8_linear_backward(dy_MN.to(torch.bfloat16).contiguous(), xt_KA, s_x, w_NK, s_w)
         return dx_MK, dw_NK
 
 

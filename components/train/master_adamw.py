@@ -110,7 +110,8 @@ class AdamWWithCopies(torch.optim.AdamW):
     own state format (checkpoints load across the two paths), the gradient ``copy.grad`` (bf16) is divided by
     ``copy.grad_divide`` and clipped (``grad_scale``) inside the kernel, and the bf16 copy the next forward
     reads (``copy.compute``) is written in the same pass: no per-step cast of those weights or their
-    gradients. Honours ``found_inf`` like the fused step."""
+    gradients; not where the model never reads it (``copy.compute_read`` False: FP8 experts, which read the FP8
+    copies written in that pass). Honours ``found_inf`` like the fused step."""
 
     def __init__(self, params, *args, copies: WeightCopies, **kwargs):
         """``copies`` is required: without it the weights with compute copies (whose gradients never reach
@@ -157,7 +158,7 @@ class AdamWWithCopies(torch.optim.AdamW):
                 if isinstance(lr, torch.Tensor) and lr.device != g.device:  # a host tensor (DCP's state init)
                     lr = float(lr)
                 # g and the copy may be halves of [w1; w3] (QuACK's layout): the kernel reads them in place
-                adamw_master_(c.compute, g, local_of(p), local_of(state["exp_avg"]),
+                adamw_master_(c.compute if c.compute_read else None, g, local_of(p), local_of(state["exp_avg"]),
                               local_of(state["exp_avg_sq"]), lr, state["step"], beta1, beta2, group["eps"],
                               group["weight_decay"], skip, mul, fp8.target(p))
             fp8.finish(group["params"], local_of, skip)
@@ -209,7 +210,7 @@ def refresh_compute_copies(model: torch.nn.Module, optimizer=None) -> None:
     fp8_masters: dict = {}  # Fp8WeightCopies -> {role: its weight's master}
     with torch.no_grad():
         for p, c in copies.items():
-            if c.compute is not None:
+            if c.compute is not None and c.compute_read:
                 c.compute.copy_(local_of(p))
             if c.fp8 is not None:
                 fp8_masters.setdefault(c.fp8[0], {})[c.fp8[1]] = master(p)
