@@ -144,10 +144,11 @@ if triton is not None:
     @triton.jit
     def _combine_bwd_kernel(g_ptr, y_ptr, w_ptr, idx_ptr, gy_ptr, gw_ptr, gs_ptr, q_ptr, qs_ptr, D, g_stride,
                             gs_stride, K: tl.constexpr, SCALE_BLOCK: tl.constexpr, QUANT: tl.constexpr,
-                            BLOCK_D: tl.constexpr):
+                            PLAIN: tl.constexpr, BLOCK_D: tl.constexpr):
         """SCALE_BLOCK > 0: g's rows are fp8, one scale per SCALE_BLOCK columns (gs [T, ceil(D / SCALE_BLOCK)]).
         QUANT: grad_y's rows also as FP8 (q, qs). A row's amax is that of g times |w|, rounded as grad_y is
-        (rounding is monotonic), so the scale is known before the row is written: one pass."""
+        (rounding is monotonic), so the scale is known before the row is written: one pass. PLAIN False (with
+        QUANT): grad_y's rows as FP8 only."""
         t = tl.program_id(0).to(tl.int64)
         g_max = 0.0
         if QUANT:
@@ -172,7 +173,8 @@ if triton is not None:
                 y = tl.load(y_ptr + row * D + offs, mask=mask, other=0.0).to(tl.float32)
                 dot += g * y
                 gy = (w * g).to(gy_ptr.dtype.element_ty)
-                tl.store(gy_ptr + row * D + offs, gy, mask=mask)
+                if PLAIN:
+                    tl.store(gy_ptr + row * D + offs, gy, mask=mask)
                 if QUANT:
                     q = tl.clamp(gy.to(tl.float32) / s, -448.0, 448.0)
                     tl.store(q_ptr + row * D + offs, q.to(q_ptr.dtype.element_ty), mask=mask)
@@ -237,12 +239,15 @@ def gather_sum(src_ND, idx_TK, w_TK=None, out=None, programs: int | None = None,
 
 
 def combine_backward(g_TD, y_ND, w_TK, idx_TK, allow_missing: bool = True, grad_y_out=None, g_scales=None,
-                     scale_block: int = 0, fp8_out=None):
+                     scale_block: int = 0, fp8_out=None, plain: bool = True):
     """``allow_missing=False`` promises idx is a permutation of all N = T·K rows (skips zero-fill);
     ``grad_y_out`` ([N, D], contiguous) receives the rows some (t, k) maps to and keeps the others;
     ``g_scales`` (fp32 [T, ceil(D / scale_block)], unit column stride): g is fp8 (unit column stride, any row
     stride) standing for g[t, c] · g_scales[t, c // scale_block]; ``fp8_out`` (q [N, D] e4m3 and s [N] fp32,
-    contiguous; on the Triton path only): receives the rows some (t, k) maps to as FP8 rows (module docstring)."""
+    contiguous; on the Triton path only): receives the rows some (t, k) maps to as FP8 rows (module docstring);
+    ``plain`` False (with ``fp8_out`` and ``grad_y_out``): only there, ``grad_y_out`` left as it is."""
+    if not plain and (fp8_out is None or grad_y_out is None):
+        raise ValueError("combine_backward: plain=False writes the FP8 rows alone: it needs fp8_out and grad_y_out")
     if g_scales is not None and not _use_triton(y_ND):
         s_TD = g_scales.to(y_ND.dtype).repeat_interleave(scale_block, 1)[:, :g_TD.shape[1]]
         g_TD = g_TD.to(y_ND.dtype).mul_(s_TD)  # exact: the scales are powers of two
@@ -285,5 +290,5 @@ def combine_backward(g_TD, y_ND, w_TK, idx_TK, allow_missing: bool = True, grad_
     q, qs = fp8_out if fp8_out is not None else (w_TK, w_TK)  # dummy pointers without FP8 rows
     _combine_bwd_kernel[(T,)](g_TD, y_ND, w_TK, idx_TK, grad_y_ND, grad_w_TK, gs, q, qs, D, g_TD.stride(0),
                               gs.stride(0), K=K, SCALE_BLOCK=scale_block if g_scales is not None else 0,
-                              QUANT=fp8_out is not None, BLOCK_D=BLOCK_D, num_warps=4)
+                              QUANT=fp8_out is not None, PLAIN=plain, BLOCK_D=BLOCK_D, num_warps=4)
     return grad_y_ND, grad_w_TK

@@ -96,10 +96,11 @@ if triton is not None:
     @triton.jit
     def _scatter_rows(x_ptr, src_ptr, rank_ptr, row_ptr, ptrs_ptr, buf_like, scale_ptr, rs_ptr, q_ptr, qs_ptr, T, D,
                       x_stride, rs_stride, K: tl.constexpr, HAS_SRC: tl.constexpr, HAS_SCALE: tl.constexpr,
-                      SCALE_BLOCK: tl.constexpr, ONE_DEST: tl.constexpr, QUANT: tl.constexpr, BLOCK_T: tl.constexpr,
-                      BLOCK_D: tl.constexpr):
+                      SCALE_BLOCK: tl.constexpr, ONE_DEST: tl.constexpr, QUANT: tl.constexpr, PLAIN: tl.constexpr,
+                      BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr):
         """QUANT (no HAS_SCALE: every copy of a token is the same row): each row written is also written to
-        q / qs as quant_rows would quantise it (its amax over the values as written, a power-of-two scale)."""
+        q / qs as quant_rows would quantise it (its amax over the values as written, a power-of-two scale).
+        PLAIN False (with QUANT): only those FP8 rows are written, not the buffers' rows."""
         ty = buf_like.dtype.element_ty
         cols = tl.arange(0, BLOCK_D)[None, :]
         in_row = cols < D
@@ -131,7 +132,9 @@ if triton is not None:
                 if HAS_SCALE:
                     s_T = tl.load(scale_ptr + t_T * K + k, mask=ok_T, other=0.0).to(tl.float32)
                     v = x.to(tl.float32) * s_T[:, None]
-                tl.store(dst_T[:, None] + row_T[:, None] * D + cols, v.to(ty), mask=(row_T >= 0)[:, None] & in_row)
+                if PLAIN:
+                    tl.store(dst_T[:, None] + row_T[:, None] * D + cols, v.to(ty),
+                             mask=(row_T >= 0)[:, None] & in_row)
                 if QUANT:
                     tl.store(q_ptr + row_T[:, None] * D + cols, q, mask=(row_T >= 0)[:, None] & in_row)
                     tl.store(qs_ptr + row_T, qs_T, mask=row_T >= 0)
@@ -143,15 +146,16 @@ if triton is not None:
                              rs_stride, K: tl.constexpr, HAS_SRC: tl.constexpr, HAS_SCALE: tl.constexpr,
                              SCALE_BLOCK: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr):
         _scatter_rows(x_ptr, src_ptr, rank_ptr, row_ptr, ptrs_ptr, buf_like, scale_ptr, rs_ptr, scale_ptr, scale_ptr,
-                      T, D, x_stride, rs_stride, K, HAS_SRC, HAS_SCALE, SCALE_BLOCK, False, False, BLOCK_T, BLOCK_D)
+                      T, D, x_stride, rs_stride, K, HAS_SRC, HAS_SCALE, SCALE_BLOCK, False, False, True, BLOCK_T,
+                      BLOCK_D)
 
     @triton.jit
     def _scatter_rows_kernel(x_ptr, src_ptr, row_ptr, ptrs_ptr, buf_like, scale_ptr, rs_ptr, q_ptr, qs_ptr, T, D,
                              x_stride, rs_stride, K: tl.constexpr, HAS_SRC: tl.constexpr, HAS_SCALE: tl.constexpr,
-                             SCALE_BLOCK: tl.constexpr, QUANT: tl.constexpr, BLOCK_T: tl.constexpr,
-                             BLOCK_D: tl.constexpr):
+                             SCALE_BLOCK: tl.constexpr, QUANT: tl.constexpr, PLAIN: tl.constexpr,
+                             BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr):
         _scatter_rows(x_ptr, src_ptr, row_ptr, row_ptr, ptrs_ptr, buf_like, scale_ptr, rs_ptr, q_ptr, qs_ptr, T, D,
-                      x_stride, rs_stride, K, HAS_SRC, HAS_SCALE, SCALE_BLOCK, True, QUANT, BLOCK_T, BLOCK_D)
+                      x_stride, rs_stride, K, HAS_SRC, HAS_SCALE, SCALE_BLOCK, True, QUANT, PLAIN, BLOCK_T, BLOCK_D)
 
 
     @triton.jit
@@ -198,7 +202,7 @@ def peer_block_t(D: int) -> int:
 
 
 def peer_scatter(x_TD, rank_TK, row_TK, ptrs_R, peers, scale_TK=None, programs: int = 32, block_t: int | None = None,
-                 src_T=None, x_scales=None, scale_block: int = 0, fp8_out=None):
+                 src_T=None, x_scales=None, scale_block: int = 0, fp8_out=None, plain: bool = True):
     """``peers`` (list of tensors) is used by the torch path, ``ptrs_R`` by the kernel; ``rank_TK``
     None writes every slot into ``peers[0]`` / ``ptrs_R[0]`` (a local scatter). ``src_T`` (int, [T]): slot row t
     sends row ``src_T[t]`` of ``x`` (x then has any number of rows), in place of a gathered copy of x.
@@ -206,9 +210,12 @@ def peer_scatter(x_TD, rank_TK, row_TK, ptrs_R, peers, scale_TK=None, programs: 
     row stride) standing for x[i, c] · x_scales[i, c // scale_block] (dequantised on the way, into the buffers'
     dtype). ``fp8_out`` (q [rows of the buffer, D] e4m3 and s [rows] fp32, contiguous; a local scatter without
     ``scale_TK``): every row written is also written there as ``kernels.fp8.quant_rows`` quantises it; other rows
-    are left as they are."""
+    are left as they are. ``plain`` False (with ``fp8_out``, on the kernel path): the rows go to ``fp8_out`` only,
+    ``peers[0]`` is left as it is."""
     if fp8_out is not None and (rank_TK is not None or scale_TK is not None):
         raise ValueError("peer_scatter: fp8_out is for a local scatter (rank_TK None) of unscaled rows")
+    if not plain and (fp8_out is None or not (use_triton(x_TD) and use_triton(peers[0]))):
+        raise ValueError("peer_scatter: plain=False writes the FP8 rows alone: it needs fp8_out and the kernel path")
     if not (use_triton(x_TD) and use_triton(peers[0])):
         if x_scales is not None:
             x_TD = dequant_blocks(x_TD, x_scales, scale_block,
@@ -244,7 +251,7 @@ def peer_scatter(x_TD, rank_TK, row_TK, ptrs_R, peers, scale_TK=None, programs: 
         assert fp8_out[1].shape == peers[0].shape[:1] and fp8_out[1].is_contiguous()
     q, qs = fp8_out if fp8_out is not None else (scale, scale)  # dummy pointers without FP8 rows
     _scatter_rows_kernel[grid](x_TD, src, row_TK, ptrs_R, peers[0], scale, rs, q, qs, T, D, x_TD.stride(0),
-                               rs.stride(0), QUANT=fp8_out is not None, **flags)
+                               rs.stride(0), QUANT=fp8_out is not None, PLAIN=plain, **flags)
 
 
 def peer_gather_sum(rank_TK, row_TK, ptrs_R, peers, w_TK=None, out_dtype=None, programs: int = 32,

@@ -12,7 +12,8 @@
    gradients differ at the fp8 level);
 5. FP8 experts behind nvlink (bf16 and fp8 wire, and the layer in 2 pipelined chunks): the rows the dispatcher's
    kernels quantise as they write them (its local expand, its combine backward) give bitwise the output and
-   gradients of quantising in the experts, which then quantise no [N, D] rows themselves; sync-free;
+   gradients of quantising in the experts, which then quantise no [N, D] rows themselves, both with the bf16 rows
+   written beside them and without (``fp8_plain`` False, what FP8 weight gradients build); sync-free;
 6. FP8 experts behind nvlink with ECHO on (whole and in 2 pipelined chunks): the clones read from the FP8 weight
    copies (their bytes written into the copies' slot rows over peer memory) give bitwise the output and gradients
    of casting the extended weights per call; sync-free."""
@@ -161,7 +162,8 @@ def _sync_free(layer, x) -> None:
 
 
 def fp8_rows_check(mesh, dev, rank: int, world: int, x_all: torch.Tensor) -> None:
-    """5.: FP8 experts over nvlink, the dispatcher's FP8 rows on and off, bitwise."""
+    """5.: FP8 experts over nvlink, the dispatcher's FP8 rows on (with and without bf16 rows beside them) and off,
+    bitwise."""
     import components.moe_echo.fp8_experts as fe
 
     quantised, real = [], fe.quant_rows
@@ -169,22 +171,23 @@ def fp8_rows_check(mesh, dev, rank: int, world: int, x_all: torch.Tensor) -> Non
     try:
         for wire, chunks in (("bf16", 1), ("fp8", 1), ("bf16", 2)):
             runs = []
-            for fp8_rows in (False, True):
+            for fp8_rows, plain in ((False, True), (True, True), (True, False)):
                 cfg = MoEEchoConfig(dispatcher="nvlink", capacity_factor=float(world), expert_precision="fp8",
                                     dispatch_precision=wire, overlap_chunks=chunks)
                 layer = make(dev, cfg)
                 layer.expert_bias[:2] = 0.5  # two hot experts on rank 0
                 apply_expert_parallel(layer, mesh, cfg)
-                assert layer.dispatcher.fp8_rows  # what the config builds
-                layer.dispatcher.fp8_rows = fp8_rows
+                assert layer.dispatcher.fp8_rows and not layer.dispatcher.fp8_plain  # what the config builds
+                layer.dispatcher.fp8_rows, layer.dispatcher.fp8_plain = fp8_rows, plain
                 quantised.clear()
                 x = x_all[rank:rank + 1].clone().requires_grad_()
                 runs.append(_fwd_bwd(layer, x, dev))
                 rows = [s for s in quantised if s[1] == x.shape[-1]]  # x_ND and dy_ND: [N, D]
                 assert len(rows) == (0 if fp8_rows else 2 * chunks), (wire, chunks, fp8_rows, quantised)
                 _sync_free(layer, x)
-            for i, (a, b) in enumerate(zip(*runs)):
-                assert a is not None and torch.equal(a, b), f"fp8 rows ({wire} wire, {chunks} chunks): tensor {i} differs"
+            for run in runs[1:]:
+                for i, (a, b) in enumerate(zip(runs[0], run)):
+                    assert a is not None and torch.equal(a, b), f"fp8 rows ({wire} wire, {chunks} chunks): tensor {i}"
             if rank == 0:
                 print(f"FP8 experts over nvlink, {wire} wire, {chunks} chunk(s): the dispatcher's FP8 rows == the "
                       f"experts' own quantisation (output and {len(runs[0]) - 1} gradients, bitwise); sync-free",

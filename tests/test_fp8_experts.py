@@ -455,6 +455,43 @@ def test_fp8_rows_give_a_gradient_only_for_the_tensor_it_was_made_from():
     assert rows.take_grad(g[:3]) is None  # a part of it
 
 
+def test_fp8_rows_alone_are_the_experts_only_values():
+    """``Fp8Rows(plain=False)``: the x_ND and output gradient handed over are stand-ins (one element expanded), the
+    FP8 rows their only values. The experts' output and every gradient equal those from the real bf16 rows and the
+    same FP8 rows; a gradient other than the stand-in is refused, as are bf16 weight gradients (they read x_ND)."""
+    from components.moe_echo.row_ops import Fp8Rows
+    from components.tensors import shape_only
+
+    g = torch.Generator().manual_seed(6)
+    E, H, D, N = 4, 32, 64, 40
+    ws = [torch.randn(E, *s, generator=g) * 0.05 for s in ((H, D), (D, H), (H, D))]
+    x = torch.randn(N, D, generator=g).bfloat16()
+    gy = torch.randn(N, D, generator=g).bfloat16()
+    counts = torch.tensor([9, 0, 25, 4])
+    runs = []
+    for plain in (True, False):
+        rows = Fp8Rows(plain=plain)
+        rows.x = fp8.quant_rows(x)
+        x_in = x.clone().requires_grad_() if plain else shape_only(x).requires_grad_()
+        ww = [w.clone().requires_grad_() for w in ws]
+        y = fp8_grouped_swiglu(x_in, *ww, counts, rows=rows, wgrad_fp8=True)
+        grad = gy if plain else shape_only(gy)
+        rows.put_grad(grad, *fp8.quant_rows(gy))
+        y.backward(grad)
+        assert rows.x is None and rows._grad is None  # both taken
+        runs.append([y[:38], x_in.grad[:38], *(w.grad for w in ww)])
+    for a, b in zip(*runs):
+        assert torch.equal(a, b)
+    rows = Fp8Rows(plain=False)
+    rows.put_grad(shape_only(gy), *fp8.quant_rows(gy))
+    with pytest.raises(RuntimeError, match="nothing may use the experts' output but the combine"):
+        rows.take_grad(gy)
+    rows = Fp8Rows(plain=False)
+    rows.x = fp8.quant_rows(x)
+    with pytest.raises(ValueError, match="need FP8 weight gradients"):
+        fp8_grouped_swiglu(shape_only(x), *ws, counts, rows=rows, wgrad_fp8=False)
+
+
 @pytest.mark.gpu
 @hopper
 def test_row_movers_quantise_bit_for_bit_like_quant_rows():
@@ -491,6 +528,13 @@ def test_row_movers_quantise_bit_for_bit_like_quant_rows():
             assert torch.equal(gy0, gy_ref) and _rel(gw0, gw_ref) < 1e-5
             assert torch.equal(gy, gy0) and torch.equal(gw, gw0)
             assert torch.equal(out[1], sr) and torch.equal(out[0].view(torch.uint8), qr.view(torch.uint8))
+            # plain=False: the FP8 rows alone, grad_y_out as it was
+            held = torch.full((T * K, D), 3.0, dtype=torch.bfloat16, device="cuda")
+            alone = torch.empty(T * K, D, dtype=FP8, device="cuda"), torch.empty(T * K, device="cuda")
+            _, gw1 = combine_backward(grad, y, w.cuda(), row_of_slot, grad_y_out=held, fp8_out=alone, plain=False,
+                                      **kw)
+            assert (held == 3.0).all() and torch.equal(gw1, gw0) and torch.equal(alone[1], sr)
+            assert torch.equal(alone[0].view(torch.uint8), qr.view(torch.uint8))
 
 
 @pytest.mark.gpu
@@ -605,3 +649,10 @@ def test_nvlink_expand_quantises_bit_for_bit_like_quant_rows():
             kept[written] = False
             assert kept.any() and (s[kept] == -1).all() and (q[kept].float() == 1).all()
             assert torch.equal(buf[kept], torch.full_like(buf[kept], 3.0))
+            # plain=False: the same FP8 rows, the buffer left as it was
+            buf2 = torch.full((N, D), 3.0, dtype=torch.bfloat16, device="cuda")
+            q2, s2 = torch.full((N, D), 1.0, device="cuda").to(FP8), torch.full((N,), -1.0, device="cuda")
+            ptrs2 = torch.tensor([buf2.data_ptr()], dtype=torch.int64, device="cuda")
+            peer_scatter(src, None, row_UK, ptrs2, [buf2], x_scales=None if scales is None else scales[1],
+                         scale_block=0 if scales is None else 128, fp8_out=(q2, s2), plain=False)
+            assert (buf2 == 3.0).all() and torch.equal(s2, s) and torch.equal(q2.view(torch.uint8), q.view(torch.uint8))

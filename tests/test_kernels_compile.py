@@ -50,8 +50,16 @@ fp8.transpose_copy_(plain, torch.empty(E, D, 2 * H, dtype=FP8))
 # the nvlink dispatcher's local expand writing FP8 rows beside the bf16 ones
 from kernels import peer_rows
 buf, row_TK = torch.zeros(16, 300).bfloat16(), torch.tensor([[3, -1], [0, 9], [-1, -1], [5, 6], [1, 2]], dtype=torch.int32)
-peer_rows.peer_scatter(torch.randn(5, 300).bfloat16(), None, row_TK, torch.zeros(1, dtype=torch.int64), [buf],
-                       fp8_out=(torch.empty(16, 300, dtype=FP8), torch.empty(16)))
+for plain in (True, False):  # with the bf16 rows, and the FP8 rows alone
+    peer_rows.peer_scatter(torch.randn(5, 300).bfloat16(), None, row_TK, torch.zeros(1, dtype=torch.int64), [buf],
+                           fp8_out=(torch.empty(16, 300, dtype=FP8), torch.empty(16)), plain=plain)
+# the combine's backward writing its gradient rows as FP8 rows, with and without the bf16 rows
+from kernels import moe_rows
+moe_rows._use_triton = lambda *ts: True
+for plain in (True, False):
+    moe_rows.combine_backward(torch.randn(4, 300).bfloat16(), torch.randn(8, 300).bfloat16(), torch.rand(4, 2),
+                              torch.arange(8, dtype=torch.int32).view(4, 2), grad_y_out=torch.empty(8, 300).bfloat16(),
+                              fp8_out=(torch.empty(8, 300, dtype=FP8), torch.empty(8)), plain=plain)
 print("LAUNCHED-OK")
 """
 
@@ -63,5 +71,5 @@ def test_fp8_and_adamw_kernels_compile_for_sm90():
     compiled = p.stderr.split("SM90-COMPILED", 1)[1].splitlines()[0]
     for kernel in ("_quant_rows_kernel", "_cast_amax_kernel", "_recast_kernel", "_cast_experts_t_kernel",
                    "_swiglu_quant_kernel", "_swiglu_quant_bwd_kernel", "_adamw_kernel", "_transpose_kernel",
-                   "_cross_entropy_bwd_kernel", "_scatter_rows_kernel"):
+                   "_cross_entropy_bwd_kernel", "_scatter_rows_kernel", "_combine_bwd_kernel"):
         assert kernel in compiled.split(": ", 1)[1].split(), compiled  # launched, so compiled (not a torch fallback)

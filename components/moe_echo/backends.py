@@ -64,6 +64,14 @@ def build_dispatcher(cfg: MoEEchoConfig, num_experts: int, ep_group=None, ep_siz
     return d
 
 
+def _fp8_rows_alone(cfg: MoEEchoConfig) -> bool:
+    """Whether FP8 experts read their rows and output gradient only as the FP8 rows the dispatcher writes: FP8
+    weight gradients (nothing reads the bf16 rows), and no recomputed experts' forward (``echo_recompute``: it
+    finds the FP8 rows taken and quantises the bf16 rows again)."""
+    wgrad = cfg.expert_precision if cfg.expert_wgrad_precision == "auto" else cfg.expert_wgrad_precision
+    return cfg.expert_precision == "fp8" and wgrad == "fp8" and not cfg.echo_recompute
+
+
 def _build(cfg: MoEEchoConfig, backend: str, num_experts: int, ep_group, ep_size: int, hosts) -> Dispatcher:
     if backend == "local":
         return LocalDispatcher(num_experts, fp8_rows=cfg.expert_precision == "fp8")
@@ -72,7 +80,7 @@ def _build(cfg: MoEEchoConfig, backend: str, num_experts: int, ep_group, ep_size
                                       hosts.net_group, hosts.host_group, hosts.host_rank)
     if backend == "nvlink":
         return NVLinkDispatcher(num_experts, ep_group, ep_size, cfg.capacity_factor, cfg.nvlink_sms, copies=cfg.nvlink_copy,
-                                fp8_rows=cfg.expert_precision == "fp8")
+                                fp8_rows=cfg.expert_precision == "fp8", fp8_plain=not _fp8_rows_alone(cfg))
     if backend == "deepep":
         return DeepEPDispatcher(num_experts, ep_group, ep_size)
     if backend == "alltoall":

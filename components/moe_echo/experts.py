@@ -21,13 +21,13 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from components.tensors import local_of
+from components.tensors import local_of, shape_only
 from kernels.cast import cast_scale
 from kernels.swiglu import swiglu, swiglu13
 
 from .fp8_experts import Fp8WeightCopies, fp8_grouped_swiglu
 from .quack_experts import quack_grouped_swiglu, quack_swiglu
-from .weight_copies import WeightCopies, WeightCopy, shape_only
+from .weight_copies import WeightCopies, WeightCopy
 
 
 def grouped_swiglu(

@@ -256,8 +256,8 @@ class _Fp8GroupedSwiGLU(torch.autograd.Function):
         w1_EHD, w2_EDH, w3_EHD, ab_MJ, offs_E, s13_E, s2_E, *kept = ctx.saved_tensors
         E, H, D = w1_EHD.shape
         used = offs_E[-1:]
-        dy_ND = dy_ND.to(torch.bfloat16).contiguous()
-        dy_fp8 = ctx.rows.take_grad(dy_ND) if ctx.rows is not None else None
+        dy_fp8 = ctx.rows.take_grad(dy_ND) if ctx.rows is not None else None  # the very tensor the combine gave
+        dy_ND = dy_ND.to(torch.bfloat16).contiguous() if dy_fp8 is None or not ctx.wgrad_fp8 else dy_ND
         dy_q, dy_s = dy_fp8 if dy_fp8 is not None else quant_rows(dy_ND, used)
         copies = ctx.copies
         if copies is not None:
@@ -294,7 +294,9 @@ def fp8_grouped_swiglu(x_ND, w1_EHD, w2_EDH, w3_EHD, counts_E, scale_hint_2E=Non
     ``copies``: the weights' FP8 copies, current (written by the optimizer): the weights themselves only
     receive the gradients. ``channels``: one weight scale per output channel instead of per expert (no copies).
     ``rows``: x_ND and y_ND's gradient already quantised as ``quant_rows`` would (by the dispatcher that moved
-    them); whichever is missing is quantised here. ``wgrad_fp8``: the weight gradients in FP8 too (``fp8_wgrads``)."""
+    them); whichever is missing is quantised here; where ``rows.plain`` is False they are the only values (x_ND and
+    the gradient handed back are stand-ins: needs ``wgrad_fp8``). ``wgrad_fp8``: the weight gradients in FP8 too
+    (``fp8_wgrads``)."""
     E, H, D = w1_EHD.shape
     if D % ALIGN or H % ALIGN:
         raise UserError(f"FP8 experts need dim and hidden_dim divisible by {ALIGN}; got dim={D}, hidden_dim={H}")
@@ -305,6 +307,11 @@ def fp8_grouped_swiglu(x_ND, w1_EHD, w2_EDH, w3_EHD, counts_E, scale_hint_2E=Non
                          "the copies belong to other weights (with ECHO the GEMMs read their with_slots)")
     if scale_hint_2E is None:
         scale_hint_2E = torch.zeros(2, E, dtype=torch.float32, device=x_ND.device)
+    if rows is not None and not rows.plain:  # x_ND a stand-in: its FP8 rows are its only values
+        if not wgrad_fp8 or rows.x is None:
+            raise ValueError("FP8 rows alone (no bf16 rows written) need FP8 weight gradients and rows not yet taken")
+        return _Fp8GroupedSwiGLU.apply(x_ND, w1_EHD, w2_EDH, w3_EHD, counts_E, scale_hint_2E, copies, channels, rows,
+                                       wgrad_fp8)
     if rows is not None and (x_ND.dtype != torch.bfloat16 or not x_ND.is_contiguous()):
         rows.take_x()  # quantised from other values than the GEMM's bf16 rows
     return _Fp8GroupedSwiGLU.apply(x_ND.to(torch.bfloat16).contiguous(), w1_EHD, w2_EDH, w3_EHD, counts_E,

@@ -35,7 +35,9 @@ expert rows, and the combine's backward (gathered experts: the wire rows are deq
 With ``fp8_rows`` (FP8 experts) the kernels that write the expert rows also write them as FP8 rows (one
 power-of-two scale per row, ``kernels.fp8.quant_rows`` bit for bit) and hand them to the experts through
 ``handle.fp8_rows``: the local expand (x) and the combine's backward (the experts' output gradient). The experts
-then quantise neither [N, D] tensor themselves.
+then quantise neither [N, D] tensor themselves. Where the experts read nothing else (``fp8_plain`` False: FP8
+weight gradients) those kernels write the FP8 rows alone, and the [N, D] bf16 tensors handed over are stand-ins of
+their shape: 2 bytes an element less for each kernel to write.
 
 What moves the token rows (``copies``, ``[moe_echo] nvlink_copy``):
     ``copy_engine``: the copy engines, no SM. A send copies the whole [T, D] block into rows s·T.. of
@@ -64,9 +66,10 @@ from dataclasses import dataclass
 import torch
 
 from components.streams import side_stream
+from components.tensors import shape_only
 from kernels.fp8 import FP8, dequant_blocks, quant_rows
 from kernels.moe_rows import _use_triton, combine_backward, gather_sum
-from kernels.peer_rows import peer_gather_sum, peer_route_meta, peer_scatter
+from kernels.peer_rows import peer_gather_sum, peer_route_meta, peer_scatter, use_triton
 from kernels.route_layout import layout_tail, slot_ranks
 
 from .comm import WIRE_BLOCK, fp8_parts, fp8_rows, wire_scales
@@ -136,7 +139,7 @@ class NVLinkDispatcher(FixedCapacity, ExpertParallel):
 
     def __init__(self, num_experts: int, group, ep_size: int, capacity_factor: float, programs: int = 32,
                  workspace=None, name: str | None = None, block_t: int | None = None, copies: str = "kernel",
-                 fp8_rows: bool = False):
+                 fp8_rows: bool = False, fp8_plain: bool = True):
         ExpertParallel.__init__(self, num_experts, group, ep_size)
         FixedCapacity.__init__(self, capacity_factor)
         self.programs = programs
@@ -145,6 +148,9 @@ class NVLinkDispatcher(FixedCapacity, ExpertParallel):
             raise ValueError(f"[moe_echo] nvlink_copy = {copies!r}: use 'copy_engine' or 'kernel'")
         self.copies = copies  # what moves token rows, their sums and gradients across ranks (``nvlink_copy``)
         self.fp8_rows = fp8_rows  # FP8 experts: hand them the expert rows and their gradient as FP8 rows too
+        # False: the experts read the FP8 rows alone (FP8 weight gradients), so on the kernels the bf16 rows are
+        # not written (stand-ins of their shape are handed over: ``Fp8Rows.plain``)
+        self.fp8_plain = fp8_plain
         self.ws = workspace if workspace is not None else workspace_for(group)
         self.rank = self.ws.rank
         # buffer names must agree across ranks: layers are built in the same order on every rank
@@ -186,7 +192,7 @@ class NVLinkDispatcher(FixedCapacity, ExpertParallel):
         x_TD, counts_e, h = self.route(x_TD, ids_TK, w_TK)
         cap, D = nvlink_capacity(*ids_TK.shape, self.capacity_factor), x_TD.shape[1]
         if self.fp8_rows and x_TD.dtype == torch.bfloat16:
-            h.fp8_rows = Fp8Rows()
+            h.fp8_rows = Fp8Rows(plain=self.fp8_plain or not use_triton(x_TD))
         x_buf = self.ws.buffer(f"{self.name}/x", (cap, D), x_TD.dtype, x_TD.device)
         return _NVLinkDispatch.apply(x_TD, self, h, x_buf), counts_e, h
 
@@ -366,12 +372,13 @@ class _NVLinkDispatch(torch.autograd.Function):
             send_tokens(disp, h, x_TD)
         r = disp.rank
         fp8 = _fp8_rows_like(x_buf.local) if h.fp8_rows is not None else None
+        plain = fp8 is None or h.fp8_rows.plain
         peer_scatter(tok_UD, None, h.meta_row.local, x_buf.ptrs_R[r:r + 1], [x_buf.local],
-                     programs=disp.LOCAL_PROGRAMS, x_scales=scale_U, scale_block=WIRE_BLOCK, fp8_out=fp8)
+                     programs=disp.LOCAL_PROGRAMS, x_scales=scale_U, scale_block=WIRE_BLOCK, fp8_out=fp8, plain=plain)
         if fp8 is not None:
             h.fp8_rows.x = fp8
         ctx.disp, ctx.h = disp, h
-        return x_buf.local.view(x_buf.local.shape)
+        return x_buf.local.view(x_buf.local.shape) if plain else shape_only(x_buf.local)
 
     @staticmethod
     def backward(ctx, grad_ND):
@@ -399,9 +406,10 @@ class _NVLinkCombine(torch.autograd.Function):
         gy = disp._shared("grad_y", tuple(y_ND.shape), y_ND.dtype, y_ND.device)
         fused = h.fp8_rows is not None and _use_triton(g_UD, y_ND)
         fp8 = _fp8_rows_like(gy.local) if fused else None
+        plain = h.fp8_rows is None or h.fp8_rows.plain
         _, gw_UK = combine_backward(g_UD, y_ND, h.meta_w.local, h.meta_row.local, grad_y_out=gy.local,
-                                    g_scales=scale_U, scale_block=WIRE_BLOCK, fp8_out=fp8)
-        grad_y_ND = gy.local.view(gy.local.shape)
+                                    g_scales=scale_U, scale_block=WIRE_BLOCK, fp8_out=fp8, plain=plain)
+        grad_y_ND = gy.local.view(gy.local.shape) if plain else shape_only(gy.local)
         if h.fp8_rows is not None:  # off the kernels, quantised here (the experts would, the same way)
             h.fp8_rows.put_grad(grad_y_ND, *(fp8 if fused else quant_rows(grad_y_ND)))
         return grad_y_ND, pull_grad_w(disp, h, gw_UK), None, None

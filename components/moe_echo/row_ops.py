@@ -29,11 +29,16 @@ class Fp8Rows:
     handed from the kernels that move the rows to FP8 experts. Each is taken once; a gradient is given only for
     the very tensor it was made from (same memory, not modified since), else None and the experts quantise.
     What is taken is marked in use by the taker's stream (a pipelined layer moves rows on another stream than
-    its experts run on), so its memory is not reused before the taker's kernels are done with it."""
+    its experts run on), so its memory is not reused before the taker's kernels are done with it.
 
-    def __init__(self):
+    ``plain`` False: the FP8 rows are the only values. The bf16 rows handed beside them (the dispatched x_ND,
+    the gradient of y_ND) are stand-ins of their shape (``components.tensors.shape_only``), for experts that read
+    nothing else (FP8 weight gradients); taking them is then a must (``take_grad`` raises where it cannot)."""
+
+    def __init__(self, plain: bool = True):
         self.x: tuple[torch.Tensor, torch.Tensor] | None = None
         self._grad = None
+        self.plain = plain
 
     def take_x(self) -> tuple[torch.Tensor, torch.Tensor] | None:
         x, self.x = self.x, None
@@ -49,6 +54,9 @@ class Fp8Rows:
         g, version, q_ND, s_N = held
         same = (g.data_ptr() == g_ND.data_ptr() and g.shape == g_ND.shape and g.stride() == g_ND.stride()
                 and g.dtype == g_ND.dtype and g._version == version)
+        if not same and not self.plain:
+            raise RuntimeError("the experts' output gradient is not the combine's: with FP8 rows alone (no bf16 rows "
+                               "written) nothing may use the experts' output but the combine")
         return _used_here((q_ND, s_N)) if same else None
 
 

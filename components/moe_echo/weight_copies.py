@@ -38,7 +38,7 @@ class WeightCopy:
     fp8          (Fp8WeightCopies, role: 1, 2, 3 for w1, w2, w3) the step also writes, or None
                  (``GroupedExperts.enable_fp8_copies``)
     compute_read False where the forward reads only ``compute``'s shape and dtype (the GEMMs read ``fp8``):
-                 ``compute`` is then a stand-in (``shape_only``) the step does not write"""
+                 ``compute`` is then a stand-in (``components.tensors.shape_only``) the step does not write"""
 
     compute: torch.Tensor | None = None
     grad: torch.Tensor | None = None
@@ -49,12 +49,6 @@ class WeightCopy:
     def add_grad(self, grad: torch.Tensor) -> None:
         """Backward: sum ``grad`` into ``self.grad`` (the first one is kept as it is, a view included)."""
         self.grad = grad if self.grad is None else self.grad + grad
-
-
-def shape_only(t: torch.Tensor) -> torch.Tensor:
-    """A tensor of ``t``'s shape, dtype and device whose elements all alias one (no memory of ``t``'s size): where
-    only a tensor's metadata is read (autograd's stand-in for a weight whose GEMMs read other copies)."""
-    return torch.empty((), dtype=t.dtype, device=t.device).expand(t.shape)
 
 
 class WeightCopies(dict):
