@@ -656,3 +656,20 @@ def test_nvlink_expand_quantises_bit_for_bit_like_quant_rows():
             peer_scatter(src, None, row_UK, ptrs2, [buf2], x_scales=None if scales is None else scales[1],
                          scale_block=0 if scales is None else 128, fp8_out=(q2, s2), plain=False)
             assert (buf2 == 3.0).all() and torch.equal(s2, s) and torch.equal(q2.view(torch.uint8), q.view(torch.uint8))
+
+
+def test_fp8_rows_alone_only_where_the_experts_read_nothing_else():
+    """The rule that builds ``nvlink`` with FP8 rows alone: FP8 experts whose weight gradients are FP8 (``auto``
+    resolves to the experts' precision, as the layer resolves it) and no ``echo_recompute``."""
+    from components.moe_echo.backends import _fp8_rows_alone
+
+    assert _fp8_rows_alone(MoEEchoConfig(expert_precision="fp8"))
+    assert _fp8_rows_alone(MoEEchoConfig(expert_precision="fp8", expert_wgrad_precision="fp8"))
+    assert not _fp8_rows_alone(MoEEchoConfig(expert_precision="fp8", expert_wgrad_precision="bf16"))
+    assert not _fp8_rows_alone(MoEEchoConfig(expert_precision="fp8", echo_recompute=True))
+    assert not _fp8_rows_alone(MoEEchoConfig())
+    for cfg in (MoEEchoConfig(expert_precision="fp8"), MoEEchoConfig(expert_precision="fp8",
+                                                                     expert_wgrad_precision="bf16")):
+        layer = MoELayer(MoEArgs(num_experts=4, num_shared_experts=0, top_k=2, score_func="softmax",
+                                 route_norm=False, score_before_experts=False), 32, 16, cfg)
+        assert layer.experts.wgrad_precision == cfg.wgrad_precision()

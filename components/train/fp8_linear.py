@@ -57,8 +57,7 @@ def fp8_rows_t(x_q: torch.Tensor, x_s: torch.Tensor) -> tuple[torch.Tensor, torc
 
 @fp8_rows_t.register_fake
 def _(x_q, x_s):
-    (M, K), A = x_q.shape, capacity(x_q.shape[0], 1)
-    return x_q.new_empty(K, A), x_s.new_empty(1)
+    return x_q.new_empty(x_q.shape[1], capacity(x_q.shape[0], 1)), x_s.new_empty(1)
 
 
 @torch.library.custom_op("moe_echo::fp8_linear", mutates_args=())
