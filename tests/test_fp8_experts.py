@@ -206,7 +206,7 @@ def test_triton_quantisers_equal_torch_reference():
     fp8.cast_experts_torch(w3, s13, ref, H)
     wrong = s13.clone()
     wrong[1], wrong[3] = s13[1] * 2, s13[3] / 4  # the guess too large for one expert, too small for another
-    for guess in (torch.zeros(E), s13, wrong):  # no guess, the right one, partly wrong: the same bytes
+    for guess in (torch.zeros(E), s13, wrong, torch.full((E,), float("nan"))):  # none, right, partly wrong, NaN
         hint, out = guess.cuda(), torch.zeros(E, 2 * H, D, dtype=FP8, device="cuda")
         s = fp8.cast_experts_scaled((w1.cuda(), w3.cuda()), out, hint)
         assert torch.equal(s.cpu(), s13) and torch.equal(hint.cpu(), s13)
