@@ -177,14 +177,17 @@ if triton is not None:
 
     @triton.jit
     def _recast_kernel(w_ptr, hint_ptr, s_ptr, out_ptr, n_per_e, out_per_e, out_off, BLOCK: tl.constexpr):
+        """Expert program_id(1)'s blocks program_id(0), + num_programs(0), … cast again at s where the predicted
+        scale (hint) was wrong for it; else the program exits at once."""
         e = tl.program_id(1).to(tl.int64)
         s = tl.load(s_ptr + e)
-        if s != tl.load(hint_ptr + e):  # the predicted scale was wrong for this expert: cast again
-            offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-            mask = offs < n_per_e
-            v = tl.load(w_ptr + e * n_per_e + offs, mask=mask, other=0.0).to(tl.float32)
-            tl.store(out_ptr + e * out_per_e + out_off + offs,
-                     tl.clamp(v / s, -448.0, 448.0).to(out_ptr.dtype.element_ty), mask=mask)
+        if s != tl.load(hint_ptr + e):
+            for b in range(tl.program_id(0), tl.cdiv(n_per_e, BLOCK), tl.num_programs(0)):
+                offs = b * BLOCK + tl.arange(0, BLOCK)
+                mask = offs < n_per_e
+                v = tl.load(w_ptr + e * n_per_e + offs, mask=mask, other=0.0).to(tl.float32)
+                tl.store(out_ptr + e * out_per_e + out_off + offs,
+                         tl.clamp(v / s, -448.0, 448.0).to(out_ptr.dtype.element_ty), mask=mask)
 
     @triton.jit
     def _cast_experts_t_kernel(w_ptr, s_ptr, out_ptr, plain_ptr, O, I, P, col0, Q_MAX: tl.constexpr,
@@ -351,10 +354,17 @@ def cast_experts_scaled(ws: tuple[torch.Tensor, ...], out_EPI: torch.Tensor, hin
     s_E = pow2_scale(amax_E)
     for w, start in zip(ws, starts):
         n = w[0].numel()
-        _recast_kernel[(triton.cdiv(n, BLOCK), E)](w, hint_E, s_E, out_EPI, n, out_EPI[0].numel(), start,
-                                                   BLOCK=BLOCK, num_warps=8)
+        _recast_kernel[(_programs(triton.cdiv(n, BLOCK), E), E)](w, hint_E, s_E, out_EPI, n, out_EPI[0].numel(),
+                                                                 start, BLOCK=BLOCK, num_warps=8)
     hint_E.copy_(s_E)
     return s_E
+
+
+def _programs(blocks: int, E: int) -> int:
+    """Programs an expert for a kernel whose programs mostly exit at once (a recast where few scales move): about
+    2048 in all, each walking its expert's blocks a grid stride apart, so the exits cost little and a real recast
+    still fills the GPU."""
+    return max(1, min(blocks, 2048 // max(E, 1)))
 
 
 def cast_experts_torch(w_EOI: torch.Tensor, s_E: torch.Tensor, out_EPI: torch.Tensor, row0: int) -> None:
@@ -423,8 +433,9 @@ def recast_moved_(w_EOI: torch.Tensor, c: Fp8Copy, s_E: torch.Tensor) -> None:
     if not w.is_contiguous():
         raise ValueError("recast_moved_: the weight must be contiguous (the optimizer's fp32 master)")
     BLOCK = 4096
-    _recast_kernel[(triton.cdiv(O * I, BLOCK), E)](w, c.scale_E, s_E, c.plain_EPI, O * I, c.plain_EPI[0].numel(),
-                                                   c.row0 * I, BLOCK=BLOCK, num_warps=8)
+    _recast_kernel[(_programs(triton.cdiv(O * I, BLOCK), E), E)](w, c.scale_E, s_E, c.plain_EPI, O * I,
+                                                                 c.plain_EPI[0].numel(), c.row0 * I, BLOCK=BLOCK,
+                                                                 num_warps=8)
 
 
 def transpose_copy_(plain_EPI: torch.Tensor, out_EIP: torch.Tensor) -> None:

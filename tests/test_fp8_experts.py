@@ -206,7 +206,7 @@ def test_triton_quantisers_equal_torch_reference():
     fp8.cast_experts_torch(w3, s13, ref, H)
     wrong = s13.clone()
     wrong[1], wrong[3] = s13[1] * 2, s13[3] / 4  # the guess too large for one expert, too small for another
-    for guess in (torch.zeros(E), s13, wrong):  # no guess, the right one, partly wrong: the same bytes
+    for guess in (torch.zeros(E), s13, wrong, torch.full((E,), float("nan"))):  # none, right, partly wrong, NaN
         hint, out = guess.cuda(), torch.zeros(E, 2 * H, D, dtype=FP8, device="cuda")
         s = fp8.cast_experts_scaled((w1.cuda(), w3.cuda()), out, hint)
         assert torch.equal(s.cpu(), s13) and torch.equal(hint.cpu(), s13)
@@ -660,7 +660,7 @@ def test_nvlink_expand_quantises_bit_for_bit_like_quant_rows():
 
 def test_fp8_rows_alone_only_where_the_experts_read_nothing_else():
     """The rule that builds ``nvlink`` with FP8 rows alone: FP8 experts whose weight gradients are FP8 (``auto``
-    resolves to the experts' precision) and no ``echo_recompute``."""
+    resolves to the experts' precision, as the layer resolves it) and no ``echo_recompute``."""
     from components.moe_echo.backends import _fp8_rows_alone
 
     assert _fp8_rows_alone(MoEEchoConfig(expert_precision="fp8"))
@@ -668,3 +668,8 @@ def test_fp8_rows_alone_only_where_the_experts_read_nothing_else():
     assert not _fp8_rows_alone(MoEEchoConfig(expert_precision="fp8", expert_wgrad_precision="bf16"))
     assert not _fp8_rows_alone(MoEEchoConfig(expert_precision="fp8", echo_recompute=True))
     assert not _fp8_rows_alone(MoEEchoConfig())
+    for cfg in (MoEEchoConfig(expert_precision="fp8"), MoEEchoConfig(expert_precision="fp8",
+                                                                     expert_wgrad_precision="bf16")):
+        layer = MoELayer(MoEArgs(num_experts=4, num_shared_experts=0, top_k=2, score_func="softmax",
+                                 route_norm=False, score_before_experts=False), 32, 16, cfg)
+        assert layer.experts.wgrad_precision == cfg.wgrad_precision()

@@ -11,6 +11,7 @@ import components.train.fp8_linear as fp8_linear_module
 from components.train.fp8_linear import (Fp8RowsLinear, fp8_linear, fp8_linear_backward, fp8_linear_forward, fp8_rows,
                                       fp8_rows_t)
 from conftest import hopper
+from kernels.fp8 import pow2_scale
 
 FP8_ERR = 0.08  # e4m3 rounds to 3 mantissa bits: a product's relative error (Frobenius) stays well under this
 
@@ -33,10 +34,10 @@ def _case(name, M=96, K=64, N=48, seed=0):
     return (x.bfloat16().float().view(2, M // 2, K), w, dy.bfloat16().float().view(2, M // 2, N))
 
 
-def _run(x, w, dy, device="cpu"):
+def _run(x, w, dy, device="cpu", hint=None):
     xb = x.to(device, torch.bfloat16).requires_grad_()
     wp = w.to(device).clone().requires_grad_()
-    y = fp8_linear(xb, wp)
+    y = fp8_linear(xb, wp, hint)
     y.backward(dy.to(device, torch.bfloat16))
     return y.detach().cpu(), xb.grad.cpu(), wp.grad.cpu()
 
@@ -87,8 +88,9 @@ def test_fake_shapes_match_the_ops():
     assert torch.library.opcheck(fp8_rows, (x_MK,), test_utils=("test_faketensor",)) == ok
     x_q, x_s = fp8_rows(x_MK)
     assert torch.library.opcheck(fp8_rows_t, (x_q, x_s), test_utils=("test_faketensor",)) == ok
-    assert torch.library.opcheck(fp8_linear_forward, (x_q, x_s, w), test_utils=("test_faketensor",)) == ok
-    _, s_w = fp8_linear_forward(x_q, x_s, w)
+    hint = torch.zeros(1)
+    assert torch.library.opcheck(fp8_linear_forward, (x_q, x_s, w, hint), test_utils=("test_faketensor",)) == ok
+    _, s_w = fp8_linear_forward(x_q, x_s, w, hint)
     xt, s_x = fp8_rows_t(x_q, x_s)
     args = (dy.reshape(-1, dy.shape[-1]).bfloat16(), xt, s_x, w, s_w)
     assert torch.library.opcheck(fp8_linear_backward, args, test_utils=("test_faketensor",)) == ok
@@ -177,11 +179,28 @@ def test_compiled_quantises_a_shared_input_once(monkeypatch, device):
     assert all(torch.equal(a, b) for a, b in zip(eager, compiled))
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, hopper])])
+def test_the_weight_scale_guess_changes_no_value_and_is_updated(device):
+    """The scale hint, whatever it holds (none, the right power of two, a wrong one, NaN), gives the same output
+    and gradients to the bit, and holds w's scale afterwards; on CUDA the right guess takes the cast's one-pass
+    path and a wrong one its recast."""
+    x, w, dy = _case("huge_weight", M=256, K=128, N=64)
+    want = _run(x, w, dy, device)
+    scale = pow2_scale(w.abs().max())
+    for guess in (0.0, float(scale), float(scale) * 4, float("nan")):
+        hint = torch.full((1,), guess, device=device)
+        got = _run(x, w, dy, device, hint)
+        assert all(torch.equal(a, b) for a, b in zip(got, want)), guess
+        assert torch.equal(hint.cpu(), scale.view(1)), guess
+
+
 def test_from_linear_keeps_the_weight_and_refuses_a_bias():
     lin = nn.Linear(64, 32, bias=False)
     w = lin.weight
     assert Fp8RowsLinear.from_linear(lin) is lin and type(lin) is Fp8RowsLinear and lin.weight is w
-    assert list(lin.state_dict()) == ["weight"]
+    assert list(lin.state_dict()) == ["weight"]  # the scale hint is a buffer checkpoints leave out
+    lin(torch.randn(3, 64).bfloat16())
+    assert torch.equal(lin.fp8_hint, pow2_scale(w.detach().abs().max()).view(1))
     with pytest.raises(ValueError, match="no bias"):
         Fp8RowsLinear.from_linear(nn.Linear(64, 32))
 
@@ -205,9 +224,11 @@ def test_cuda_kernels_against_emulation_and_graph(case):
     wp = w.cuda().clone().requires_grad_()
     dyb = dy.cuda().bfloat16()
 
+    hint = torch.zeros(1, device="cuda")  # held across replays: right from the second call on
+
     def step():
         xb.grad = wp.grad = None
-        y = fp8_linear(xb, wp)
+        y = fp8_linear(xb, wp, hint)
         y.backward(dyb)
         return y.detach(), xb.grad, wp.grad
 

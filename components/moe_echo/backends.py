@@ -68,8 +68,7 @@ def _fp8_rows_alone(cfg: MoEEchoConfig) -> bool:
     """Whether FP8 experts read their rows and output gradient only as the FP8 rows the dispatcher writes: FP8
     weight gradients (nothing reads the bf16 rows), and no recomputed experts' forward (``echo_recompute``: it
     finds the FP8 rows taken and quantises the bf16 rows again)."""
-    wgrad = cfg.expert_precision if cfg.expert_wgrad_precision == "auto" else cfg.expert_wgrad_precision
-    return cfg.expert_precision == "fp8" and wgrad == "fp8" and not cfg.echo_recompute
+    return cfg.expert_precision == "fp8" and cfg.wgrad_precision() == "fp8" and not cfg.echo_recompute
 
 
 def _build(cfg: MoEEchoConfig, backend: str, num_experts: int, ep_group, ep_size: int, hosts) -> Dispatcher:

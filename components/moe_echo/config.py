@@ -177,3 +177,7 @@ class MoEEchoConfig:
 
     load_heatmap_freq: int = 50
     """Write the per-layer expert-load heatmap image to TensorBoard every this many steps (0: never)."""
+
+    def wgrad_precision(self) -> str:
+        """The routed experts' weight-gradient precision, ``auto`` resolved: ``expert_precision``'s."""
+        return self.expert_precision if self.expert_wgrad_precision == "auto" else self.expert_wgrad_precision

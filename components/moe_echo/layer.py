@@ -101,9 +101,8 @@ class MoELayer(nn.Module):
             moe_args.num_limited_groups,
             moe_args.gate_bias,
         )
-        wgrad = cfg.expert_precision if cfg.expert_wgrad_precision == "auto" else cfg.expert_wgrad_precision
         self.experts = GroupedExperts(dim, hidden_dim, E, cfg.expert_precision, cfg.experts_gemm,
-                                      cfg.expert_fp8_scaling, wgrad)
+                                      cfg.expert_fp8_scaling, cfg.wgrad_precision())
         self.shared_experts = (
             SwiGLU(dim, hidden_dim * moe_args.num_shared_experts) if moe_args.num_shared_experts > 0 else None
         )

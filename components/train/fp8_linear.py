@@ -1,18 +1,20 @@
 """Dense linear layers in FP8 on the FP8 experts' kernels: one power-of-two scale per token row, one per weight.
 
-    y = fp8_linear(x, w_NK)        # x [..., K] bf16, w [N, K] (fp32 or bf16) -> y [..., N] bf16
+    y = fp8_linear(x, w_NK, hint)  # x [..., K] bf16, w [N, K] (fp32 or bf16) -> y [..., N] bf16
     Fp8RowsLinear                  # an nn.Linear (no bias) whose forward is fp8_linear
 
 What ``[moe_echo] dense_linear_kernels = "experts"`` runs for the linear layers float8 converts outside the dense
 feed-forwards and the output head (the attention projections): the routed experts' recipe with one expert that
 every row reaches, whose GEMMs are cuBLAS's (``torch._scaled_mm``):
 
-    forward          y = x @ wᵀ     x's rows in e4m3 at a scale each; w in e4m3 at one scale
+    forward          y = x @ wᵀ     x's rows in e4m3 at a scale each; w in e4m3 at one scale (guessed from the
+                                     last step's: one pass over w where it holds)
     input gradient   dx = dy @ w     dy's rows in e4m3 at a scale each; wᵀ in e4m3 at w's scale
     weight gradient  dw = dyᵀ x      dy's and x's e4m3 rows copied transposed at one scale each
                                      (kernels/fp8_wgrad.py), accumulated in fp32, written in w's dtype
 
-Four custom ops: x's rows in e4m3 (``moe_echo::fp8_rows``), the forward GEMM (``moe_echo::fp8_linear``), x's
+Four custom ops: x's rows in e4m3 (``moe_echo::fp8_rows``), w's cast and the forward GEMM
+(``moe_echo::fp8_linear``, which updates the scale it guessed), x's
 rows transposed (``moe_echo::fp8_rows_t``) and the two backward GEMMs (``moe_echo::fp8_linear_backward``).
 torch.compile keeps each whole inside a compiled attention (still one graph) and runs the Triton and cuBLAS kernels
 it holds; where two layers read one input (an attention's wq and wkv_a) the graph's common-subexpression pass runs
@@ -57,22 +59,23 @@ def fp8_rows_t(x_q: torch.Tensor, x_s: torch.Tensor) -> tuple[torch.Tensor, torc
 
 @fp8_rows_t.register_fake
 def _(x_q, x_s):
-    (M, K), A = x_q.shape, capacity(x_q.shape[0], 1)
-    return x_q.new_empty(K, A), x_s.new_empty(1)
+    return x_q.new_empty(x_q.shape[1], capacity(x_q.shape[0], 1)), x_s.new_empty(1)
 
 
-@torch.library.custom_op("moe_echo::fp8_linear", mutates_args=())
-def fp8_linear_forward(x_q: torch.Tensor, x_s: torch.Tensor, w_NK: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(y_MN bf16, s_w fp32 [1]): y = x @ wᵀ in FP8 from x's rows (``fp8_rows``), w cast at one scale, s_w."""
+@torch.library.custom_op("moe_echo::fp8_linear", mutates_args=("hint",))
+def fp8_linear_forward(x_q: torch.Tensor, x_s: torch.Tensor, w_NK: torch.Tensor,
+                       hint: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(y_MN bf16, s_w fp32 [1]): y = x @ wᵀ in FP8 from x's rows (``fp8_rows``), w cast at one scale, s_w.
+    ``hint`` (fp32 [1]): w's scale in the previous call, updated to s_w; right, the cast is one pass over w."""
     N, K = w_NK.shape
     w_q = torch.empty(1, N, K, dtype=FP8, device=x_q.device)
-    s_w = cast_experts_scaled((w_NK[None],), w_q, torch.zeros(1, dtype=torch.float32, device=x_q.device))
+    s_w = cast_experts_scaled((w_NK[None],), w_q, hint)
     y_MN = scaled_grouped_mm(x_q, w_q.transpose(-2, -1), x_s, per_column(s_w, N), _all_rows(x_q))
     return y_MN, s_w
 
 
 @fp8_linear_forward.register_fake
-def _(x_q, x_s, w_NK):
+def _(x_q, x_s, w_NK, hint):
     return x_q.new_empty(x_q.shape[0], w_NK.shape[0], dtype=torch.bfloat16), x_q.new_empty(1, dtype=torch.float32)
 
 
@@ -99,9 +102,9 @@ def _(dy_MN, xt_KA, s_x, w_NK, s_w):
 
 class _Fp8Linear(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x_MK, w_NK):
+    def forward(ctx, x_MK, w_NK, hint):
         x_q, x_s = fp8_rows(x_MK)
-        y_MN, s_w = fp8_linear_forward(x_q, x_s, w_NK)
+        y_MN, s_w = fp8_linear_forward(x_q, x_s, w_NK, hint)
         ctx.save_for_backward(x_q, x_s, w_NK, s_w)
         return y_MN
 
@@ -110,26 +113,35 @@ class _Fp8Linear(torch.autograd.Function):
         x_q, x_s, w_NK, s_w = ctx.saved_tensors
         xt_KA, s_x = fp8_rows_t(x_q, x_s)
         dx_MK, dw_NK = fp8_linear_backward(dy_MN.to(torch.bfloat16).contiguous(), xt_KA, s_x, w_NK, s_w)
-        return dx_MK, dw_NK
+        return dx_MK, dw_NK, None
 
 
-def fp8_linear(x: torch.Tensor, w_NK: torch.Tensor) -> torch.Tensor:
+def fp8_linear(x: torch.Tensor, w_NK: torch.Tensor, hint: torch.Tensor | None = None) -> torch.Tensor:
     """x @ wᵀ in FP8 (module docstring): x [..., K] (cast to bf16), w [N, K] with N and K multiples of 16.
-    Returns [..., N] bf16; the gradients flow to x (in bf16) and to w (in its dtype)."""
+    ``hint`` (fp32 [1], device): w's scale in the previous call, updated in place; kept across steps it saves a
+    pass over w (None: no guess). Returns [..., N] bf16; the gradients flow to x (in bf16) and to w (in its
+    dtype)."""
     x_MK = x.reshape(-1, x.shape[-1]).to(torch.bfloat16).contiguous()
-    return _Fp8Linear.apply(x_MK, w_NK).view(*x.shape[:-1], w_NK.shape[0])
+    if hint is None:
+        hint = torch.zeros(1, dtype=torch.float32, device=x.device)
+    return _Fp8Linear.apply(x_MK, w_NK, hint).view(*x.shape[:-1], w_NK.shape[0])
 
 
 class Fp8RowsLinear(nn.Linear):
     """An nn.Linear without bias whose forward is ``fp8_linear`` (same weight, same name: checkpoints load with
-    it on or off). ``from_linear`` swaps a layer in place."""
+    it on or off). ``from_linear`` swaps a layer in place. Its buffer ``fp8_hint`` (not in checkpoints) keeps the
+    weight's last scale; whatever it holds, a wrong guess costs a pass, never accuracy."""
+
+    fp8_hint: torch.Tensor
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return fp8_linear(x, self.weight)
+        return fp8_linear(x, self.weight, self.fp8_hint)
 
     @classmethod
     def from_linear(cls, linear: nn.Linear) -> "Fp8RowsLinear":
         if linear.bias is not None:
             raise ValueError("Fp8RowsLinear has no bias; keep a layer with a bias on torchao's Float8Linear")
         linear.__class__ = cls
+        linear.register_buffer("fp8_hint", torch.zeros(1, dtype=torch.float32, device=linear.weight.device),
+                               persistent=False)
         return linear
