@@ -183,6 +183,35 @@ def test_fp8_layer_config_reaches_the_experts():
 
 @pytest.mark.gpu
 @hopper
+def test_recasts_walking_several_blocks_a_program_equal_torch_reference():
+    """More blocks an expert than recast programs (``fp8._programs``: ~2048 in all), so each program walks several:
+    the experts' cast whatever the scale guess, and the optimizer copies' recast of the experts whose scale moved,
+    byte-equal to the torch reference."""
+    E, H, D = 64, 256, 640  # 40 blocks of 4096 elements an expert, 32 programs an expert
+    assert fp8._programs(H * D // 4096, E) < H * D // 4096
+    g = torch.Generator().manual_seed(5)
+    w1, w3 = (torch.randn(E, H, D, generator=g) * torch.logspace(-3, 1, E)[:, None, None] for _ in range(2))
+    s13 = fp8.expert_scales_torch(w1, w3)
+    ref = torch.zeros(E, 2 * H, D, dtype=FP8)
+    fp8.cast_experts_torch(w1, s13, ref, 0)
+    fp8.cast_experts_torch(w3, s13, ref, H)
+    held = s13.clone()
+    held[::3] *= 2  # every third expert's scale moved since the copy was written
+    for guess in (torch.zeros(E), held):
+        hint, out = guess.cuda(), torch.zeros(E, 2 * H, D, dtype=FP8, device="cuda")
+        s = fp8.cast_experts_scaled((w1.cuda(), w3.cuda()), out, hint)
+        assert torch.equal(s.cpu(), s13) and torch.equal(out.cpu().view(torch.uint8), ref.view(torch.uint8))
+    plain = torch.zeros(E, 2 * H, D, dtype=FP8)
+    fp8.cast_experts_torch(w1, held, plain, 0)
+    fp8.cast_experts_torch(w3, held, plain, H)
+    copy = fp8.Fp8Copy(plain.cuda(), 0, held.cuda(), torch.zeros(E, device="cuda"))
+    for w, row0 in ((w1, 0), (w3, H)):
+        fp8.recast_moved_(w.cuda(), copy._replace(row0=row0), s13.cuda())
+    assert torch.equal(copy.plain_EPI.cpu().view(torch.uint8), ref.view(torch.uint8))
+
+
+@pytest.mark.gpu
+@hopper
 def test_triton_quantisers_equal_torch_reference():
     """quant_rows and both weight casts (the plain one whatever the scale guess) bit-exact against the
     torch reference; the fused
