@@ -111,34 +111,38 @@ if triton is not None:
     from .swiglu import silu_mul, silu_mul_grads
 
     @triton.jit
-    def _valid(m, n_valid_ptr, HAS_N: tl.constexpr):
-        if HAS_N:
-            return m < tl.load(n_valid_ptr).to(tl.int64)
-        return m >= 0
+    def _rows(M, n_valid_ptr, HAS_N: tl.constexpr, BLOCK_M: tl.constexpr):
+        """(rows m of this program's BLOCK_M, the row count n): n = min(M, n_valid) with HAS_N, else M."""
+        n = M.to(tl.int64) if not HAS_N else tl.minimum(tl.load(n_valid_ptr).to(tl.int64), M)
+        return tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M), n
 
     @triton.jit
-    def _quant_rows_kernel(x_ptr, q_ptr, s_ptr, n_valid_ptr, src_ptr, out_ptr, C, HAS_N: tl.constexpr,
-                           GATHER: tl.constexpr, BLOCK_C: tl.constexpr):
-        """Row m of q from row m of x, or with GATHER from row src[m] of x, copied to row m of out as well."""
-        m = tl.program_id(0).to(tl.int64)
-        if _valid(m, n_valid_ptr, HAS_N):
+    def _quant_rows_kernel(x_ptr, q_ptr, s_ptr, n_valid_ptr, src_ptr, out_ptr, R, C, HAS_N: tl.constexpr,
+                           GATHER: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr):
+        """Rows m of q from rows m of x, or with GATHER from rows src[m] of x, copied to rows m of out as well;
+        BLOCK_M rows a program."""
+        m, n = _rows(R, n_valid_ptr, HAS_N, BLOCK_M)
+        if tl.program_id(0).to(tl.int64) * BLOCK_M < n:
+            ok = m < n
             src = m
             if GATHER:
-                src = tl.load(src_ptr + m).to(tl.int64)
+                src = tl.load(src_ptr + m, mask=ok, other=0).to(tl.int64)
             offs = tl.arange(0, BLOCK_C)
-            amax = tl.zeros([BLOCK_C], dtype=tl.float32)
+            amax = tl.zeros([BLOCK_M, BLOCK_C], dtype=tl.float32)
             for c0 in range(0, C, BLOCK_C):
-                v = tl.load(x_ptr + src * C + c0 + offs, mask=c0 + offs < C, other=0.0).to(tl.float32)
+                mask = ok[:, None] & (c0 + offs < C)[None, :]
+                v = tl.load(x_ptr + src[:, None] * C + c0 + offs[None, :], mask=mask, other=0.0).to(tl.float32)
                 amax = tl.maximum(amax, tl.abs(v))
-            s = _pow2_scale(tl.max(amax, axis=0))
+            s = _pow2_scale(tl.max(amax, axis=1))
+            r = 1.0 / s  # exact (s a power of two): x · r == x / s, one multiply an element
             for c0 in range(0, C, BLOCK_C):
-                mask = c0 + offs < C
-                x = tl.load(x_ptr + src * C + c0 + offs, mask=mask, other=0.0)
+                mask = ok[:, None] & (c0 + offs < C)[None, :]
+                x = tl.load(x_ptr + src[:, None] * C + c0 + offs[None, :], mask=mask, other=0.0)
                 if GATHER:
-                    tl.store(out_ptr + m * C + c0 + offs, x, mask=mask)
-                q = tl.clamp(x.to(tl.float32) / s, -448.0, 448.0)
-                tl.store(q_ptr + m * C + c0 + offs, q.to(q_ptr.dtype.element_ty), mask=mask)
-            tl.store(s_ptr + m, s)
+                    tl.store(out_ptr + m[:, None] * C + c0 + offs[None, :], x, mask=mask)
+                q = tl.clamp(x.to(tl.float32) * r[:, None], -448.0, 448.0)
+                tl.store(q_ptr + m[:, None] * C + c0 + offs[None, :], q.to(q_ptr.dtype.element_ty), mask=mask)
+            tl.store(s_ptr + m, s, mask=ok)
 
     @triton.jit
     def _quant_blocks_kernel(x_ptr, q_ptr, s_ptr, C, q_stride, s_stride, B_P: tl.constexpr, BLOCK: tl.constexpr):
@@ -149,7 +153,7 @@ if triton is not None:
         mask = col < C
         v = tl.load(x_ptr + m * C + col, mask=mask, other=0.0).to(tl.float32)
         s = _pow2_scale(tl.max(tl.abs(v), axis=1))
-        tl.store(q_ptr + m * q_stride + col, tl.clamp(v / s[:, None], -448.0, 448.0).to(q_ptr.dtype.element_ty),
+        tl.store(q_ptr + m * q_stride + col, tl.clamp(v * (1.0 / s)[:, None], -448.0, 448.0).to(q_ptr.dtype.element_ty),
                  mask=mask)
         tl.store(s_ptr + m * s_stride + b, s, mask=b * BLOCK < C)
 
@@ -218,72 +222,166 @@ if triton is not None:
                  mask=(i[:, None] < I) & (p[None, :] < P))
 
     @triton.jit
-    def _swiglu_quant_kernel(ab_ptr, h_ptr, q_ptr, s_ptr, n_valid_ptr, H, HAS_N: tl.constexpr, BF16: tl.constexpr,
-                             BLOCK_H: tl.constexpr):
-        m = tl.program_id(0).to(tl.int64)
-        if _valid(m, n_valid_ptr, HAS_N):
-            c = tl.arange(0, BLOCK_H)
-            mask = c < H
-            a = tl.load(ab_ptr + m * 2 * H + c, mask=mask, other=0.0).to(tl.float32)
-            b = tl.load(ab_ptr + m * 2 * H + H + c, mask=mask, other=0.0).to(tl.float32)
-            h = silu_mul(a, b)
-            s = _pow2_scale(tl.max(tl.abs(h), axis=0))
-            if BF16:
-                tl.store(h_ptr + m * H + c, h.to(h_ptr.dtype.element_ty), mask=mask)
-            tl.store(q_ptr + m * H + c, tl.clamp(h / s, -448.0, 448.0).to(q_ptr.dtype.element_ty), mask=mask)
-            tl.store(s_ptr + m, s)
+    def _part(m, ok, H, C0: tl.constexpr, W: tl.constexpr):
+        """(offsets in an [M, H] array, mask) of columns C0 … C0 + W of rows m (those past H masked)."""
+        c = C0 + tl.arange(0, W)
+        return m[:, None] * H + c[None, :], ok[:, None] & (c < H)[None, :]
 
     @triton.jit
-    def _swiglu_quant_bwd_kernel(dh_ptr, ab_ptr, da_ptr, db_ptr, q_ptr, s_ptr, n_valid_ptr, H, HAS_N: tl.constexpr,
-                                 BF16: tl.constexpr, BLOCK_H: tl.constexpr):
-        m = tl.program_id(0).to(tl.int64)
-        if _valid(m, n_valid_ptr, HAS_N):
-            c = tl.arange(0, BLOCK_H)
-            mask = c < H
-            g = tl.load(dh_ptr + m * H + c, mask=mask, other=0.0).to(tl.float32)
-            a = tl.load(ab_ptr + m * 2 * H + c, mask=mask, other=0.0).to(tl.float32)
-            b = tl.load(ab_ptr + m * 2 * H + H + c, mask=mask, other=0.0).to(tl.float32)
-            da, db = silu_mul_grads(g, a, b)
-            s = _pow2_scale(tl.maximum(tl.max(tl.abs(da), axis=0), tl.max(tl.abs(db), axis=0)))
-            if BF16:
-                tl.store(da_ptr + m * H + c, da.to(da_ptr.dtype.element_ty), mask=mask)
-                tl.store(db_ptr + m * H + c, db.to(db_ptr.dtype.element_ty), mask=mask)
-            tl.store(q_ptr + m * 2 * H + c, tl.clamp(da / s, -448.0, 448.0).to(q_ptr.dtype.element_ty), mask=mask)
-            tl.store(q_ptr + m * 2 * H + H + c, tl.clamp(db / s, -448.0, 448.0).to(q_ptr.dtype.element_ty),
-                     mask=mask)
-            tl.store(s_ptr + m, s)
+    def _h_part(ab_ptr, m, ok, H, C0: tl.constexpr, W: tl.constexpr):
+        """(h = silu(a) · b, offsets, mask) of columns C0 … C0 + W of rows m of ab = [a | b]; rows amax of |h|."""
+        off, mask = _part(m, ok, H, C0, W)
+        a = tl.load(ab_ptr + off + m[:, None] * H, mask=mask, other=0.0).to(tl.float32)
+        b = tl.load(ab_ptr + off + m[:, None] * H + H, mask=mask, other=0.0).to(tl.float32)
+        h = silu_mul(a, b)
+        return h, off, mask, tl.max(tl.abs(h), axis=1)
+
+    @triton.jit
+    def _h_store(h_ptr, q_ptr, h, off, mask, r, BF16: tl.constexpr):
+        if BF16:
+            tl.store(h_ptr + off, h.to(h_ptr.dtype.element_ty), mask=mask)
+        tl.store(q_ptr + off, tl.clamp(h * r, -448.0, 448.0).to(q_ptr.dtype.element_ty), mask=mask)
+
+    @triton.jit
+    def _swiglu_quant_kernel(ab_ptr, h_ptr, q_ptr, s_ptr, n_valid_ptr, M, H, HAS_N: tl.constexpr, BF16: tl.constexpr,
+                             BLOCK_M: tl.constexpr, W0: tl.constexpr, W1: tl.constexpr, W2: tl.constexpr):
+        """BLOCK_M rows a program, each as up to three column parts of widths W0, W1, W2 (powers of two, W0 + W1 +
+        W2 >= H; 0: no part), so a row needs no lanes past H but in its last part."""
+        m, n = _rows(M, n_valid_ptr, HAS_N, BLOCK_M)
+        if tl.program_id(0).to(tl.int64) * BLOCK_M < n:
+            ok = m < n
+            h0, o0, k0, amax = _h_part(ab_ptr, m, ok, H, 0, W0)
+            if W1 > 0:
+                h1, o1, k1, amax1 = _h_part(ab_ptr, m, ok, H, W0, W1)
+                amax = tl.maximum(amax, amax1)
+            if W2 > 0:
+                h2, o2, k2, amax2 = _h_part(ab_ptr, m, ok, H, W0 + W1, W2)
+                amax = tl.maximum(amax, amax2)
+            s = _pow2_scale(amax)
+            r = (1.0 / s)[:, None]  # exact (s a power of two): · r equals / s, a multiply an element
+            _h_store(h_ptr, q_ptr, h0, o0, k0, r, BF16)
+            if W1 > 0:
+                _h_store(h_ptr, q_ptr, h1, o1, k1, r, BF16)
+            if W2 > 0:
+                _h_store(h_ptr, q_ptr, h2, o2, k2, r, BF16)
+            tl.store(s_ptr + m, s, mask=ok)
+
+    @triton.jit
+    def _dab_part(dh_ptr, ab_ptr, m, ok, H, C0: tl.constexpr, W: tl.constexpr):
+        """(da, db, offsets, mask, rows amax of |da| and |db|) of columns C0 … C0 + W of rows m."""
+        off, mask = _part(m, ok, H, C0, W)
+        g = tl.load(dh_ptr + off, mask=mask, other=0.0).to(tl.float32)
+        a = tl.load(ab_ptr + off + m[:, None] * H, mask=mask, other=0.0).to(tl.float32)
+        b = tl.load(ab_ptr + off + m[:, None] * H + H, mask=mask, other=0.0).to(tl.float32)
+        da, db = silu_mul_grads(g, a, b)
+        return da, db, off, mask, tl.maximum(tl.max(tl.abs(da), axis=1), tl.max(tl.abs(db), axis=1))
+
+    @triton.jit
+    def _dab_store(da_ptr, db_ptr, q_ptr, da, db, off, mask, m, H, r, BF16: tl.constexpr):
+        if BF16:
+            tl.store(da_ptr + off, da.to(da_ptr.dtype.element_ty), mask=mask)
+            tl.store(db_ptr + off, db.to(db_ptr.dtype.element_ty), mask=mask)
+        q = q_ptr + off + m[:, None] * H  # [da | db] rows of 2H
+        tl.store(q, tl.clamp(da * r, -448.0, 448.0).to(q_ptr.dtype.element_ty), mask=mask)
+        tl.store(q + H, tl.clamp(db * r, -448.0, 448.0).to(q_ptr.dtype.element_ty), mask=mask)
+
+    @triton.jit
+    def _swiglu_quant_bwd_kernel(dh_ptr, ab_ptr, da_ptr, db_ptr, q_ptr, s_ptr, n_valid_ptr, M, H,
+                                 HAS_N: tl.constexpr, BF16: tl.constexpr, BLOCK_M: tl.constexpr, W0: tl.constexpr,
+                                 W1: tl.constexpr, W2: tl.constexpr):
+        """BLOCK_M rows a program in column parts, as ``_swiglu_quant_kernel``."""
+        m, n = _rows(M, n_valid_ptr, HAS_N, BLOCK_M)
+        if tl.program_id(0).to(tl.int64) * BLOCK_M < n:
+            ok = m < n
+            da0, db0, o0, k0, amax = _dab_part(dh_ptr, ab_ptr, m, ok, H, 0, W0)
+            if W1 > 0:
+                da1, db1, o1, k1, amax1 = _dab_part(dh_ptr, ab_ptr, m, ok, H, W0, W1)
+                amax = tl.maximum(amax, amax1)
+            if W2 > 0:
+                da2, db2, o2, k2, amax2 = _dab_part(dh_ptr, ab_ptr, m, ok, H, W0 + W1, W2)
+                amax = tl.maximum(amax, amax2)
+            s = _pow2_scale(amax)
+            r = (1.0 / s)[:, None]
+            _dab_store(da_ptr, db_ptr, q_ptr, da0, db0, o0, k0, m, H, r, BF16)
+            if W1 > 0:
+                _dab_store(da_ptr, db_ptr, q_ptr, da1, db1, o1, k1, m, H, r, BF16)
+            if W2 > 0:
+                _dab_store(da_ptr, db_ptr, q_ptr, da2, db2, o2, k2, m, H, r, BF16)
+            tl.store(s_ptr + m, s, mask=ok)
 
 
 def _row_warps(block: int) -> int:
     return 4 if block <= 2048 else 8
 
 
-def quant_rows(x_RC: torch.Tensor, n_valid: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+ROW_TILES = {  # the row kernels' launch for the sweep (benchmarks/fp8_rows.py): (rows a program, num_warps — 0: 4
+    # up to 2048 lanes a program, else 8 —, split: the SwiGLU kernels' rows in up to three power-of-two parts, not
+    # one padded to a power of two; quant_rows ignores it). None: the default rule (``_row_tile``)
+    "m1": (1, 0, False),
+    "m2_w4": (2, 4, False),
+    "m4_w4": (4, 4, False),
+    "m4_w8": (4, 8, False),
+    "m8_w8": (8, 8, False),
+    "m1_split": (1, 0, True),
+    "m2_w4_split": (2, 4, True),
+    "m4_w4_split": (4, 4, True),
+    "m4_w8_split": (4, 8, True),
+}
+
+
+def _row_tile(tile: str | None, block: int, swiglu: bool) -> tuple[int, int, bool]:
+    """(BLOCK_M, num_warps, split) of ``tile`` (a name in ROW_TILES) for rows of ``block`` lanes (a power of two).
+    The default: quant_rows a row a program (its rows span up to 4096 lanes, looped past); the SwiGLU kernels, in
+    parts, as many rows as fill 8192 lanes (4 of 1408, 2 of 2816: the fastest or within 2% of it on H200, 1.2-1.4x
+    one padded row a program at the routed experts' shape; benchmarks/fp8_rows.py)."""
+    if tile is not None:
+        rows, warps, split = ROW_TILES[tile]
+        return rows, warps or _row_warps(rows * block), split
+    if not swiglu:
+        return 1, _row_warps(block), False
+    rows = max(1, min(8, 8192 // block))
+    return rows, 4 if rows * block <= 8192 else 8, True
+
+
+def _row_parts(split: bool, H: int) -> tuple[int, int, int]:
+    """(W0, W1, W2): a row of H in power-of-two parts (0: none), W0 + W1 + W2 >= H: one part padded to a power of
+    two, or ``split``: the largest power of two that fits, the next, and the rest padded."""
+    if not split:
+        return triton.next_power_of_2(H), 0, 0
+    w0 = 1 << (H.bit_length() - 1)
+    w1 = 1 << ((H - w0).bit_length() - 1) if H > w0 else 0
+    return w0, w1, triton.next_power_of_2(H - w0 - w1) if H > w0 + w1 else 0
+
+
+def quant_rows(x_RC: torch.Tensor, n_valid: torch.Tensor | None = None,
+               tile: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     if not _on_kernels(x_RC):
         return quant_rows_torch(x_RC)
-    return _launch_quant_rows(x_RC.contiguous(), x_RC.shape[0], n_valid)
+    return _launch_quant_rows(x_RC.contiguous(), x_RC.shape[0], n_valid, tile=tile)
 
 
-def gather_quant_rows(x_TC: torch.Tensor, src_R: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def gather_quant_rows(x_TC: torch.Tensor, src_R: torch.Tensor,
+                      tile: str | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """x_RC = x_TC[src_R] (x's dtype) and ``quant_rows(x_RC)``, in one pass over the rows on CUDA:
     (x_RC, q_RC, s_R)."""
     if not _on_kernels(x_TC):
         x_RC = x_TC.index_select(0, src_R)
         return x_RC, *quant_rows_torch(x_RC)
-    return _launch_quant_rows(x_TC.contiguous(), src_R.shape[0], None, src_R.contiguous())
+    return _launch_quant_rows(x_TC.contiguous(), src_R.shape[0], None, src_R.contiguous(), tile)
 
 
-def _launch_quant_rows(x_XC, R: int, n_valid, src_R=None):
+def _launch_quant_rows(x_XC, R: int, n_valid, src_R=None, tile: str | None = None):
     C = x_XC.shape[1]
     q_RC = torch.empty(R, C, dtype=FP8, device=x_XC.device)
     s_R = torch.empty(R, dtype=torch.float32, device=x_XC.device)
     out_RC = torch.empty(R, C, dtype=x_XC.dtype, device=x_XC.device) if src_R is not None else None
     if R:
         BLOCK_C = min(4096, triton.next_power_of_2(C))
-        _quant_rows_kernel[(R,)](x_XC, q_RC, s_R, n_valid if n_valid is not None else s_R,
-                                 src_R if src_R is not None else s_R, out_RC if src_R is not None else q_RC, C,
-                                 HAS_N=n_valid is not None, GATHER=src_R is not None, BLOCK_C=BLOCK_C,
-                                 num_warps=_row_warps(BLOCK_C))
+        rows, warps, _ = _row_tile(tile, BLOCK_C, swiglu=False)
+        _quant_rows_kernel[(triton.cdiv(R, rows),)](
+            x_XC, q_RC, s_R, n_valid if n_valid is not None else s_R, src_R if src_R is not None else s_R,
+            out_RC if src_R is not None else q_RC, R, C, HAS_N=n_valid is not None, GATHER=src_R is not None,
+            BLOCK_M=rows, BLOCK_C=BLOCK_C, num_warps=warps)
     return (q_RC, s_R) if src_R is None else (out_RC, q_RC, s_R)
 
 
@@ -451,8 +549,10 @@ def transpose_copy_(plain_EPI: torch.Tensor, out_EIP: torch.Tensor) -> None:
                                                                  P, I, BLOCK_P=B, BLOCK_I=B, num_warps=8)
 
 
-def swiglu_quant(ab_MJ: torch.Tensor, n_valid: torch.Tensor | None = None, bf16: bool = True):
-    """(h_MH bf16, or None with ``bf16=False``; h's e4m3 rows q_MH and their scales s_M)."""
+def swiglu_quant(ab_MJ: torch.Tensor, n_valid: torch.Tensor | None = None, bf16: bool = True,
+                 tile: str | None = None):
+    """(h_MH bf16, or None with ``bf16=False``; h's e4m3 rows q_MH and their scales s_M). tile: a name in
+    ROW_TILES (None: the default, ``_row_tile``)."""
     if not _on_kernels(ab_MJ):
         return swiglu_quant_torch(ab_MJ, bf16)
     ab_MJ = ab_MJ.contiguous()
@@ -461,15 +561,19 @@ def swiglu_quant(ab_MJ: torch.Tensor, n_valid: torch.Tensor | None = None, bf16:
     q = torch.empty(M, H, dtype=FP8, device=ab_MJ.device)
     s = torch.empty(M, dtype=torch.float32, device=ab_MJ.device)
     if M:
-        B = triton.next_power_of_2(H)
-        _swiglu_quant_kernel[(M,)](ab_MJ, h if bf16 else q, q, s, n_valid if n_valid is not None else s, H,
-                                   HAS_N=n_valid is not None, BF16=bf16, BLOCK_H=B, num_warps=_row_warps(B))
+        rows, warps, split = _row_tile(tile, triton.next_power_of_2(H), swiglu=True)
+        w0, w1, w2 = _row_parts(split, H)
+        _swiglu_quant_kernel[(triton.cdiv(M, rows),)](ab_MJ, h if bf16 else q, q, s,
+                                                      n_valid if n_valid is not None else s, M, H,
+                                                      HAS_N=n_valid is not None, BF16=bf16, BLOCK_M=rows, W0=w0,
+                                                      W1=w1, W2=w2, num_warps=warps)
     return h, q, s
 
 
 def swiglu_quant_bwd(dh_MH: torch.Tensor, ab_MJ: torch.Tensor, n_valid: torch.Tensor | None = None,
-                     bf16: bool = True):
-    """(da_MH, db_MH bf16, or None, None with ``bf16=False``; [da | db]'s e4m3 rows q_M2H and their scales s_M)."""
+                     bf16: bool = True, tile: str | None = None):
+    """(da_MH, db_MH bf16, or None, None with ``bf16=False``; [da | db]'s e4m3 rows q_M2H and their scales s_M).
+    tile: a name in ROW_TILES (None: the default, ``_row_tile``)."""
     if not _on_kernels(ab_MJ):
         return swiglu_quant_bwd_torch(dh_MH, ab_MJ, bf16)
     dh_MH, ab_MJ = dh_MH.contiguous(), ab_MJ.contiguous()
@@ -479,8 +583,10 @@ def swiglu_quant_bwd(dh_MH: torch.Tensor, ab_MJ: torch.Tensor, n_valid: torch.Te
     q = torch.empty(M, 2 * H, dtype=FP8, device=ab_MJ.device)
     s = torch.empty(M, dtype=torch.float32, device=ab_MJ.device)
     if M:
-        B = triton.next_power_of_2(H)
-        _swiglu_quant_bwd_kernel[(M,)](dh_MH, ab_MJ, da if bf16 else q, db if bf16 else q, q, s,
-                                       n_valid if n_valid is not None else s, H, HAS_N=n_valid is not None,
-                                       BF16=bf16, BLOCK_H=B, num_warps=_row_warps(B))
+        rows, warps, split = _row_tile(tile, triton.next_power_of_2(H), swiglu=True)
+        w0, w1, w2 = _row_parts(split, H)
+        _swiglu_quant_bwd_kernel[(triton.cdiv(M, rows),)](dh_MH, ab_MJ, da if bf16 else q, db if bf16 else q, q, s,
+                                                          n_valid if n_valid is not None else s, M, H,
+                                                          HAS_N=n_valid is not None, BF16=bf16, BLOCK_M=rows, W0=w0,
+                                                          W1=w1, W2=w2, num_warps=warps)
     return da, db, q, s

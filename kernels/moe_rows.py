@@ -165,6 +165,7 @@ if triton is not None:
             s = 1.0
             if QUANT:
                 s = _pow2_scale((tl.abs(w) * g_max).to(gy_ptr.dtype.element_ty).to(tl.float32))
+            r = 1.0 / s  # exact (s a power of two): · r equals / s, a multiply an element
             dot = tl.zeros([BLOCK_D], dtype=tl.float32)
             for d0 in range(0, D, BLOCK_D):
                 offs = d0 + tl.arange(0, BLOCK_D)
@@ -176,7 +177,7 @@ if triton is not None:
                 if PLAIN:
                     tl.store(gy_ptr + row * D + offs, gy, mask=mask)
                 if QUANT:
-                    q = tl.clamp(gy.to(tl.float32) / s, -448.0, 448.0)
+                    q = tl.clamp(gy.to(tl.float32) * r, -448.0, 448.0)
                     tl.store(q_ptr + row * D + offs, q.to(q_ptr.dtype.element_ty), mask=mask)
             if QUANT:
                 tl.store(qs_ptr + row, s, mask=row >= 0)

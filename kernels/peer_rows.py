@@ -120,7 +120,8 @@ if triton is not None:
             if QUANT:
                 xw = tl.where(in_row, x.to(ty).to(tl.float32), 0.0)  # the values as written
                 qs_T = _pow2_scale(tl.max(tl.abs(xw), axis=1))
-                q = tl.clamp(xw / qs_T[:, None], -448.0, 448.0).to(q_ptr.dtype.element_ty)
+                # · 1/s, not / s: exact (a power of two) and one multiply an element
+                q = tl.clamp(xw * (1.0 / qs_T)[:, None], -448.0, 448.0).to(q_ptr.dtype.element_ty)
             for k in tl.static_range(K):
                 row_T = tl.load(row_ptr + t_T * K + k, mask=ok_T, other=-1).to(tl.int64)
                 if ONE_DEST:

@@ -266,6 +266,45 @@ def test_triton_quantisers_equal_torch_reference():
 
 @pytest.mark.gpu
 @hopper
+@pytest.mark.parametrize("H", [1408, 2816, 88, 96])  # in three, three, three and two power-of-two parts
+def test_row_quantisers_equal_at_every_launch_tile(H):
+    """quant_rows, gather_quant_rows and both SwiGLU quantisers give the same bytes and scales at the default launch
+    and every tile of ROW_TILES (rows a program, warps, a row in parts or one padded part) as one padded row a
+    program (``m1``, the form the reference test above checks), with a row count that no tile divides and a
+    device count of valid rows; quant_rows equals the torch reference bit for bit at each."""
+    g = torch.Generator().manual_seed(H)
+    M, valid = 37, 23
+    ab = (torch.randn(M, 2 * H, generator=g) * torch.logspace(-2, 2, M)[:, None]).to(torch.bfloat16).cuda()
+    ab[3] = 0  # a zero row: scale 1
+    dh = torch.randn(M, H, generator=g).to(torch.bfloat16).cuda()
+    x = (torch.randn(M, 3 * H, generator=g) * 5).to(torch.bfloat16).cuda()
+    src = torch.randint(0, M, (M + 4,), generator=g).cuda()
+    n = torch.tensor([valid], dtype=torch.int32, device="cuda")
+
+    def outputs(tile):
+        return {"fwd": fp8.swiglu_quant(ab, None, True, tile),
+                "fwd_n": fp8.swiglu_quant(ab, n, False, tile),
+                "bwd": fp8.swiglu_quant_bwd(dh, ab, None, True, tile),
+                "bwd_n": fp8.swiglu_quant_bwd(dh, ab, n, False, tile),
+                "rows_n": fp8.quant_rows(x, n, tile),
+                "gather": fp8.gather_quant_rows(x, src, tile)}
+
+    def rows_of(name, t):
+        t = t[:valid] if name.endswith("_n") else t
+        return t.view(torch.uint8) if t.dtype == FP8 else t
+
+    want = outputs("m1")
+    q_ref, s_ref = quant_rows_torch(x.cpu())
+    assert torch.equal(want["rows_n"][1][:valid].cpu(), s_ref[:valid])
+    assert torch.equal(rows_of("rows_n", want["rows_n"][0]).cpu(), q_ref[:valid].view(torch.uint8))
+    for tile in (None, *fp8.ROW_TILES):
+        for name, got in outputs(tile).items():
+            for a, b in zip(got, want[name]):
+                assert (a is None and b is None) or torch.equal(rows_of(name, a), rows_of(name, b)), (tile, name)
+
+
+@pytest.mark.gpu
+@hopper
 @pytest.mark.parametrize("channels, wgrad_fp8", [(False, False), (True, False), (False, True)],
                          ids=["per_expert", "per_channel", "fp8_weight_gradients"])
 @pytest.mark.parametrize("case", sorted(COUNTS))

@@ -18,6 +18,10 @@ for n_valid in (None, torch.tensor([3], dtype=torch.int32)):
     for bf16 in (True, False):  # with the bf16 copies, and the FP8 rows alone
         fp8.swiglu_quant(torch.randn(5, 2 * 96).bfloat16(), n_valid, bf16)
         fp8.swiglu_quant_bwd(torch.randn(5, 96).bfloat16(), torch.randn(5, 2 * 96).bfloat16(), n_valid, bf16)
+for tile in (None, "m1", "m2_w4_split"):  # the default, one padded part, three parts (88 = 64 + 16 + 8)
+    fp8.quant_rows(torch.randn(5, 300).bfloat16(), tile=tile)
+    fp8.swiglu_quant(torch.randn(5, 2 * 88).bfloat16(), bf16=False, tile=tile)
+    fp8.swiglu_quant_bwd(torch.randn(5, 88).bfloat16(), torch.randn(5, 2 * 88).bfloat16(), bf16=False, tile=tile)
 w1, w3 = torch.randn(4, 96, 64), torch.randn(4, 96, 64)
 fp8.cast_experts_scaled((w1, w3), torch.empty(4, 192, 64, dtype=FP8), torch.ones(4))
 fp8.cast_experts_t(w1, torch.ones(4), torch.empty(4, 64, 192, dtype=FP8), 96)
