@@ -48,6 +48,7 @@ BENCHMARKS = {
     "fp8_linear": "benchmarks/fp8_linear.py",
     "fp8_head": "benchmarks/fp8_head.py",
     "fp8_requant": "benchmarks/fp8_requant.py",
+    "fp8_rows": "benchmarks/fp8_rows.py",
     "gate_up_gemm": "benchmarks/gate_up_gemm.py",
     "gather_gemm": "benchmarks/gather_gemm.py",
     "gpu_tests": "benchmarks/gpu/run.sh graph",
