@@ -85,8 +85,8 @@
 #                    build/base.tgz; WIRE=0: only that), the fp8 dispatch wire at EP=2 and across 2 emulated hosts; d (1 GPU) FP8 by part and scaling; f (1 GPU) which dense layers pay
 #                    (filter_fqns); h (1 GPU) FP8 here vs FP8 on build/base.tgz's tree (HEAD=1: head in FP8); p bf16 and FP8
 #                    profiled; g (2 GPUs) the FSDP FP8 all-gather tested and measured beside torchtitan's; e (2 GPUs)
-#                    v2lite_6b_2gpu 500-step loss parity (RUNS= bf16 fp8 bf16_compile fp8_compile fp8_head_compile,
-#                    a subset per invocation); l (1 GPU) loss parity of one FP8 variant (VARIANT=, default the output
+#                    v2lite_6b_2gpu 500-step loss parity (RUNS= bf16 fp8 bf16_compile fp8_compile fp8_head_compile
+#                    fp8_all_compile, a subset per invocation); l (1 GPU) loss parity of one FP8 variant (VARIANT=, default the output
 #                    head in FP8); o (1 GPU) the FP8 output head's tests and its head + loss beside bf16's and
 #                    torchao's; q (1 GPU) the FP8 head's trained weights evaluated with the head in FP8 and in bf16;
 #                    s (2 GPUs) PART=l at two seeds side by side (SEEDS=); k (2 GPUs) which of the FP8 head's three
@@ -439,7 +439,9 @@ print('; '.join('%s %.4f (%+.2f%% vs the head in bf16, %d batches)' % (n, sum(v)
           --steps 30 --label titan_fp8_tensorwise --titan "$T8" --out "$OUT" 2>&1 | noise | grep -E "^\| v2lite" \
           | tail -1 ;;
       e)  # two GPUs: v2lite_6b_2gpu at EP=2, 500 steps (graphed), RUNS= any of bf16, fp8, bf16_compile,
-          # fp8_compile, fp8_head_compile (the output head in FP8 too); default the first three; each run ~3.5 min.
+          # fp8_compile, fp8_head_compile (the output head in FP8 too), fp8_all_compile (every FP8 key: the head, the
+          # dense feed-forwards and attention projections on the experts' kernels); default the first three; each
+          # run ~3.5 min.
           # With both bf16 runs in the same invocation, each FP8 run is compared with bf16, the floor being bf16 vs
           # bf16 compiled (benchmarks/loss_match.py) -> fp8_loss_v2lite_6b[_<run>].png
         G="--training.steps 500 --training.cuda_graph true"
@@ -447,10 +449,12 @@ print('; '.join('%s %.4f (%+.2f%% vs the head in bf16, %d batches)' % (n, sum(v)
           case $r in bf16) a="";; fp8) a="$F8";; bf16_compile) a="--compile.enable true";;
             fp8_compile) a="$F8 --compile.enable true";;
             fp8_head_compile) a="$F8 --compile.enable true --quantize.linear.float8.filter_fqns router.gate";;
+            fp8_all_compile) a="$F8 --compile.enable true --quantize.linear.float8.filter_fqns router.gate
+              --moe_echo.dense_ffn_kernels experts --moe_echo.dense_linear_kernels experts";;
             *) echo "fp8_step PART=e: unknown run $r"; exit 1;; esac
           CFG=train_configs/v2lite_6b_2gpu.toml TMO=290 recipe "f8_6b_$r" 2 $G $a | cut -c1-300
         done
-        for r in fp8 fp8_compile fp8_head_compile; do
+        for r in fp8 fp8_compile fp8_head_compile fp8_all_compile; do
           [ -f "$OUT/f8_6b_bf16.jsonl" ] && [ -f "$OUT/f8_6b_bf16_compile.jsonl" ] && [ -f "$OUT/f8_6b_$r.jsonl" ] || continue
           python3 benchmarks/loss_match.py "$OUT/f8_6b_bf16.jsonl" "$OUT/f8_6b_$r.jsonl" --floor \
             "$OUT/f8_6b_bf16_compile.jsonl" --plot "$OUT/fp8_loss_v2lite_6b${r#fp8}.png" --names "bf16,$r,bf16 compiled" \
