@@ -1,7 +1,7 @@
 """The FP8 row quantisers (``kernels/fp8.py``: one power-of-two scale a row) against a copy of the same bytes, at
 their default launch and each tile of ``ROW_TILES`` (rows a program, warps, a row in power-of-two parts or one).
 
-    python benchmarks/fp8_rows.py [--out DIR]
+    python benchmarks/fp8_rows.py [--shapes swiglu_quant:98304x768x196608 ...] [--out DIR]
 
 Kernels, at v2lite_6b_2gpu's shapes by default (16384 tokens a GPU, top-6 of 64 experts, dim 2048, expert hidden
 1408, two shared experts: hidden 2816):
@@ -29,17 +29,19 @@ import torch  # noqa: E402
 from benchmarks.common import environment, graphed, markdown_table, time_ms, write_results  # noqa: E402
 from kernels.fp8 import ROW_TILES, quant_rows, swiglu_quant, swiglu_quant_bwd  # noqa: E402
 
-DEFAULT_SHAPES = ("swiglu_quant×98304×1408×196608", "swiglu_quant×16384×2816", "swiglu_quant_bwd×98304×1408×196608",
-                  "swiglu_quant_bwd×16384×2816", "quant_rows×16384×2048", "quant_rows×16384×3072",
-                  "quant_rows×98304×2048×196608")
+KERNELS = ("swiglu_quant", "swiglu_quant_bwd", "quant_rows")
+DEFAULT_SHAPES = ("swiglu_quant:98304x1408x196608", "swiglu_quant:16384x2816", "swiglu_quant_bwd:98304x1408x196608",
+                  "swiglu_quant_bwd:16384x2816", "quant_rows:16384x2048", "quant_rows:16384x3072",
+                  "quant_rows:98304x2048x196608")
 
 
 def _shape(text: str) -> tuple[str, int, int, int]:
-    kernel, *dims = text.replace("x", "×").split("×")
-    if kernel not in ("swiglu_quant", "swiglu_quant_bwd", "quant_rows") or len(dims) not in (2, 3):
-        raise argparse.ArgumentTypeError(f"shape {text!r}: want KERNEL×ROWS×WIDTH[×BUFFER], KERNEL one of "
-                                         "swiglu_quant, swiglu_quant_bwd, quant_rows")
-    rows, width, *buf = (int(d) for d in dims)
+    kernel, _, dims = text.partition(":")
+    sizes = dims.split("x")
+    if kernel not in KERNELS or len(sizes) not in (2, 3) or not all(d.isdigit() for d in sizes):
+        raise argparse.ArgumentTypeError(f"shape {text!r}: want KERNEL:ROWSxWIDTH[xBUFFER], KERNEL one of "
+                                         f"{', '.join(KERNELS)} (e.g. {DEFAULT_SHAPES[0]})")
+    rows, width, *buf = (int(d) for d in sizes)
     return kernel, rows, width, buf[0] if buf else rows
 
 
@@ -86,7 +88,7 @@ def measure(kernel: str, rows: int, width: int, buffer: int) -> list[dict]:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--shapes", nargs="+", type=_shape, default=[_shape(s) for s in DEFAULT_SHAPES],
-                   help="KERNEL×ROWS×WIDTH[×BUFFER], one or more")
+                   help="KERNEL:ROWSxWIDTH[xBUFFER], one or more (defaults: v2lite_6b_2gpu's)")
     p.add_argument("--out", default=None)
     args = p.parse_args()
     if not torch.cuda.is_available() or torch.cuda.get_device_capability() < (9, 0):
