@@ -332,8 +332,8 @@ ROW_TILES = {  # the row kernels' launch for the sweep (benchmarks/fp8_rows.py):
 def _row_tile(tile: str | None, block: int, swiglu: bool) -> tuple[int, int, bool]:
     """(BLOCK_M, num_warps, split) of ``tile`` (a name in ROW_TILES) for rows of ``block`` lanes (a power of two).
     The default: quant_rows a row a program (its rows span up to 4096 lanes, looped past); the SwiGLU kernels, in
-    parts, as many rows as fill 8192 lanes (4 of 1408, 2 of 2816: the fastest or within 2% of it on H200, 1.2-1.4x
-    one padded row a program at the routed experts' shape; benchmarks/fp8_rows.py)."""
+    parts, as many rows as fill 8192 lanes (4 of 1408, 2 of 2816: the fastest tile or within the sweep's ~5% noise
+    of it on H200, 1.2-1.3x one padded row a program at the routed experts' shape; benchmarks/fp8_rows.py)."""
     if tile is not None:
         rows, warps, split = ROW_TILES[tile]
         return rows, warps or _row_warps(rows * block), split
