@@ -13,12 +13,11 @@ every row reaches, whose GEMMs are cuBLAS's (``torch._scaled_mm``):
     weight gradient  dw = dyᵀ x      dy's and x's e4m3 rows copied transposed at one scale each
                                      (kernels/fp8_wgrad.py), accumulated in fp32, written in w's dtype
 
-Four custom ops: x's rows in e4m3 (``moe_echo::fp8_rows``), w's cast and the forward GEMM
-(``moe_echo::fp8_linear``, which updates the scale it guessed), x's
-rows transposed (``moe_echo::fp8_rows_t``) and the two backward GEMMs (``moe_echo::fp8_linear_backward``).
-torch.compile keeps each whole inside a compiled attention (still one graph) and runs the Triton and cuBLAS kernels
-it holds; where two layers read one input (an attention's wq and wkv_a) the graph's common-subexpression pass runs
-x's two ops once for both. No host read.
+Four custom ops: x's rows in e4m3 (``moe_echo::fp8_rows``), w's cast and the forward GEMM (``moe_echo::fp8_linear``,
+which updates the scale it guessed), x's rows transposed (``moe_echo::fp8_rows_t``) and the two backward GEMMs
+(``moe_echo::fp8_linear_backward``). torch.compile keeps each whole inside a compiled attention (still one graph) and
+runs the Triton and cuBLAS kernels it holds; where two layers read one input (an attention's wq and wkv_a) the graph's
+common-subexpression pass runs x's two ops once for both. No host read.
 Off CUDA the GEMMs are emulated (``scaled_grouped_mm``): the same quantisation, for CPU tests.
 """
 
