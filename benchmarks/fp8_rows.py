@@ -1,7 +1,7 @@
 """The FP8 row quantisers (``kernels/fp8.py``: one power-of-two scale a row) against a copy of the same bytes, at
 their default launch and each tile of ``ROW_TILES`` (rows a program, warps, a row in power-of-two parts or one).
 
-    python benchmarks/fp8_rows.py [--shapes swiglu_quant:98304x768x196608 ...] [--out DIR]
+    python benchmarks/fp8_rows.py [--shapes swiglu_quant:98304x768x196608 ...] [--label L] [--out DIR]
 
 Kernels, at v2lite_6b_2gpu's shapes by default (16384 tokens a GPU, top-6 of 64 experts, dim 2048, expert hidden
 1408, two shared experts: hidden 2816):
@@ -89,6 +89,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--shapes", nargs="+", type=_shape, default=[_shape(s) for s in DEFAULT_SHAPES],
                    help="KERNEL:ROWSxWIDTH[xBUFFER], one or more (defaults: v2lite_6b_2gpu's)")
+    p.add_argument("--label", default="", help="results name: fp8_rows_<label> (e.g. the config of --shapes)")
     p.add_argument("--out", default=None)
     args = p.parse_args()
     if not torch.cuda.is_available() or torch.cuda.get_device_capability() < (9, 0):
@@ -96,7 +97,7 @@ def main() -> None:
     rows = [r for shape in args.shapes for r in measure(*shape)]
     table = markdown_table(rows, ["kernel", "rows", "width", "buffer", "variant", "ms", "gbps", "vs_copy"])
     print(table)
-    write_results("fp8_rows", environment(), rows, table, args.out)
+    write_results("fp8_rows" + (f"_{args.label}" if args.label else ""), environment(), rows, table, args.out)
 
 
 if __name__ == "__main__":
