@@ -29,12 +29,12 @@ class MoEEchoConfig:
     """Precision of the routed experts' GEMMs (``fp8`` when ``[model] converters = ["float8"]`` without
     ``emulate`` and this key is not set). ``fp8``: e4m3 GEMMs for the forward and the input
     gradient (power-of-two scales per row for activations, per expert or per output channel for weights:
-    ``expert_fp8_scaling``; computed on the device), bf16 GEMMs for the weight gradients; Hopper or newer
-    GPUs. Master weights, router, dispatch and combine stay as they are. Without ECHO (and with ``expert``
+    ``expert_fp8_scaling``; computed on the device), the weight gradients as ``expert_wgrad_precision`` says
+    (FP8 by default); Hopper or newer GPUs. Master weights, router, dispatch and combine stay as they are. Without ECHO (and with ``expert``
     scales) the optimizer step writes the weights' FP8 copies from the fp32 masters (2 bytes per expert weight
-    element, resident); otherwise they are cast in every forward and backward. Measured on H200: layer
-    1.09–1.16× bf16 graphed, v2lite_1b step 1.01× (docs/performance.md); 300-step losses within the drift of
-    two equivalent bf16 runs."""
+    element, resident); otherwise they are cast in every forward and backward. Measured on H200: the experts
+    1.13–1.22× bf16 graphed (docs/performance.md, FP8); 500-step losses within the drift of two equivalent bf16
+    runs."""
 
     expert_fp8_scaling: Literal["expert", "channel"] = "expert"
     """FP8 experts' weight scales: ``expert``, one per expert (the optimizer step can write the FP8 copies), or
@@ -60,7 +60,7 @@ class MoEEchoConfig:
     every token reaches (components/moe_echo/fp8_experts.py ``fp8_dense_swiglu``): one power-of-two scale per
     token row and per weight, the SwiGLU writing its FP8 rows, FP8 weight gradients, cuBLAS's FP8 GEMMs, outside
     torch.compile. Measured on H200, compiled and graphed, the output head converted: 1.028× the FP8 step on one GPU
-    (v2lite_1b, 1.222× bf16), 1.009× at EP=2 (v2lite_6b_2gpu); the loss within bf16's drift over two seeds, 0.9%
+    (v2lite_1b), 1.009× at EP=2 (v2lite_6b_2gpu); the loss within bf16's drift over two seeds, 0.9%
     below bf16 at both (docs/performance.md, FP8)."""
 
     dense_linear_kernels: Literal["torchao", "experts"] = "torchao"
@@ -70,8 +70,8 @@ class MoEEchoConfig:
     (components/train/fp8_linear.py), the routed experts' FP8 recipe with one expert: one power-of-two scale per
     token row and per weight, FP8 weight gradients, cuBLAS's FP8 GEMMs, each pass one custom op inside the
     compiled attention. Measured on H200, compiled and graphed, with the feed-forwards' key and a converted head:
-    1.007× the FP8 step on one GPU (v2lite_1b, 1.223× bf16), 1.269–1.279× bf16 at EP=2 (v2lite_6b_2gpu); the loss
-    within bf16's drift at two seeds (docs/performance.md, FP8)."""
+    1.007× the FP8 step on one GPU (v2lite_1b); with both keys the step runs 1.24× bf16 there and 1.30–1.31× at
+    EP=2 (v2lite_6b_2gpu), the loss within bf16's drift at two seeds and at EP=2 (docs/performance.md, FP8)."""
 
     dispatch_precision: Literal["bf16", "fp8"] = "bf16"
     """How token rows cross GPUs (and hosts) toward the experts. ``fp8``: in e4m3 with a power-of-two fp32 scale

@@ -8,7 +8,7 @@ in bf16 by default.
 
 ``fp8_gemms`` names the GEMMs that run in FP8 as torchao's tensorwise ``Float8Linear`` runs them: ``output``
 (the logits), ``grad_input`` (the gradient into the network), ``grad_weight``; the others run in bf16 on
-unquantised operands. Measured over 500 steps (docs/performance.md, FP8, Loss: Which of the head's GEMMs): with
+unquantised operands. Measured over 500 steps (docs/performance.md, FP8, Loss): with
 all three in FP8 the loss ends ~2% above the bf16 head's, outside the noise floor; with ``grad_input`` or
 ``grad_weight`` in bf16 it ends within. The default, ``("output", "grad_weight")``, ended closest to bf16's.
 
