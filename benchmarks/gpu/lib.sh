@@ -11,7 +11,9 @@
 # Later arguments override earlier ones (--training.steps 30 after train's 100 runs 30 steps).
 # TMO sets the time limit of each run in seconds (default 150).
 OUT=${OUT:-./gpu_out}; mkdir -p "$OUT"
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
+# one install at a time: suites that start suites beside them (PART=s) source this file at once
+site_install() { python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl; }
+if command -v flock > /dev/null; then (flock 9 && site_install) 9> /tmp/site.lock || exit 1; else site_install || exit 1; fi
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
 # another revision's source tree for e2e's "@/tmp/base" variants: made here with
 #   git archive REV recipes components kernels train_configs | gzip > build/base.tgz   (copy build/base.tgz to the GPU machine)

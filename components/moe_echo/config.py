@@ -71,7 +71,8 @@ class MoEEchoConfig:
     token row and per weight, FP8 weight gradients, cuBLAS's FP8 GEMMs, each pass one custom op inside the
     compiled attention. Measured on H200, compiled and graphed, with the feed-forwards' key and a converted head:
     1.007× the FP8 step on one GPU (v2lite_1b); with both keys the step runs 1.24× bf16 there and 1.30–1.31× at
-    EP=2 (v2lite_6b_2gpu), the loss within bf16's drift at two seeds and at EP=2 (docs/performance.md, FP8)."""
+    EP=2 (v2lite_6b_2gpu), the loss within bf16's drift at EP=2 and over four seeds on v2lite_1b (one seed outside
+    its own floor; docs/performance.md, FP8)."""
 
     dispatch_precision: Literal["bf16", "fp8"] = "bf16"
     """How token rows cross GPUs (and hosts) toward the experts. ``fp8``: in e4m3 with a power-of-two fp32 scale
