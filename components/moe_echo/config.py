@@ -30,11 +30,11 @@ class MoEEchoConfig:
     ``emulate`` and this key is not set). ``fp8``: e4m3 GEMMs for the forward and the input
     gradient (power-of-two scales per row for activations, per expert or per output channel for weights:
     ``expert_fp8_scaling``; computed on the device), the weight gradients as ``expert_wgrad_precision`` says
-    (FP8 by default); Hopper or newer GPUs. Master weights, router, dispatch and combine stay as they are. Without ECHO (and with ``expert``
-    scales) the optimizer step writes the weights' FP8 copies from the fp32 masters (2 bytes per expert weight
-    element, resident); otherwise they are cast in every forward and backward. Measured on H200: the experts
-    1.13–1.22× bf16 graphed (docs/performance.md, FP8); 500-step losses within the drift of two equivalent bf16
-    runs."""
+    (FP8 by default); Hopper or newer GPUs. Master weights, router, dispatch and combine stay as they are.
+    Without ECHO (and with ``expert`` scales) the optimizer step writes the weights' FP8 copies from the fp32
+    masters (2 bytes per expert weight element, resident); otherwise they are cast in every forward and backward.
+    Measured on H200: the experts 1.13–1.22× bf16 graphed (docs/performance.md, FP8); 500-step losses within the
+    drift of two equivalent bf16 runs."""
 
     expert_fp8_scaling: Literal["expert", "channel"] = "expert"
     """FP8 experts' weight scales: ``expert``, one per expert (the optimizer step can write the FP8 copies), or
